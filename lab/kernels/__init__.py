@@ -1,0 +1,1 @@
+"""Hand-written CUDA kernels, each with its launcher and contract."""

@@ -1,0 +1,1 @@
+"""Layer variants: small files that compose kernels on one runner."""
