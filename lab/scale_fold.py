@@ -6,7 +6,8 @@ rounding error on every block scale and, for r > 1, saturation of the codes with
 (Folding 1/r into the up half instead trades saturation for lost precision at small codes.)
 
 Folding, exactly: ``p = decode(s) * float32(r)`` in float32, then ``min(p, 448)``, then RNE to
-e4m3. A code is *saturated* when p > 448.
+e4m3 (ml_dtypes as the oracle). A code is *saturated* when the exact product
+``s * float32(r) > 448`` (computed in float64, where it is exact); those fold to 448.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ def fold_scales(scales_bits, ratio) -> tuple[np.ndarray, np.ndarray]:
     r = np.asarray(ratio, dtype=np.float32)
     if not np.isfinite(r).all() or (r <= 0).any():
         raise ValueError(f"ratio must be finite and > 0, got {ratio!r}")
+    s = decode_e4m3(bits)
     with np.errstate(over="ignore"):
-        p = decode_e4m3(bits) * r  # float32
-    saturated = p > np.float32(E4M3_MAX)
+        p = s * r  # float32
+    saturated = s.astype(np.float64) * r.astype(np.float64) > E4M3_MAX
     return encode_e4m3(np.minimum(p, np.float32(E4M3_MAX))), np.broadcast_to(saturated, p.shape).copy()
 
 
