@@ -181,7 +181,8 @@ def recipe(x, g):
 def nudge(v, rng):
     """Each value kept, or moved one float32 ulp down or up, at random."""
     step = rng.choice([-1, 0, 1], v.shape)
-    return np.where(step == 0, v, np.nextafter(v, np.float32(np.inf) * step)).astype(np.float32)
+    toward = np.where(step > 0, np.float32(np.inf), np.float32(-np.inf))
+    return np.where(step == 0, v, np.nextafter(v, toward)).astype(np.float32)
 
 
 def test_quantize_on_rounding_boundaries_matches_recipe():

@@ -1,0 +1,215 @@
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lab import nvfp4
+from lab.problem import (
+    W13_INPUT_SCALE,
+    MoEProblem,
+    expert_probabilities,
+    make_routing,
+    random_activations,
+    random_weights,
+    tokens_for_mean,
+)
+
+SMALL = MoEProblem(experts=6, hidden=128, intermediate=64, top_k=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# the problem
+# ---------------------------------------------------------------------------------------------
+
+
+def test_default_problem_is_the_studys():
+    p = MoEProblem().validate()
+    assert p.w13_shape == (288, 4096, 4096) and p.w2_shape == (288, 4096, 2048)
+    assert p.top_k == 8 and p.gate_up_ratio == 1.2308
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"experts": 0}, "experts"),
+        ({"hidden": 4000}, "hidden"),  # not a multiple of 64
+        ({"intermediate": -64}, "intermediate"),
+        ({"top_k": 9, "experts": 8}, "top_k"),
+        ({"gate_up_ratio": 0.0}, "gate_up_ratio"),
+        ({"gate_up_ratio": float("nan")}, "gate_up_ratio"),
+        ({"experts": 2.5}, "experts"),
+    ],
+)
+def test_validate_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        MoEProblem(**kwargs).validate()
+
+
+def test_tokens_for_mean_matches_the_studys_points():
+    # mean tokens per expert 2, 4, 8, 32 with 288 experts, top 8
+    assert [tokens_for_mean(m, 288, 8) for m in (2, 4, 8, 32)] == [72, 144, 288, 1152]
+    assert tokens_for_mean(0.001, 288, 8) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# routing
+# ---------------------------------------------------------------------------------------------
+
+
+def check_routing(r, tokens, experts, top_k):
+    T, E, k = tokens, experts, top_k
+    assert r.offsets.dtype == np.int32 and r.counts.dtype == np.int32
+    assert r.row_token.dtype == np.int32 and r.token_experts.dtype == np.int32
+    assert r.offsets.shape == (E + 1,) and r.counts.shape == (E,) and r.token_experts.shape == (T, k)
+    assert r.offsets[0] == 0 and r.offsets[E] == T * k == r.rows
+    np.testing.assert_array_equal(np.diff(r.offsets), r.counts)
+    np.testing.assert_array_equal(np.bincount(r.token_experts.ravel(), minlength=E), r.counts)
+    # no token picks an expert twice
+    srt = np.sort(r.token_experts, axis=1)
+    assert (np.diff(srt, axis=1) > 0).all()
+    # the grouped rows are exactly the (token, expert) pairs, each once, token-sorted per expert
+    row_expert = np.repeat(np.arange(E), r.counts)
+    pairs = set(zip(r.row_token.tolist(), row_expert.tolist()))
+    want = {(t, int(e)) for t in range(T) for e in r.token_experts[t]}
+    assert len(pairs) == T * k and pairs == want
+    for e in range(E):
+        seg = r.row_token[r.offsets[e] : r.offsets[e + 1]]
+        assert (np.diff(seg) > 0).all()
+    # token_rows inverts the grouping: a bijection between (token, slot) and grouped rows
+    tr = r.token_rows
+    assert sorted(tr.ravel().tolist()) == list(range(T * k))
+    np.testing.assert_array_equal(r.row_token[tr], np.repeat(np.arange(T), k).reshape(T, k))
+    np.testing.assert_array_equal(row_expert[tr], r.token_experts)
+
+
+@settings(deadline=None)
+@given(
+    st.integers(1, 200),
+    st.integers(1, 40),
+    st.integers(1, 8),
+    st.sampled_from([0.0, 0.5, 1.2, 3.0]),
+    st.integers(0, 2**31 - 1),
+)
+def test_routing_invariants(tokens, experts, top_k, skew, seed):
+    top_k = min(top_k, experts)
+    r = make_routing(tokens, experts, top_k, skew=skew, seed=seed)
+    check_routing(r, tokens, experts, top_k)
+
+
+def test_routing_edge_cases():
+    check_routing(make_routing(1, 288, 8), 1, 288, 8)  # one token
+    r = make_routing(5, 4, 4)  # every token takes every expert
+    check_routing(r, 5, 4, 4)
+    assert r.counts.tolist() == [5, 5, 5, 5]
+    r = make_routing(7, 1, 1)  # all tokens to one expert
+    assert r.offsets.tolist() == [0, 7] and r.row_token.tolist() == list(range(7))
+    with pytest.raises(ValueError):
+        make_routing(4, 3, 4)
+    with pytest.raises(ValueError):
+        make_routing(0, 3, 1)
+    with pytest.raises(ValueError, match="skew"):
+        make_routing(4, 3, 1, skew=-1)
+
+
+def test_routing_is_seeded():
+    a, b, c = make_routing(50, 16, 4, 1.0, 3), make_routing(50, 16, 4, 1.0, 3), make_routing(50, 16, 4, 1.0, 4)
+    np.testing.assert_array_equal(a.token_experts, b.token_experts)
+    assert not np.array_equal(a.token_experts, c.token_experts)
+
+
+@pytest.mark.parametrize("skew", [0.0, 1.0, 2.0])
+def test_first_choice_frequencies_follow_the_probabilities(skew):
+    # with top_k = 1 each token's expert is one draw from p; 40k draws pin p to ~1e-2 absolute
+    E, T = 12, 40_000
+    p = expert_probabilities(E, skew, seed=5)
+    r = make_routing(T, E, 1, skew=skew, seed=5)
+    freq = r.counts / T
+    tol = 4.5 * np.sqrt(p * (1 - p) / T) + 1e-4  # 4.5 binomial sigmas
+    assert (np.abs(freq - p) <= tol).all(), (freq, p)
+
+
+def test_skew_makes_hot_experts():
+    uniform = make_routing(2000, 64, 8, skew=0.0, seed=1).counts
+    skewed = make_routing(2000, 64, 8, skew=1.5, seed=1).counts
+    assert skewed.max() > 3 * uniform.max()
+    assert (skewed == 0).sum() > (uniform == 0).sum() or skewed.min() < uniform.min()
+    # the hot expert is not simply expert 0: ranks are a seeded permutation
+    hot = [int(np.argmax(expert_probabilities(64, 1.5, s))) for s in range(5)]
+    assert len(set(hot)) > 1
+
+
+def test_routing_is_vectorised():
+    t = time.perf_counter()
+    r = make_routing(20_000, 288, 8, skew=1.0, seed=0)
+    assert time.perf_counter() - t < 10
+    assert r.offsets[-1] == 160_000
+
+
+# ---------------------------------------------------------------------------------------------
+# weights and activations
+# ---------------------------------------------------------------------------------------------
+
+
+def test_random_weights_shapes_and_dtypes():
+    w = random_weights(SMALL, seed=2)
+    E, H, I = 6, 128, 64
+    assert w.w13_packed.shape == (E, 2 * I, H // 2) and w.w13_scales.shape == (E, 2 * I, H // 16)
+    assert w.w2_packed.shape == (E, H, I // 2) and w.w2_scales.shape == (E, H, I // 16)
+    for a in (w.w13_packed, w.w13_scales, w.w2_packed, w.w2_scales):
+        assert a.dtype == np.uint8 and a.flags.c_contiguous
+    for a in (w.gate_global, w.up_global, w.w2_global):
+        assert a.dtype == np.float32 and a.shape == (E,) and (a > 0).all()
+    assert (w.experts, w.hidden, w.intermediate) == (E, H, I)
+
+
+def test_random_weights_cover_all_codes():
+    w = random_weights(SMALL, seed=3)
+    for packed in (w.w13_packed, w.w2_packed):
+        assert set(np.unique(nvfp4.unpack_nibbles(packed)).tolist()) == set(range(16))
+    for sc in (w.w13_scales, w.w2_scales):
+        codes = np.unique(sc)
+        assert codes.min() >= 0x01 and codes.max() <= 0x7E  # finite, positive, never zero
+        assert len(codes) == 126  # every finite positive e4m3 code occurs
+        v = nvfp4.decode_e4m3(sc)
+        assert v.min() < 2.0**-6 and v.max() == 448  # subnormals up to the largest code
+        band = ((v >= 8) & (v <= 120)).mean()
+        assert 0.5 < band < 0.7  # half in the band, plus the wide half's share of it
+
+
+def test_random_weights_globals_and_ratio():
+    p = MoEProblem(experts=64, hidden=64, intermediate=64, top_k=2, gate_up_ratio=1.2308)
+    w = random_weights(p, seed=4)
+    ratio = w.gate_global.astype(np.float64) / w.up_global
+    assert np.all(np.abs(ratio / 1.2308 - 1) < 0.006)
+    assert 0.0005 < ratio.std() / ratio.mean()  # gate and up globals really differ per expert
+    assert 2e-5 < np.median(w.gate_global) < 1e-4 and len(np.unique(w.gate_global)) == 64
+    assert abs(w.problem().gate_up_ratio / 1.2308 - 1) < 0.003
+
+
+def test_random_weights_are_seeded():
+    a, b, c = random_weights(SMALL, 1), random_weights(SMALL, 1), random_weights(SMALL, 2)
+    np.testing.assert_array_equal(a.w13_packed, b.w13_packed)
+    np.testing.assert_array_equal(a.w2_scales, b.w2_scales)
+    np.testing.assert_array_equal(a.up_global, b.up_global)
+    assert not np.array_equal(a.w13_packed, c.w13_packed)
+
+
+def test_random_weights_are_fast():
+    # 16 of the default 288 experts at full H and I (227 MB); the full problem is 18x this.
+    p = MoEProblem(experts=16)
+    t = time.perf_counter()
+    w = random_weights(p)
+    dt = time.perf_counter() - t
+    assert w.nbytes() == 16 * 4096 * 6144 * 9 // 16 + 3 * 16 * 4
+    assert dt < 3.0, f"{dt:.2f} s for 227 MB of codes"
+
+
+def test_random_activations_fit_the_static_input_scale():
+    x = random_activations(512, 1024, seed=0)
+    assert x.dtype == np.float32 and x.shape == (512, 1024)
+    assert 0.9 < np.std(x[np.abs(x) < 6]) < 1.1 and np.abs(x).max() > 8  # bulk N(0,1) + outliers
+    block_amax = np.abs(x.reshape(512, 64, 16)).max(axis=-1)
+    assert (block_amax / (6 * W13_INPUT_SCALE) <= 448).all()  # no block saturates
+    np.testing.assert_array_equal(x, random_activations(512, 1024, seed=0))
