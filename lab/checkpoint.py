@@ -66,7 +66,9 @@ def write_safetensors(path, tensors: dict, metadata: dict | None = None) -> None
     offset = 0
     arrays = []
     for name, (dtype, arr) in tensors.items():
-        arr = np.ascontiguousarray(arr)
+        arr = np.asarray(arr)
+        if not arr.flags.c_contiguous:
+            arr = arr.copy()  # (np.ascontiguousarray would turn a 0-d scalar into shape (1,))
         header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
         offset += arr.nbytes
         arrays.append(arr)
