@@ -23,20 +23,20 @@ Quantizing, exactly (every operation in IEEE float32, round to nearest even):
 3. Block scale. For each block of 16 along K:
    ``s_in = block_amax_f32 / (float32(6) * g)`` (the product ``6 * g`` is rounded first), then
    ``min(s_in, 448)``, then RNE to e4m3. So scales saturate at 448 (0x7E) and never become
-   NaN; inputs below 2**-10 round to the zero code.
+   NaN; s_in at or below 2**-10 rounds to the zero code (ties to even).
 4. Elements. With ``s`` the *decoded* block scale as float32:
    ``q = x_f32 / (s * g)`` where ``s * g`` is rounded to float32 first, then
    ``clip(q, -6, 6)``, then RNE to e2m1 (ties go to the even grid point: 0.25 -> 0,
    0.75 -> 1, 2.5 -> 2, 5 -> 4). Values past +-6 saturate to +-6.
 5. Zero blocks. A block whose ``s * g`` is 0 in float32 (in practice: its scale code is 0
-   because the block is all zeros or its amax is below 2**-10 * 6 * g) encodes all 16 codes
+   because the block is all zeros or its s_in is at most 2**-10) encodes all 16 codes
    as nibble 0 (+0.0). Its dequantized values are exactly 0.
 6. Signs. In a block with a non-zero scale the sign is kept: a negative element that rounds
    to zero, or an input of -0.0, gets nibble 8 (-0.0). Scales are always non-negative.
 
 A GPU quantize kernel matches this bit for bit when it performs the same float32 operations
-in the same order (a fused multiply-add or a reciprocal-multiply in place of the division
-does not match).
+in the same order with IEEE division (a reciprocal-multiply, or --use_fast_math, which makes
+``/`` approximate, does not match; tests/test_nvfp4.py puts inputs on every rounding midpoint).
 
 The CUTLASS block-scaled scale layout (Sm1xxBlockScaledConfig) is provided by
 :func:`swizzle_scales` / :func:`unswizzle_scales` to stay comparable with CUTLASS engines.
