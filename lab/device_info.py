@@ -1,0 +1,55 @@
+"""The setup rows every script prints first and stores in its JSON: GPU, clocks, versions, commit."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+
+def lab_commit() -> str:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5)
+        if out.returncode == 0:
+            return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown"
+
+
+def _smi_clocks() -> dict:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,clocks.max.sm,driver_version",
+             "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+        sm, mem, sm_max, driver = [v.strip() for v in out.stdout.strip().splitlines()[0].split(",")]
+        return {"sm_clock_mhz": sm, "mem_clock_mhz": mem, "sm_clock_max_mhz": sm_max, "driver": driver}
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return {}
+
+
+def setup_info() -> dict:
+    """A dict of the device and software; works (with fewer keys) without a GPU."""
+    info = {"lab_commit": lab_commit()}
+    try:
+        import cupy as cp
+
+        info["cupy"] = cp.__version__
+        dev = cp.cuda.Device()
+        props = cp.cuda.runtime.getDeviceProperties(dev.id)
+        info.update({
+            "gpu": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
+            "sms": props["multiProcessorCount"],
+            "l2_mb": props["l2CacheSize"] / 2**20,
+            "memory_gb": props["totalGlobalMem"] / 1e9,
+            "compute_capability": f"{props['major']}.{props['minor']}",
+            "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
+            "cuda_driver": cp.cuda.runtime.driverGetVersion(),
+        })
+        info.update(_smi_clocks())
+    except Exception as exc:  # no cupy, no device: the setup table says so
+        info["gpu"] = f"none ({type(exc).__name__})"
+    return info

@@ -1,0 +1,353 @@
+// NVFP4 x NVFP4 block-scaled grouped GEMM for sm_90 (no FP4 tensor cores).
+//
+//   out[r, n] = alpha[e] * sum_k xdec[r, k] * wdec[e, n, k]      for offsets[e] <= r < offsets[e+1]
+//
+// xdec / wdec are e2m1 x e4m3 (the global scales live in alpha). e2m1 x e4m3 is exact in fp16,
+// products of two fp16 are exact in fp32, so the tensor cores compute exactly the NVFP4 product
+// and only the fp32 accumulation rounds.
+//
+// Operand swap: weight rows fill the M side of mma.m16n8k16 and tokens its 8-wide N side, so a
+// handful of tokens wastes at most 7 columns of an 8-wide fragment instead of 120 rows of 128.
+//
+// CTA = W consumer warps + 1 producer warp, one (expert, block of BN = W*R*16 weight rows).
+//   producer: per stage, one cp.async.bulk per 16-row tile of prepared weights (evict-first),
+//             plus cp.async of the stage's raw NVFP4 activation rows (L2 resident), all
+//             completing on the stage's `full` mbarrier; STAGES deep.
+//   consumers: decode the stage's activations once into fp16 B fragments (shared by all warps,
+//             one named barrier), then each warp streams its R row tiles: 16-byte LDS of codes,
+//             bit decode, e4m3 scale via cvt and one HMUL2 per pair, mma into fp32 registers.
+//             Each consumer thread arrives on `empty` when done with the stage.
+//   Experts with more than 8*FMAX tokens take several passes over their weights.
+//
+// Prepared weight layout (lab/kernels/grouped_gemm.py, prepare_weights): atoms of 16 rows x 64 k,
+// 576 bytes each, ordered [expert][row tile][k atom]:
+//   bytes [0, 512):   lane L = 4g + t holds 16 bytes: word j (k16 step j) = the 8 codes of its
+//                     mma A fragment (rows g, g+8; cols 2t, 2t+1, 2t+8, 2t+9), bit-encoded so
+//                     that decode_a() turns them into four fp16x2 registers.
+//   bytes [512, 576): group g's 8 bytes: e4m3 scales s(g, j), s(g+8, j) for j = 0..3.
+// Decoded weights are v * s * 2^-14 (exact in fp16, subnormals included); the epilogue multiplies
+// the fp32 accumulator by 2^14 (exact) and then by alpha.
+
+// No headers: NVRTC compiles this as is; fp16 arithmetic goes through inline PTX.
+namespace lab_gemm {
+
+typedef unsigned char uint8_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+typedef unsigned long long size_t;
+
+constexpr int ATOM_BYTES = 576;
+constexpr int ATOM_CODE_BYTES = 512;
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar, uint64_t pol) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(pol) : "memory");
+}
+template <int BYTES>
+__device__ __forceinline__ void cp_async(uint32_t dst, const void* src) {
+  if constexpr (BYTES == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(src), "n"(BYTES) : "memory");
+  }
+}
+__device__ __forceinline__ void named_barrier(int id, int nthreads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(nthreads) : "memory");
+}
+
+__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
+  uint32_t r;
+  asm("{\n .reg .b16 lo;\n cvt.u16.u32 lo, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(r) : "r"(two_bytes));
+  return r;
+}
+// fp16x2 multiply (IEEE, subnormals kept: mul.f16x2 has no flush-to-zero unless asked).
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+// a * (low half of s, broadcast) and a * (high half of s, broadcast); ptxas folds the
+// broadcast into the HMUL2 operand selector.
+__device__ __forceinline__ uint32_t hmul2_lo(uint32_t a, uint32_t s) {
+  uint32_t d;
+  asm("{\n .reg .b16 lo, hi;\n .reg .b32 bb;\n mov.b32 {lo, hi}, %2;\n mov.b32 bb, {lo, lo};\n"
+      " mul.rn.f16x2 %0, %1, bb;\n}" : "=r"(d) : "r"(a), "r"(s));
+  return d;
+}
+__device__ __forceinline__ uint32_t hmul2_hi(uint32_t a, uint32_t s) {
+  uint32_t d;
+  asm("{\n .reg .b16 lo, hi;\n .reg .b32 bb;\n mov.b32 {lo, hi}, %2;\n mov.b32 bb, {hi, hi};\n"
+      " mul.rn.f16x2 %0, %1, bb;\n}" : "=r"(d) : "r"(a), "r"(s));
+  return d;
+}
+
+// One word of 8 prepared codes -> four fp16x2 registers holding v * 2^-14: eight bit operations
+// (four shifts, four LOP3) for eight codes. An fp16 with e2m1's exponent and mantissa at bits
+// 11..9 and its sign at bit 15 is exactly v * 2^-14 (e2m1's subnormal 0.5 lands on fp16's).
+// Each output is mask & (one shifted copy) or mask & (word ^ one shifted copy); prepare_weights
+// stores the word through the inverse of this GF(2)-linear map, so output q carries the two
+// codes of fp16x2 register q. (One shift per pair cannot work: translates of the bit set
+// {9, 10, 11, 15} do not tile 16 bits; no 7-op form of this kind exists either.)
+constexpr uint32_t DECODE_MASK = 0x8E008E00u;
+__device__ __forceinline__ void decode_a(uint32_t w, uint32_t& p0, uint32_t& p1, uint32_t& p2, uint32_t& p3) {
+  p0 = (w << 6) & DECODE_MASK;
+  p1 = (w << 9) & DECODE_MASK;
+  p2 = (w ^ (w << 2)) & DECODE_MASK;
+  p3 = (w ^ (w >> 3)) & DECODE_MASK;
+}
+
+// Raw NVFP4 byte (two codes, standard order) -> fp16x2 of v * 2^-14.
+__device__ __forceinline__ uint32_t raw_byte_to_f16x2(uint32_t b) {
+  return ((b & 0x8u) << 12) | ((b & 0x7u) << 9) | ((b & 0x80u) << 24) | ((b & 0x70u) << 21);
+}
+
+template <int W, int R, int BK, int STAGES, int FMAX>
+struct Config {
+  static constexpr int BN = W * R * 16;
+  static constexpr int KATOMS = BK / 64;
+  static constexpr int KSTEPS = BK / 16;
+  static constexpr int TOKENS = 8 * FMAX;
+  static constexpr int STAGE_W = W * R * KATOMS * ATOM_BYTES;
+  static constexpr int STAGE_XQ = TOKENS * (BK / 2);
+  static constexpr int STAGE_XS = TOKENS * (BK / 16);
+  static constexpr int XF = FMAX * KSTEPS * 32 * 8;  // fp16 B fragments, one buffer
+  static constexpr int OFF_BAR = 0;
+  static constexpr int OFF_W = 16 * ((2 * STAGES * 8 + 15) / 16);
+  static constexpr int OFF_XQ = OFF_W + STAGES * STAGE_W;
+  static constexpr int OFF_XS = OFF_XQ + STAGES * STAGE_XQ;
+  static constexpr int OFF_XF = 16 * ((OFF_XS + STAGES * STAGE_XS + 15) / 16);
+  static constexpr int SMEM = OFF_XF + 2 * XF;
+  static constexpr int THREADS = (W + 1) * 32;
+};
+
+// READ_ONLY = true runs the same grid, pipeline and copies but skips decode, MMA and stores:
+// the achievable read rate of exactly this access pattern.
+template <int W, int R, int BK, int STAGES, int FMAX, bool READ_ONLY = false>
+__global__ void __launch_bounds__((W + 1) * 32, 1)
+grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (atoms)
+                   const uint8_t* __restrict__ xq,      // (T, K/2) codes
+                   const uint8_t* __restrict__ xs,      // (T, K/16) e4m3 scales
+                   const int* __restrict__ offsets,     // (E+1,)
+                   const float* __restrict__ alpha,     // (E,)
+                   float* __restrict__ out,             // (T, N)
+                   int N, int K) {
+  using C = Config<W, R, BK, STAGES, FMAX>;
+  extern __shared__ __align__(128) uint8_t smem[];
+
+  const int e = blockIdx.y;
+  const int nb = blockIdx.x;
+  const int row0 = offsets[e];
+  const int count = offsets[e + 1] - row0;
+  if (count <= 0) return;
+
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int kchunks = K / BK;
+  const int passes = (count + C::TOKENS - 1) / C::TOKENS;
+  const int iters = passes * kchunks;
+
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + C::OFF_BAR);
+  const uint32_t full0 = smem_addr(bars);
+  const uint32_t empty0 = smem_addr(bars + STAGES);
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full0 + 8 * s, 1 + 32);   // producer's expect_tx arrive + 32 cp.async arrivals
+      mbar_init(empty0 + 8 * s, W * 32);  // every consumer thread
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == W) {
+    // ---------------- producer warp ----------------
+    const uint64_t pol = evict_first_policy();
+    const int ktiles = K / 64;
+    const int ntiles = N / 16;
+    const uint8_t* wexp = wprep + (size_t)e * ntiles * ktiles * ATOM_BYTES;
+    for (int it = 0; it < iters; ++it) {
+      const int s = it % STAGES;
+      const uint32_t phase = (it / STAGES) & 1;
+      const int pass = it / kchunks;
+      const int kc = it - pass * kchunks;
+      if (it >= STAGES) mbar_wait(empty0 + 8 * s, phase ^ 1);
+      if (lane == 0) mbar_arrive_expect_tx(full0 + 8 * s, C::STAGE_W);
+      __syncwarp();
+      uint8_t* wdst = smem + C::OFF_W + s * C::STAGE_W;
+      for (int t = lane; t < W * R; t += 32) {
+        const int tile = nb * (W * R) + t;
+        const uint8_t* src = wexp + ((size_t)tile * ktiles + kc * C::KATOMS) * ATOM_BYTES;
+        bulk_copy(smem_addr(wdst + t * C::KATOMS * ATOM_BYTES), src, C::KATOMS * ATOM_BYTES, full0 + 8 * s, pol);
+      }
+      const int tok0 = pass * C::TOKENS;
+      const int ntok = min(C::TOKENS, count - tok0);
+      constexpr int QCHUNKS = BK / 32;  // 16-byte pieces of one row's codes in this chunk
+      uint8_t* qdst = smem + C::OFF_XQ + s * C::STAGE_XQ;
+      uint8_t* sdst = smem + C::OFF_XS + s * C::STAGE_XS;
+      for (int i = lane; i < ntok * QCHUNKS; i += 32) {
+        const int tr = i / QCHUNKS, q = i - tr * QCHUNKS;
+        const uint8_t* src = xq + (size_t)(row0 + tok0 + tr) * (K / 2) + kc * (BK / 2) + q * 16;
+        cp_async<16>(smem_addr(qdst + tr * (BK / 2) + q * 16), src);
+      }
+      for (int tr = lane; tr < ntok; tr += 32) {
+        const uint8_t* src = xs + (size_t)(row0 + tok0 + tr) * (K / 16) + kc * (BK / 16);
+        cp_async<BK / 16>(smem_addr(sdst + tr * (BK / 16)), src);
+      }
+      cp_async_arrive_noinc(full0 + 8 * s);
+    }
+    return;
+  }
+
+  // ---------------- consumer warps ----------------
+  const int g = lane >> 2;
+  const int t4 = lane & 3;
+  float acc[R][FMAX][4];
+  const float out_scale = alpha[e];
+
+  for (int it = 0; it < iters; ++it) {
+    const int s = it % STAGES;
+    const uint32_t phase = (it / STAGES) & 1;
+    const int pass = it / kchunks;
+    const int kc = it - pass * kchunks;
+    const int tok0 = pass * C::TOKENS;
+    const int ntok = min(C::TOKENS, count - tok0);
+    const int frags = (ntok + 7) >> 3;
+    if (kc == 0) {
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int f = 0; f < FMAX; ++f)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[r][f][i] = 0.f;
+    }
+    mbar_wait(full0 + 8 * s, phase);
+    if constexpr (READ_ONLY) {
+      mbar_arrive(empty0 + 8 * s);
+      continue;
+    }
+
+    // Decode this stage's activations into fp16 B fragments: item = (token row, k16 block).
+    uint2* xf = reinterpret_cast<uint2*>(smem + C::OFF_XF + (it & 1) * C::XF);
+    {
+      const uint8_t* qsrc = smem + C::OFF_XQ + s * C::STAGE_XQ;
+      const uint8_t* ssrc = smem + C::OFF_XS + s * C::STAGE_XS;
+      const uint32_t two14 = 0x74007400u;  // fp16x2 (2^14, 2^14): v*2^-14*s is exact, then *2^14 exact
+      for (int item = threadIdx.x; item < frags * 8 * C::KSTEPS; item += W * 32) {
+        const int tr = item / C::KSTEPS, j = item - tr * C::KSTEPS;
+        uint2 raw = make_uint2(0u, 0u);
+        uint32_t sbits = 0;
+        if (tr < ntok) {
+          raw = *reinterpret_cast<const uint2*>(qsrc + tr * (BK / 2) + j * 8);
+          sbits = ssrc[tr * (BK / 16) + j];
+        }
+        const uint32_t sc = e4m3x2_to_f16x2(sbits);  // low half = this block's scale
+        uint2* dst = xf + ((tr >> 3) * C::KSTEPS + j) * 32 + (tr & 7) * 4;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const uint32_t lo = raw_byte_to_f16x2((raw.x >> (8 * q)) & 0xffu);
+          const uint32_t hi = raw_byte_to_f16x2((raw.y >> (8 * q)) & 0xffu);
+          dst[q] = make_uint2(hmul2(hmul2_lo(lo, sc), two14), hmul2(hmul2_lo(hi, sc), two14));
+        }
+      }
+    }
+    named_barrier(1, W * 32);
+
+    const uint8_t* wst = smem + C::OFF_W + s * C::STAGE_W;
+#pragma unroll
+    for (int ka = 0; ka < C::KATOMS; ++ka) {
+      uint4 code[R];
+      uint2 scl[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* atom = wst + ((warp * R + r) * C::KATOMS + ka) * ATOM_BYTES;
+        code[r] = *reinterpret_cast<const uint4*>(atom + lane * 16);
+        scl[r] = *reinterpret_cast<const uint2*>(atom + ATOM_CODE_BYTES + g * 8);
+      }
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        uint2 b[FMAX];
+#pragma unroll
+        for (int f = 0; f < FMAX; ++f)
+          if (f < frags) b[f] = xf[(f * C::KSTEPS + ka * 4 + jj) * 32 + lane];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const uint32_t word = jj == 0 ? code[r].x : jj == 1 ? code[r].y : jj == 2 ? code[r].z : code[r].w;
+          const uint32_t sw = (jj < 2 ? scl[r].x : scl[r].y) >> (16 * (jj & 1));
+          const uint32_t s2 = e4m3x2_to_f16x2(sw);
+          uint32_t p0, p1, p2, p3;
+          decode_a(word, p0, p1, p2, p3);
+          const uint32_t a0 = hmul2_lo(p0, s2), a1 = hmul2_hi(p1, s2);  // rows g, g+8
+          const uint32_t a2 = hmul2_lo(p2, s2), a3 = hmul2_hi(p3, s2);
+#pragma unroll
+          for (int f = 0; f < FMAX; ++f)
+            if (f < frags) mma16816(acc[r][f], a0, a1, a2, a3, b[f].x, b[f].y);
+        }
+      }
+    }
+    mbar_arrive(empty0 + 8 * s);
+
+    if (kc == kchunks - 1) {
+      // Epilogue: D rows are weight rows (output columns), D columns are tokens.
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int n = (nb * (W * R) + warp * R + r) * 16 + g;
+#pragma unroll
+        for (int f = 0; f < FMAX; ++f) {
+          if (f < frags) {
+            const int tok = tok0 + f * 8 + 2 * t4;
+            if (tok < count) {
+              float* o = out + (size_t)(row0 + tok) * N + n;
+              o[0] = (acc[r][f][0] * 16384.f) * out_scale;
+              o[8] = (acc[r][f][2] * 16384.f) * out_scale;
+            }
+            if (tok + 1 < count) {
+              float* o = out + (size_t)(row0 + tok + 1) * N + n;
+              o[0] = (acc[r][f][1] * 16384.f) * out_scale;
+              o[8] = (acc[r][f][3] * 16384.f) * out_scale;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace lab_gemm

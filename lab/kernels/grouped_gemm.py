@@ -1,0 +1,354 @@
+"""NVFP4 x NVFP4 block-scaled grouped GEMM (source: grouped_gemm.cu).
+
+    out[r, n] = alpha[e] * sum_k (e2m1 x e4m3)(x)[r, k] * (e2m1 x e4m3)(w)[e, n, k]
+                for offsets[e] <= r < offsets[e+1]
+
+Shapes and dtypes (all CuPy arrays on the launch's device):
+    x_packed   (T, K/2)  uint8   activation codes, even element in the low nibble
+    x_scales   (T, K/16) uint8   activation e4m3 block scales (raw bits)
+    offsets    (E+1,)    int32   rows of expert e are offsets[e]:offsets[e+1]; offsets[E] == T
+    alpha      (E,)      float32 per-expert factor (activation global x weight global, or what
+                                 the caller wants; the globals are not applied otherwise)
+    weights    PreparedWeights   from `prepare_weights` (E, N, K) NVFP4 in the kernel's layout
+    out        (T, N)    float32 every row of every expert with tokens is written
+
+This module holds the kernel's contract: the weight layout and its preparation (NumPy or CuPy,
+same code), the tile configuration and its heuristic (plain Python, testable without a GPU),
+shared-memory sizing, and the checked launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from lab.kernels import jit
+
+SOURCE = "grouped_gemm.cu"
+ATOM_ROWS = 16  # mma M
+ATOM_K = 64  # four k16 steps: one 16-byte load of codes per lane
+ATOM_CODE_BYTES = 512
+ATOM_BYTES = 576  # codes + 64 bytes of e4m3 scales
+SMEM_LIMIT = 227 * 1024  # H200 opt-in dynamic shared memory per block
+MAX_FRAGS_CHOICES = (1, 2, 4, 8)  # 8-token fragments per pass, compiled variants
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight layout: the GF(2) code words the kernel's decode_a() reads
+# ---------------------------------------------------------------------------------------------
+
+DECODE_MASK = 0x8E008E00  # fp16x2 sign (15, 31) and e2m1 exponent+mantissa (9..11, 25..27)
+_TARGET_BITS = [b for b in range(32) if DECODE_MASK >> b & 1]
+
+
+def _shl(w, s):
+    return (w << s) & 0xFFFFFFFF
+
+
+def decode_words(words):
+    """The kernel's decode_a(): a uint32 word -> four fp16x2 words (u32) holding v * 2^-14."""
+    w = np.asarray(words, dtype=np.uint64)
+    m = np.uint64(DECODE_MASK)
+    full = np.uint64(0xFFFFFFFF)
+    p0 = ((w << np.uint64(6)) & full) & m
+    p1 = ((w << np.uint64(9)) & full) & m
+    p2 = (w ^ ((w << np.uint64(2)) & full)) & m
+    p3 = (w ^ (w >> np.uint64(3))) & m
+    return [p.astype(np.uint32) for p in (p0, p1, p2, p3)]
+
+
+def _decode_rows() -> list[int]:
+    """Rows of the GF(2) matrix D: payload bit 8q+i = XOR of the word bits in row (8q+i).
+
+    Payload byte q is the NVFP4 byte (low code, high code) of fp16x2 register q: code bit i
+    (i = 0..3: mantissa, exponent lo, exponent hi, sign) lands on target bit i of each half.
+    """
+    rows = []
+    for q in range(4):
+        for i in range(8):
+            pos = _TARGET_BITS[[0, 1, 2, 3, 4, 5, 6, 7][i]]
+            unit = [0] * 32
+            sources = {0: [pos - 6], 1: [pos - 9], 2: [pos, pos - 2], 3: [pos, pos + 3]}[q]
+            mask = 0
+            for src in sources:
+                if 0 <= src < 32:
+                    mask ^= 1 << src
+            rows.append(mask)
+            del unit
+    # payload bit index within byte q: low code bits 0..3 -> target bits 9,10,11,15;
+    # high code bits 4..7 -> 25,26,27,31 (that is _TARGET_BITS order).
+    return rows
+
+
+def _invert_gf2(rows: list[int]) -> list[int]:
+    """Inverse of a 32x32 GF(2) matrix given as row bitmasks; raises if singular."""
+    n = 32
+    a = list(rows)
+    inv = [1 << i for i in range(n)]
+    for col in range(n):
+        piv = next((r for r in range(col, n) if a[r] >> col & 1), None)
+        if piv is None:
+            raise ValueError("decode map is singular")
+        a[col], a[piv] = a[piv], a[col]
+        inv[col], inv[piv] = inv[piv], inv[col]
+        for r in range(n):
+            if r != col and a[r] >> col & 1:
+                a[r] ^= a[col]
+                inv[r] ^= inv[col]
+    return inv
+
+
+def _encode_tables() -> np.ndarray:
+    """(4, 256) uint32: word = T[0][byte0] ^ T[1][byte1] ^ T[2][byte2] ^ T[3][byte3]."""
+    d = _decode_rows()
+    e_rows = _invert_gf2(d)  # word bit j = parity(e_rows[j] & payload)
+    tables = np.zeros((4, 256), dtype=np.uint32)
+    for q in range(4):
+        for v in range(256):
+            payload = v << (8 * q)
+            word = 0
+            for j in range(32):
+                if bin(e_rows[j] & payload).count("1") & 1:
+                    word |= 1 << j
+            tables[q, v] = word
+    return tables
+
+
+ENCODE_TABLES = _encode_tables()
+
+
+@dataclass
+class PreparedWeights:
+    """(E, N, K) NVFP4 weights in the kernel's atom layout: `data` is (E, N/16, K/64, 576) uint8."""
+
+    data: object  # numpy or cupy uint8 array
+    experts: int
+    n: int
+    k: int
+
+
+def check_weight_shapes(packed, scales) -> tuple[int, int, int]:
+    if packed.ndim != 3 or packed.dtype != np.uint8:
+        raise ValueError(f"w_packed: expected (E, N, K/2) uint8, got {packed.shape} {packed.dtype}")
+    e, n, k2 = packed.shape
+    k = 2 * k2
+    if scales.shape != (e, n, k // 16) or scales.dtype != np.uint8:
+        raise ValueError(f"w_scales: expected ({e}, {n}, {k // 16}) uint8 (e4m3 bits), "
+                         f"got {scales.shape} {scales.dtype}")
+    if n % 64 or k % 64 or n == 0 or k == 0:
+        raise ValueError(f"weights: N and K must be positive multiples of 64, got N={n}, K={k}")
+    return e, n, k
+
+
+def prepare_weights(packed, scales, xp=np, chunk_experts: int = 8) -> PreparedWeights:
+    """Lay (E, N, K) NVFP4 weights out as the kernel's atoms; NumPy or CuPy (`xp`), same result.
+
+    Atom (expert e, row tile nt, k atom ka) = 576 bytes: lane L = 4g + t gets 16 bytes, word j
+    (k16 step j) being the encoded bytes [W(g, 2t..), W(g+8, 2t..), W(g, 2t+8..), W(g+8, 2t+8..)]
+    of that step; then 8 groups x 8 bytes of scales [s(g, j), s(g+8, j)] for j = 0..3.
+    """
+    e, n, k = check_weight_shapes(packed, scales)
+    nt, ka = n // ATOM_ROWS, k // ATOM_K
+    tables = xp.asarray(ENCODE_TABLES)
+    out = xp.empty((e, nt, ka, ATOM_BYTES), dtype=xp.uint8)
+    for e0 in range(0, e, chunk_experts):
+        e1 = min(e, e0 + chunk_experts)
+        m = e1 - e0
+        p = xp.asarray(packed[e0:e1])
+        # byte index in a row = ka*32 + j*8 + qq*4 + t ; row = nt*16 + h*8 + g
+        pv = p.reshape(m, nt, 2, 8, ka, 4, 2, 4)
+        b = pv.transpose(0, 1, 4, 3, 7, 5, 6, 2).reshape(m, nt, ka, 32, 4, 4)  # [.., lane, j, q]
+        words = (tables[0][b[..., 0]] ^ tables[1][b[..., 1]] ^ tables[2][b[..., 2]] ^ tables[3][b[..., 3]])
+        out[e0:e1, :, :, :ATOM_CODE_BYTES] = words.astype(xp.uint32).reshape(m, nt, ka, 32 * 4).view(
+            xp.uint8).reshape(m, nt, ka, ATOM_CODE_BYTES)
+        s = xp.asarray(scales[e0:e1]).reshape(m, nt, 2, 8, ka, 4)
+        out[e0:e1, :, :, ATOM_CODE_BYTES:] = s.transpose(0, 1, 4, 3, 5, 2).reshape(m, nt, ka, 64)
+    return PreparedWeights(out, e, n, k)
+
+
+def unprepare_weights(prep: PreparedWeights) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of prepare_weights (NumPy): back to (E, N, K/2) codes and (E, N, K/16) scales."""
+    data = np.asarray(prep.data if isinstance(prep.data, np.ndarray) else prep.data.get())
+    e, n, k = prep.experts, prep.n, prep.k
+    nt, ka = n // ATOM_ROWS, k // ATOM_K
+    words = data[..., :ATOM_CODE_BYTES].copy().view(np.uint32).reshape(e, nt, ka, 32, 4)
+    regs = decode_words(words)  # four (e, nt, ka, 32, 4) fp16x2 words
+    payload = np.stack([_regs_to_byte(r) for r in regs], axis=-1)  # [.., lane, j, q]
+    b = payload.reshape(e, nt, ka, 8, 4, 4, 2, 2)  # [.., g, t, j, qq, h]
+    packed = b.transpose(0, 1, 7, 3, 2, 5, 6, 4).reshape(e, n, k // 2)
+    s = data[..., ATOM_CODE_BYTES:].reshape(e, nt, ka, 8, 4, 2)  # [.., g, j, h]
+    scales = s.transpose(0, 1, 5, 3, 2, 4).reshape(e, n, k // 16)
+    return np.ascontiguousarray(packed), np.ascontiguousarray(scales)
+
+
+def _regs_to_byte(reg: np.ndarray) -> np.ndarray:
+    """fp16x2 word with code bits on the target positions -> the NVFP4 byte (low, high code)."""
+    r = reg.astype(np.uint32)
+    byte = np.zeros(r.shape, dtype=np.uint32)
+    for i, pos in enumerate(_TARGET_BITS):
+        byte |= ((r >> np.uint32(pos)) & np.uint32(1)) << np.uint32(i)
+    return byte.astype(np.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile configuration
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """warps: consumer warps; row_tiles: 16-row tiles per warp; k_step: K per pipeline stage;
+    stages: pipeline depth; max_frags: 8-token fragments held per pass (token tile = 8*max_frags)."""
+
+    warps: int = 8
+    row_tiles: int = 2
+    k_step: int = 128
+    stages: int = 4
+    max_frags: int = 2
+
+    @property
+    def block_n(self) -> int:
+        return self.warps * self.row_tiles * ATOM_ROWS
+
+    @property
+    def token_tile(self) -> int:
+        return 8 * self.max_frags
+
+    @property
+    def threads(self) -> int:
+        return (self.warps + 1) * 32
+
+    @property
+    def expression(self) -> str:
+        return self.expression_for(read_only=False)
+
+    def expression_for(self, read_only: bool) -> str:
+        return (f"lab_gemm::grouped_gemm_nvfp4<{self.warps}, {self.row_tiles}, {self.k_step}, "
+                f"{self.stages}, {self.max_frags}, {'true' if read_only else 'false'}>")
+
+    @property
+    def smem_bytes(self) -> int:
+        """Mirror of Config<>::SMEM in grouped_gemm.cu."""
+        katoms, ksteps, tokens = self.k_step // ATOM_K, self.k_step // 16, self.token_tile
+        stage_w = self.warps * self.row_tiles * katoms * ATOM_BYTES
+        stage_xq = tokens * (self.k_step // 2)
+        stage_xs = tokens * (self.k_step // 16)
+        xf = self.max_frags * ksteps * 32 * 8
+        off_w = 16 * ((2 * self.stages * 8 + 15) // 16)
+        off_xs = off_w + self.stages * (stage_w + stage_xq)
+        off_xf = 16 * ((off_xs + self.stages * stage_xs + 15) // 16)
+        return off_xf + 2 * xf
+
+    @property
+    def bytes_in_flight(self) -> int:
+        """Weight bytes one CTA keeps requested ahead of its consumers."""
+        return self.stages * self.warps * self.row_tiles * (self.k_step // ATOM_K) * ATOM_BYTES
+
+    def validate(self, n: int | None = None, k: int | None = None) -> "GemmConfig":
+        if self.k_step not in (64, 128, 256):
+            raise ValueError(f"k_step must be 64, 128 or 256, got {self.k_step}")
+        if self.max_frags not in MAX_FRAGS_CHOICES:
+            raise ValueError(f"max_frags must be one of {MAX_FRAGS_CHOICES}, got {self.max_frags}")
+        if not 1 <= self.warps <= 16 or self.row_tiles not in (1, 2, 4):
+            raise ValueError(f"warps in 1..16 and row_tiles in (1, 2, 4), got {self.warps}, {self.row_tiles}")
+        if not 2 <= self.stages <= 12:
+            raise ValueError(f"stages must be 2..12, got {self.stages}")
+        if self.warps * self.row_tiles > 32:
+            raise ValueError("warps * row_tiles must be at most 32 (one producer lane per row tile)")
+        if self.smem_bytes > SMEM_LIMIT:
+            raise ValueError(f"{self}: needs {self.smem_bytes} B of shared memory, limit {SMEM_LIMIT}")
+        if n is not None and n % self.block_n:
+            raise ValueError(f"N={n} is not a multiple of the block's {self.block_n} rows ({self})")
+        if k is not None and k % self.k_step:
+            raise ValueError(f"K={k} is not a multiple of k_step={self.k_step} ({self})")
+        return self
+
+
+def frags_for(max_count: int) -> int:
+    """Smallest compiled fragment count covering `max_count` tokens in one pass (capped at 8)."""
+    need = max(1, -(-int(max_count) // 8))
+    return next((f for f in MAX_FRAGS_CHOICES if f >= need), MAX_FRAGS_CHOICES[-1])
+
+
+def heuristic(n: int, k: int, counts) -> GemmConfig:
+    """Default tile for a problem: the widest block and k step that divide it, a token tile that
+    holds the routine expert in one pass, stages for ~60 KB of weights in flight per CTA."""
+    counts = np.asarray(counts)
+    active = counts[counts > 0]
+    # Cover the 99th percentile in one pass; rarer, larger experts take a second pass.
+    q = int(np.ceil(np.quantile(active, 0.99))) if active.size else 8
+    frags = frags_for(q)
+    k_step = next(s for s in (128, 64, 256) if k % s == 0)
+    for warps, row_tiles in ((8, 2), (4, 2), (4, 1), (2, 2), (2, 1), (1, 4)):
+        if n % (warps * row_tiles * ATOM_ROWS) == 0:
+            break
+    else:
+        raise ValueError(f"N={n} has no supported block")
+    stage_w = warps * row_tiles * (k_step // ATOM_K) * ATOM_BYTES
+    stages = max(3, min(8, (64 * 1024) // stage_w))
+    cfg = GemmConfig(warps, row_tiles, k_step, stages, frags)
+    while cfg.smem_bytes > SMEM_LIMIT and cfg.stages > 2:
+        cfg = GemmConfig(warps, row_tiles, k_step, cfg.stages - 1, frags)
+    return cfg.validate(n, k)
+
+
+SHIPPED_CONFIGS = tuple(
+    GemmConfig(w, r, ks, st, f)
+    for (w, r, ks, st) in ((8, 2, 128, 4), (4, 2, 128, 6), (8, 2, 256, 3), (8, 2, 64, 8))
+    for f in MAX_FRAGS_CHOICES)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_activation(x_packed, x_scales, offsets, alpha, out, prep: PreparedWeights):
+    import cupy as cp
+
+    t = x_packed.shape[0] if x_packed.ndim == 2 else -1
+    if x_packed.ndim != 2 or x_packed.dtype != cp.uint8 or x_packed.shape[1] * 2 != prep.k:
+        raise ValueError(f"x_packed: expected (T, {prep.k // 2}) uint8, got {x_packed.shape} {x_packed.dtype}")
+    if x_scales.shape != (t, prep.k // 16) or x_scales.dtype != cp.uint8:
+        raise ValueError(f"x_scales: expected ({t}, {prep.k // 16}) uint8, got {x_scales.shape} {x_scales.dtype}")
+    if offsets.shape != (prep.experts + 1,) or offsets.dtype != cp.int32:
+        raise ValueError(f"offsets: expected ({prep.experts + 1},) int32, got {offsets.shape} {offsets.dtype}")
+    if alpha.shape != (prep.experts,) or alpha.dtype != cp.float32:
+        raise ValueError(f"alpha: expected ({prep.experts},) float32, got {alpha.shape} {alpha.dtype}")
+    if out.shape != (t, prep.n) or out.dtype != cp.float32:
+        raise ValueError(f"out: expected ({t}, {prep.n}) float32, got {out.shape} {out.dtype}")
+    for name, a in (("x_packed", x_packed), ("x_scales", x_scales), ("out", out)):
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{name}: must be C-contiguous")
+
+
+def check_offsets_host(offsets_host, rows: int, experts: int) -> np.ndarray:
+    off = np.asarray(offsets_host)
+    if off.shape != (experts + 1,):
+        raise ValueError(f"offsets: expected ({experts + 1},), got {off.shape}")
+    if off[0] != 0 or off[-1] != rows or np.any(np.diff(off) < 0):
+        raise ValueError(f"offsets: must start at 0, be non-decreasing and end at T={rows}; "
+                         f"got first {off[0]}, last {off[-1]}")
+    return off
+
+
+def grouped_gemm(prep: PreparedWeights, x_packed, x_scales, offsets, alpha, out,
+                 cfg: GemmConfig, stream=None, read_only: bool = False) -> None:
+    """Launch the grouped GEMM on `stream` (CuPy stream or None for the current one).
+
+    `cfg` comes from `heuristic` (it needs the host-side token counts, which the caller has when
+    it plans a run); offsets are not read back here, so the launch can be graph-captured.
+    """
+    import cupy as cp
+
+    _check_activation(x_packed, x_scales, offsets, alpha, out, prep)
+    cfg.validate(prep.n, prep.k)
+    if x_packed.shape[0] == 0 or prep.experts == 0:
+        return
+    fn = jit.kernel(SOURCE, cfg.expression_for(read_only), cfg.smem_bytes)
+    grid = (prep.n // cfg.block_n, prep.experts)
+    stream = stream if stream is not None else cp.cuda.get_current_stream()
+    with stream:
+        fn(grid, (cfg.threads,), (prep.data, x_packed, x_scales, offsets, alpha, out,
+                                  np.int32(prep.n), np.int32(prep.k)), shared_mem=cfg.smem_bytes)

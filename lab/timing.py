@@ -1,0 +1,39 @@
+"""CUDA-event timing shared by the runner and the benchmarks: warm up, then per-iteration
+events on one stream, reported as median / min / max milliseconds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, asdict
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    iterations: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def time_cuda(fn, iterations: int = 20, warmup: int = 3, stream=None) -> Timing:
+    """Time `fn()` (which launches on `stream`) with a pair of events per iteration."""
+    import cupy as cp
+
+    if iterations < 1:
+        raise ValueError(f"iterations must be >= 1, got {iterations}")
+    stream = stream if stream is not None else cp.cuda.get_current_stream()
+    for _ in range(warmup):
+        fn()
+    stream.synchronize()
+    events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(iterations)]
+    for start, stop in events:
+        start.record(stream)
+        fn()
+        stop.record(stream)
+    stream.synchronize()
+    ms = np.array([cp.cuda.get_elapsed_time(a, b) for a, b in events])
+    return Timing(float(np.median(ms)), float(ms.min()), float(ms.max()), iterations)

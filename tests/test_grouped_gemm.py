@@ -1,0 +1,246 @@
+"""Grouped GEMM: layout and heuristics on the CPU; the kernel against float64 on the GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lab import nvfp4, reference
+from lab.kernels import grouped_gemm as gg
+from lab.kernels import jit
+
+
+def random_nvfp4(rng, shape, scale_codes=(1, 127)):
+    """Random codes over all 16 nibbles and e4m3 scales over the given code range."""
+    packed = rng.integers(0, 256, shape[:-1] + (shape[-1] // 2,), dtype=np.uint8)
+    scales = rng.integers(*scale_codes, shape[:-1] + (shape[-1] // 16,), dtype=np.uint8)
+    return packed, scales
+
+
+# ------------------------------------------------------------------------------- CPU: layout
+
+
+@settings(max_examples=25)
+@given(e=st.integers(1, 3), nt=st.integers(1, 5), ka=st.integers(1, 4), seed=st.integers(0, 2**31))
+def test_prepare_is_a_bijection(e, nt, ka, seed):
+    rng = np.random.default_rng(seed)
+    n, k = 64 * nt, 64 * ka
+    packed, scales = random_nvfp4(rng, (e, n, k))
+    prep = gg.prepare_weights(packed, scales)
+    assert prep.data.shape == (e, n // 16, k // 64, gg.ATOM_BYTES)
+    p2, s2 = gg.unprepare_weights(prep)
+    np.testing.assert_array_equal(p2, packed)
+    np.testing.assert_array_equal(s2, scales)
+
+
+def test_decode_emulation_gives_each_lane_its_fragment():
+    """decode_words (the kernel's decode_a) on the prepared words yields, for lane 4g+t and
+    register q, the codes of rows g + 8*(q&1), columns 2t + 8*(q>>1) + {0, 1} as fp16 v*2^-14."""
+    rng = np.random.default_rng(1)
+    e, n, k = 1, 64, 128
+    packed, scales = random_nvfp4(rng, (e, n, k))
+    codes = nvfp4.decode_codes(packed)
+    words = gg.prepare_weights(packed, scales).data[..., :512].copy().view(np.uint32)
+    regs = gg.decode_words(words.reshape(e, n // 16, k // 64, 32, 4))
+    for q in range(4):
+        h = regs[q].view(np.float16).reshape(e, n // 16, k // 64, 8, 4, 4, 2).astype(np.float64) * 2.0**14
+        for g in range(8):
+            for t in range(4):
+                for j in range(4):
+                    for half in range(2):
+                        rows = np.arange(n // 16) * 16 + g + 8 * (q & 1)
+                        cols = np.arange(k // 64) * 64 + 16 * j + 2 * t + 8 * (q >> 1) + half
+                        np.testing.assert_array_equal(h[0, :, :, g, t, j, half], codes[0][np.ix_(rows, cols)])
+
+
+def test_scales_sit_where_the_kernel_reads_them():
+    rng = np.random.default_rng(2)
+    packed, scales = random_nvfp4(rng, (2, 64, 192))
+    data = gg.prepare_weights(packed, scales).data
+    for e, nt, ka, g, j in [(0, 0, 0, 0, 0), (1, 3, 2, 7, 3), (0, 2, 1, 5, 1)]:
+        got = data[e, nt, ka, 512 + 8 * g + 2 * j: 512 + 8 * g + 2 * j + 2]
+        want = [scales[e, nt * 16 + g, ka * 4 + j], scales[e, nt * 16 + g + 8, ka * 4 + j]]
+        assert list(got) == want
+
+
+def test_fp16_product_of_code_and_scale_is_exact():
+    """v * 2^-14 (fp16, maybe subnormal) times any e4m3 scale is exact in fp16: the kernel's
+    weight decode loses nothing, tiny scales included."""
+    v = nvfp4.E2M1_VALUES.astype(np.float64)
+    s = nvfp4.decode_e4m3(np.arange(1, 127, dtype=np.uint8)).astype(np.float64)
+    exact = (v[:, None] * 2.0**-14) * s[None, :]
+    code16 = (v * 2.0**-14).astype(np.float16)
+    assert np.array_equal(code16.astype(np.float64), v * 2.0**-14)
+    prod = (code16[:, None] * s.astype(np.float16)[None, :]).astype(np.float64)
+    np.testing.assert_array_equal(prod, exact)
+
+
+def test_prepare_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="w_packed"):
+        gg.prepare_weights(np.zeros((64, 32), np.uint8), np.zeros((64, 4), np.uint8))
+    with pytest.raises(ValueError, match="w_scales"):
+        gg.prepare_weights(np.zeros((1, 64, 32), np.uint8), np.zeros((1, 64, 3), np.uint8))
+    with pytest.raises(ValueError, match="multiples of 64"):
+        gg.prepare_weights(np.zeros((1, 48, 32), np.uint8), np.zeros((1, 48, 4), np.uint8))
+
+
+# ------------------------------------------------------------------------ CPU: configurations
+
+
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 2048), (64, 64), (192, 320), (128, 896)])
+@pytest.mark.parametrize("mean", [0.5, 2, 8, 32, 300])
+def test_heuristic_gives_a_valid_config(n, k, mean):
+    counts = np.random.default_rng(0).poisson(mean, 64)
+    cfg = gg.heuristic(n, k, counts)
+    assert n % cfg.block_n == 0 and k % cfg.k_step == 0
+    assert cfg.smem_bytes <= gg.SMEM_LIMIT
+    assert cfg.token_tile >= min(64, np.quantile(counts[counts > 0], 0.99)) if (counts > 0).any() else True
+
+
+def test_frags_for():
+    assert [gg.frags_for(c) for c in (1, 8, 9, 16, 17, 32, 33, 64, 65, 1000)] == [1, 1, 2, 2, 4, 4, 8, 8, 8, 8]
+
+
+def test_config_validation_names_the_problem():
+    with pytest.raises(ValueError, match="k_step"):
+        gg.GemmConfig(k_step=96).validate()
+    with pytest.raises(ValueError, match="shared memory"):
+        gg.GemmConfig(warps=8, row_tiles=4, k_step=256, stages=12, max_frags=8).validate()
+    with pytest.raises(ValueError, match="multiple of the block"):
+        gg.GemmConfig(warps=8, row_tiles=2).validate(n=192, k=256)
+
+
+def test_shipped_configs_fit():
+    for cfg in gg.SHIPPED_CONFIGS:
+        cfg.validate()
+
+
+@pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
+@pytest.mark.parametrize("cfg", gg.SHIPPED_CONFIGS, ids=lambda c: c.expression.split("<")[1][:-1])
+def test_shipped_configs_compile_without_spills(cfg):
+    for read_only in (False, True):
+        info = jit.ptxas_report(gg.SOURCE, cfg.expression_for(read_only))
+        assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
+        assert info.registers <= 65536 // cfg.threads, info
+
+
+# ---------------------------------------------------------------------------------- GPU
+
+
+def run_gemm(cp, packed, scales, xq, xs, offsets, alpha, cfg=None, poison=np.nan):
+    e, n, k = gg.check_weight_shapes(packed, scales)
+    counts = np.diff(offsets)
+    cfg = cfg or gg.heuristic(n, k, counts)
+    prep = gg.prepare_weights(packed, scales, xp=cp)
+    out = cp.full((xq.shape[0], n), poison, dtype=cp.float32)
+    gg.grouped_gemm(prep, cp.asarray(xq), cp.asarray(xs), cp.asarray(offsets.astype(np.int32)),
+                    cp.asarray(alpha.astype(np.float32)), out, cfg)
+    return out.get()
+
+
+def counts_strategy():
+    return st.lists(st.one_of(st.just(0), st.integers(1, 20), st.integers(120, 200)), min_size=1, max_size=16)
+
+
+@pytest.mark.gpu
+@settings(max_examples=30)
+@given(counts=counts_strategy(), nb=st.integers(1, 4), ka=st.integers(1, 12), seed=st.integers(0, 2**31),
+       lo=st.integers(1, 100))
+def test_gemm_matches_float64(counts, nb, ka, seed, lo):
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng(seed)
+    e, n, k = len(counts), 64 * nb, 64 * ka
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    packed, scales = random_nvfp4(rng, (e, n, k), scale_codes=(lo, 127))
+    xq, xs = random_nvfp4(rng, (int(offsets[-1]), k), scale_codes=(lo, 127))
+    alpha = rng.uniform(1e-6, 1e-2, e).astype(np.float32)
+    got = run_gemm(cp, packed, scales, xq, xs, offsets, alpha)
+    assert np.isfinite(got).all(), "unwritten (NaN-poisoned) or non-finite output"
+    ref = reference.grouped_gemm(xq, xs, offsets, packed, scales, alpha)
+    if got.size:
+        assert reference.rel_frobenius(got, ref) <= 1e-5
+
+
+@pytest.mark.gpu
+def test_subnormal_fp16_weights_are_not_flushed():
+    """Scale code 1 (2^-9) makes every decoded weight an fp16 subnormal (v * 2^-23)."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng(5)
+    e, n, k, c = 2, 64, 256, 9
+    packed, _ = random_nvfp4(rng, (e, n, k))
+    scales = np.ones((e, n, k // 16), np.uint8)
+    xq, xs = random_nvfp4(rng, (e * c, k), scale_codes=(60, 80))
+    offsets = np.array([0, c, 2 * c])
+    alpha = np.ones(e, np.float32)
+    got = run_gemm(cp, packed, scales, xq, xs, offsets, alpha)
+    ref = reference.grouped_gemm(xq, xs, offsets, packed, scales, alpha)
+    assert reference.rel_frobenius(got, ref) <= 1e-5
+
+
+@pytest.mark.gpu
+def test_all_configs_bitwise_equal_and_deterministic():
+    """Every shipped configuration accumulates in the same K order: identical bits."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng(7)
+    counts = np.array([0, 3, 8, 9, 17, 40, 70, 130, 1])
+    e, n, k = len(counts), 256, 512
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    packed, scales = random_nvfp4(rng, (e, n, k))
+    xq, xs = random_nvfp4(rng, (int(offsets[-1]), k))
+    alpha = rng.uniform(0.5, 2, e).astype(np.float32)
+    outs = [run_gemm(cp, packed, scales, xq, xs, offsets, alpha, cfg) for cfg in gg.SHIPPED_CONFIGS]
+    outs.append(run_gemm(cp, packed, scales, xq, xs, offsets, alpha, gg.SHIPPED_CONFIGS[0], poison=7.0))
+    ref = reference.grouped_gemm(xq, xs, offsets, packed, scales, alpha)
+    assert reference.rel_frobenius(outs[0], ref) <= 1e-5
+    for cfg, o in zip(list(gg.SHIPPED_CONFIGS) + ["rerun"], outs):
+        bad = np.argwhere(o.view(np.uint32) != outs[0].view(np.uint32))
+        assert bad.size == 0, f"{cfg}: first mismatch at {bad[0].tolist()}"
+
+
+@pytest.mark.gpu
+def test_one_expert_takes_all_tokens_and_empty_problem():
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng(9)
+    e, n, k = 4, 128, 256
+    packed, scales = random_nvfp4(rng, (e, n, k))
+    xq, xs = random_nvfp4(rng, (300, k))
+    offsets = np.array([0, 0, 300, 300, 300])
+    alpha = np.ones(e, np.float32)
+    got = run_gemm(cp, packed, scales, xq, xs, offsets, alpha)
+    ref = reference.grouped_gemm(xq, xs, offsets, packed, scales, alpha)
+    assert reference.rel_frobenius(got, ref) <= 1e-5
+    empty = run_gemm(cp, packed, scales, xq[:0], xs[:0], np.zeros(e + 1, np.int64), alpha)
+    assert empty.shape == (0, n)
+
+
+@pytest.mark.gpu
+def test_launch_rejects_bad_arguments():
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng(3)
+    packed, scales = random_nvfp4(rng, (2, 64, 128))
+    prep = gg.prepare_weights(packed, scales, xp=cp)
+    xq, xs = cp.asarray(random_nvfp4(rng, (5, 128))[0]), cp.asarray(random_nvfp4(rng, (5, 128))[1])
+    off = cp.asarray(np.array([0, 2, 5], np.int32))
+    alpha = cp.ones(2, cp.float32)
+    out = cp.empty((5, 64), cp.float32)
+    cfg = gg.heuristic(64, 128, [2, 3])
+    with pytest.raises(ValueError, match="x_packed"):
+        gg.grouped_gemm(prep, xq[:, :32], xs, off, alpha, out, cfg)
+    with pytest.raises(ValueError, match="offsets"):
+        gg.grouped_gemm(prep, xq, xs, off.astype(cp.int64), alpha, out, cfg)
+    with pytest.raises(ValueError, match="alpha"):
+        gg.grouped_gemm(prep, xq, xs, off, alpha[:1], out, cfg)
+    with pytest.raises(ValueError, match="out"):
+        gg.grouped_gemm(prep, xq, xs, off, alpha, out[:, :32], cfg)
