@@ -62,6 +62,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--check-experts", type=int, default=16, help="experts checked against float64 (0: none)")
     ap.add_argument("--no-cublas", action="store_true")
+    ap.add_argument("--config", help="override the tile: warps,row_tiles,k_step,stages (token tile from the heuristic)")
     ap.add_argument("--json", help="write everything here")
     args = ap.parse_args(argv)
 
@@ -85,9 +86,11 @@ def main(argv=None) -> int:
         "w2": dict(packed=w.w2_packed, scales=w.w2_scales, n=problem.hidden, k=problem.intermediate,
                    input_scale=W2_INPUT_SCALE, alpha=lambda g: (np.float32(g) * w.w2_global).astype(np.float32)),
     }
+    override = [int(v) for v in args.config.split(",")] if args.config else None
     for name, gm in gemms.items():
         log(f"{name}: preparing the kernel layout on the GPU")
-        gm["prep"] = gg.prepare_weights(gm["packed"], gm["scales"], xp=cp)
+        layout = (override[0] * override[1] * gg.ATOM_ROWS, override[2]) if override else None
+        gm["prep"] = gg.prepare_weights(gm["packed"], gm["scales"], xp=cp, layout=layout)
     cp.cuda.Device().synchronize()
 
     rows_out, checks = [], []
@@ -106,7 +109,9 @@ def main(argv=None) -> int:
             d_xp, d_xs = cp.asarray(xq.packed), cp.asarray(xq.scales)
             d_alpha = cp.asarray(alpha)
             out = cp.full((routing.rows, n), cp.nan, dtype=cp.float32)
-            cfg = gg.heuristic(n, k, counts)
+            cfg = gg.heuristic(n, k, counts, layout=(gm["prep"].block_rows, gm["prep"].k_step))
+            if override:
+                cfg = gg.GemmConfig(*override, cfg.max_frags).validate(n, k)
             log(f"{name} mean {mean}: {routing.rows} rows, max count {counts.max()}, {cfg}")
 
             def run(read_only=False):

@@ -28,8 +28,9 @@ def test_prepare_is_a_bijection(e, nt, ka, seed):
     rng = np.random.default_rng(seed)
     n, k = 64 * nt, 64 * ka
     packed, scales = random_nvfp4(rng, (e, n, k))
-    prep = gg.prepare_weights(packed, scales)
-    assert prep.data.shape == (e, n // 16, k // 64, gg.ATOM_BYTES)
+    layout = (64 * [1, 1, 2, 4][nt % 4] if n % (64 * [1, 1, 2, 4][nt % 4]) == 0 else 64, 64)
+    prep = gg.prepare_weights(packed, scales, layout=layout)
+    assert prep.data.shape == (e, n // layout[0], k // 64, layout[0] // 16, 1, gg.ATOM_BYTES)
     p2, s2 = gg.unprepare_weights(prep)
     np.testing.assert_array_equal(p2, packed)
     np.testing.assert_array_equal(s2, scales)
@@ -42,7 +43,9 @@ def test_decode_emulation_gives_each_lane_its_fragment():
     e, n, k = 1, 64, 128
     packed, scales = random_nvfp4(rng, (e, n, k))
     codes = nvfp4.decode_codes(packed)
-    words = gg.prepare_weights(packed, scales).data[..., :512].copy().view(np.uint32)
+    data = gg.prepare_weights(packed, scales, layout=(64, 64)).data  # [e][block][kc][tile][katom]
+    atoms = data.transpose(0, 1, 3, 2, 4, 5).reshape(e, n // 16, k // 64, gg.ATOM_BYTES)
+    words = atoms[..., :512].copy().view(np.uint32)
     regs = gg.decode_words(words.reshape(e, n // 16, k // 64, 32, 4))
     for q in range(4):
         h = regs[q].view(np.float16).reshape(e, n // 16, k // 64, 8, 4, 4, 2).astype(np.float64) * 2.0**14
@@ -58,9 +61,9 @@ def test_decode_emulation_gives_each_lane_its_fragment():
 def test_scales_sit_where_the_kernel_reads_them():
     rng = np.random.default_rng(2)
     packed, scales = random_nvfp4(rng, (2, 64, 192))
-    data = gg.prepare_weights(packed, scales).data
+    data = gg.prepare_weights(packed, scales, layout=(64, 64)).data  # [e][block][kc][tile][1][576]
     for e, nt, ka, g, j in [(0, 0, 0, 0, 0), (1, 3, 2, 7, 3), (0, 2, 1, 5, 1)]:
-        got = data[e, nt, ka, 512 + 8 * g + 2 * j: 512 + 8 * g + 2 * j + 2]
+        got = data[e, 0, ka, nt, 0, 512 + 8 * g + 2 * j: 512 + 8 * g + 2 * j + 2]
         want = [scales[e, nt * 16 + g, ka * 4 + j], scales[e, nt * 16 + g + 8, ka * 4 + j]]
         assert list(got) == want
 
@@ -115,6 +118,13 @@ def test_config_validation_names_the_problem():
 def test_shipped_configs_fit():
     for cfg in gg.SHIPPED_CONFIGS:
         cfg.validate()
+        assert cfg.launch_smem(1024) <= gg.SMEM_LIMIT
+
+
+def test_resident_ctas():
+    small = gg.GemmConfig(8, 2, 128, 4, 2)
+    assert gg.resident_ctas(small, 288, 64) == 2  # 90 KB of shared memory each
+    assert gg.resident_ctas(gg.GemmConfig(8, 2, 128, 4, 8), 288, 143) == 1
 
 
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
@@ -133,7 +143,7 @@ def run_gemm(cp, packed, scales, xq, xs, offsets, alpha, cfg=None, poison=np.nan
     e, n, k = gg.check_weight_shapes(packed, scales)
     counts = np.diff(offsets)
     cfg = cfg or gg.heuristic(n, k, counts)
-    prep = gg.prepare_weights(packed, scales, xp=cp)
+    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_n, cfg.k_step))
     out = cp.full((xq.shape[0], n), poison, dtype=cp.float32)
     gg.grouped_gemm(prep, cp.asarray(xq), cp.asarray(xs), cp.asarray(offsets.astype(np.int32)),
                     cp.asarray(alpha.astype(np.float32)), out, cfg)
@@ -230,7 +240,7 @@ def test_launch_rejects_bad_arguments():
     cp = require_gpu("test")
     rng = np.random.default_rng(3)
     packed, scales = random_nvfp4(rng, (2, 64, 128))
-    prep = gg.prepare_weights(packed, scales, xp=cp)
+    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(64, 128))
     xq, xs = cp.asarray(random_nvfp4(rng, (5, 128))[0]), cp.asarray(random_nvfp4(rng, (5, 128))[1])
     off = cp.asarray(np.array([0, 2, 5], np.int32))
     alpha = cp.ones(2, cp.float32)

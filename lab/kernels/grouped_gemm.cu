@@ -10,7 +10,7 @@
 // handful of tokens wastes at most 7 columns of an 8-wide fragment instead of 120 rows of 128.
 //
 // CTA = W consumer warps + 1 producer warp, one (expert, block of BN = W*R*16 weight rows).
-//   producer: per stage, one cp.async.bulk per 16-row tile of prepared weights (evict-first),
+//   producer: per stage, one cp.async.bulk of the stage's prepared weights (evict-first),
 //             plus cp.async of the stage's raw NVFP4 activation rows (L2 resident), all
 //             completing on the stage's `full` mbarrier; STAGES deep.
 //   consumers: decode the stage's activations once into fp16 B fragments (shared by all warps,
@@ -18,9 +18,13 @@
 //             bit decode, e4m3 scale via cvt and one HMUL2 per pair, mma into fp32 registers.
 //             Each consumer thread arrives on `empty` when done with the stage.
 //   Experts with more than 8*FMAX tokens take several passes over their weights.
+//   Persistent: the grid is sized to the resident CTAs; each CTA walks units (expert with tokens,
+//   row block) round-robin, and its pipeline runs on across unit boundaries.
+//   Dynamic shared memory = Config::SMEM + 4 * num_experts (the compacted expert list).
 //
 // Prepared weight layout (lab/kernels/grouped_gemm.py, prepare_weights): atoms of 16 rows x 64 k,
-// 576 bytes each, ordered [expert][row tile][k atom]:
+// 576 bytes each, ordered [expert][BN-row block][BK chunk][16-row tile][k atom] (one stage is
+// one contiguous run):
 //   bytes [0, 512):   lane L = 4g + t holds 16 bytes: word j (k16 step j) = the 8 codes of its
 //                     mma A fragment (rows g, g+8; cols 2t, 2t+1, 2t+8, 2t+9), bit-encoded so
 //                     that decode_a() turns them into four fp16x2 registers.
@@ -168,25 +172,21 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
                    const int* __restrict__ offsets,     // (E+1,)
                    const float* __restrict__ alpha,     // (E,)
                    float* __restrict__ out,             // (T, N)
-                   int N, int K) {
+                   int N, int K, int num_experts) {
   using C = Config<W, R, BK, STAGES, FMAX>;
   extern __shared__ __align__(128) uint8_t smem[];
 
-  const int e = blockIdx.y;
-  const int nb = blockIdx.x;
-  const int row0 = offsets[e];
-  const int count = offsets[e + 1] - row0;
-  if (count <= 0) return;
-
+  const int NB = N / C::BN;
+  const int kchunks = K / BK;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  const int kchunks = K / BK;
-  const int passes = (count + C::TOKENS - 1) / C::TOKENS;
-  const int iters = passes * kchunks;
 
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + C::OFF_BAR);
   const uint32_t full0 = smem_addr(bars);
   const uint32_t empty0 = smem_addr(bars + STAGES);
+  int* active = reinterpret_cast<int*>(smem + C::SMEM);  // experts with tokens, in order
+  __shared__ int warp_count[W + 1];
+  __shared__ int n_active_s;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -194,44 +194,70 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
       mbar_init(empty0 + 8 * s, W * 32);  // every consumer thread
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    n_active_s = 0;
+  }
+  // Compact the experts that have tokens (block-wide ballot scan): units are (active expert,
+  // row block), handed out round-robin, so empty experts cost nothing and CTAs stay balanced.
+  for (int base = 0; base < num_experts; base += C::THREADS) {
+    __syncthreads();
+    const int ex = base + (int)threadIdx.x;
+    const bool has = ex < num_experts && offsets[ex + 1] > offsets[ex];
+    const uint32_t ballot = __ballot_sync(0xffffffffu, has);
+    if (lane == 0) warp_count[warp] = __popc(ballot);
+    __syncthreads();
+    int before = n_active_s;
+    for (int w = 0; w < warp; ++w) before += warp_count[w];
+    if (has) active[before + __popc(ballot & ((1u << lane) - 1u))] = ex;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int total = 0;
+      for (int w = 0; w <= W; ++w) total += warp_count[w];
+      n_active_s += total;
+    }
   }
   __syncthreads();
+  const int n_units = n_active_s * NB;
 
   if (warp == W) {
     // ---------------- producer warp ----------------
     const uint64_t pol = evict_first_policy();
-    const int ktiles = K / 64;
-    const int ntiles = N / 16;
-    const uint8_t* wexp = wprep + (size_t)e * ntiles * ktiles * ATOM_BYTES;
-    for (int it = 0; it < iters; ++it) {
-      const int s = it % STAGES;
-      const uint32_t phase = (it / STAGES) & 1;
-      const int pass = it / kchunks;
-      const int kc = it - pass * kchunks;
-      if (it >= STAGES) mbar_wait(empty0 + 8 * s, phase ^ 1);
-      if (lane == 0) mbar_arrive_expect_tx(full0 + 8 * s, C::STAGE_W);
-      __syncwarp();
-      uint8_t* wdst = smem + C::OFF_W + s * C::STAGE_W;
-      for (int t = lane; t < W * R; t += 32) {
-        const int tile = nb * (W * R) + t;
-        const uint8_t* src = wexp + ((size_t)tile * ktiles + kc * C::KATOMS) * ATOM_BYTES;
-        bulk_copy(smem_addr(wdst + t * C::KATOMS * ATOM_BYTES), src, C::KATOMS * ATOM_BYTES, full0 + 8 * s, pol);
+    int it = 0;
+    for (int u = blockIdx.x; u < n_units; u += gridDim.x) {
+      const int e = active[u / NB];
+      const int nb = u - (u / NB) * NB;
+      const int row0 = offsets[e];
+      const int count = offsets[e + 1] - row0;
+      const int iters = ((count + C::TOKENS - 1) / C::TOKENS) * kchunks;
+      // Block-major layout: one stage's weights (BN rows x BK) are one contiguous run, so each
+      // stage is a single bulk copy and DRAM sees long sequential bursts.
+      const uint8_t* wblock = wprep + ((size_t)e * NB + nb) * kchunks * C::STAGE_W;
+      for (int ui = 0; ui < iters; ++ui, ++it) {
+        const int s = it % STAGES;
+        const uint32_t phase = (it / STAGES) & 1;
+        const int pass = ui / kchunks;
+        const int kc = ui - pass * kchunks;
+        if (it >= STAGES) mbar_wait(empty0 + 8 * s, phase ^ 1);
+        if (lane == 0) {
+          mbar_arrive_expect_tx(full0 + 8 * s, C::STAGE_W);
+          bulk_copy(smem_addr(smem + C::OFF_W + s * C::STAGE_W), wblock + (size_t)kc * C::STAGE_W, C::STAGE_W,
+                    full0 + 8 * s, pol);
+        }
+        const int tok0 = pass * C::TOKENS;
+        const int ntok = min(C::TOKENS, count - tok0);
+        constexpr int QCHUNKS = BK / 32;  // 16-byte pieces of one row's codes in this chunk
+        uint8_t* qdst = smem + C::OFF_XQ + s * C::STAGE_XQ;
+        uint8_t* sdst = smem + C::OFF_XS + s * C::STAGE_XS;
+        for (int i = lane; i < ntok * QCHUNKS; i += 32) {
+          const int tr = i / QCHUNKS, q = i - tr * QCHUNKS;
+          const uint8_t* src = xq + (size_t)(row0 + tok0 + tr) * (K / 2) + kc * (BK / 2) + q * 16;
+          cp_async<16>(smem_addr(qdst + tr * (BK / 2) + q * 16), src);
+        }
+        for (int tr = lane; tr < ntok; tr += 32) {
+          const uint8_t* src = xs + (size_t)(row0 + tok0 + tr) * (K / 16) + kc * (BK / 16);
+          cp_async<BK / 16>(smem_addr(sdst + tr * (BK / 16)), src);
+        }
+        cp_async_arrive_noinc(full0 + 8 * s);
       }
-      const int tok0 = pass * C::TOKENS;
-      const int ntok = min(C::TOKENS, count - tok0);
-      constexpr int QCHUNKS = BK / 32;  // 16-byte pieces of one row's codes in this chunk
-      uint8_t* qdst = smem + C::OFF_XQ + s * C::STAGE_XQ;
-      uint8_t* sdst = smem + C::OFF_XS + s * C::STAGE_XS;
-      for (int i = lane; i < ntok * QCHUNKS; i += 32) {
-        const int tr = i / QCHUNKS, q = i - tr * QCHUNKS;
-        const uint8_t* src = xq + (size_t)(row0 + tok0 + tr) * (K / 2) + kc * (BK / 2) + q * 16;
-        cp_async<16>(smem_addr(qdst + tr * (BK / 2) + q * 16), src);
-      }
-      for (int tr = lane; tr < ntok; tr += 32) {
-        const uint8_t* src = xs + (size_t)(row0 + tok0 + tr) * (K / 16) + kc * (BK / 16);
-        cp_async<BK / 16>(smem_addr(sdst + tr * (BK / 16)), src);
-      }
-      cp_async_arrive_noinc(full0 + 8 * s);
     }
     return;
   }
@@ -240,13 +266,19 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
   const int g = lane >> 2;
   const int t4 = lane & 3;
   float acc[R][FMAX][4];
+  int it = 0;
+  for (int u = blockIdx.x; u < n_units; u += gridDim.x) {
+  const int e = active[u / NB];
+  const int nb = u - (u / NB) * NB;
+  const int row0 = offsets[e];
+  const int count = offsets[e + 1] - row0;
+  const int iters = ((count + C::TOKENS - 1) / C::TOKENS) * kchunks;
   const float out_scale = alpha[e];
-
-  for (int it = 0; it < iters; ++it) {
+  for (int ui = 0; ui < iters; ++ui, ++it) {
     const int s = it % STAGES;
     const uint32_t phase = (it / STAGES) & 1;
-    const int pass = it / kchunks;
-    const int kc = it - pass * kchunks;
+    const int pass = ui / kchunks;
+    const int kc = ui - pass * kchunks;
     const int tok0 = pass * C::TOKENS;
     const int ntok = min(C::TOKENS, count - tok0);
     const int frags = (ntok + 7) >> 3;
@@ -263,6 +295,7 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
       mbar_arrive(empty0 + 8 * s);
       continue;
     }
+    (void)out_scale;
 
     // Decode this stage's activations into fp16 B fragments: item = (token row, k16 block).
     uint2* xf = reinterpret_cast<uint2*>(smem + C::OFF_XF + (it & 1) * C::XF);
@@ -348,6 +381,7 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
       }
     }
   }
+  }  // units
 }
 
 }  // namespace lab_gemm

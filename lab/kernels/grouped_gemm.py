@@ -120,12 +120,32 @@ ENCODE_TABLES = _encode_tables()
 
 @dataclass
 class PreparedWeights:
-    """(E, N, K) NVFP4 weights in the kernel's atom layout: `data` is (E, N/16, K/64, 576) uint8."""
+    """(E, N, K) NVFP4 weights in the kernel's layout: `data` is
+    (E, N/block_rows, K/k_step, block_rows/16, k_step/64, 576) uint8, so that one pipeline stage
+    (block_rows x k_step of one expert) is one contiguous run: a single bulk copy."""
 
     data: object  # numpy or cupy uint8 array
     experts: int
     n: int
     k: int
+    block_rows: int
+    k_step: int
+
+    def experts_slice(self, e0: int, e1: int) -> "PreparedWeights":
+        """A view of experts e0..e1-1 (no copy)."""
+        return PreparedWeights(self.data[e0:e1], e1 - e0, self.n, self.k, self.block_rows, self.k_step)
+
+
+def default_layout(n: int, k: int) -> tuple[int, int]:
+    """(block_rows, k_step) the heuristic uses for an (N, K) weight: the widest block of rows
+    that divides N (256 = 8 warps x 2 tiles), and k_step 128 (else 64 or 256) dividing K."""
+    block_rows = next((b for b in (256, 128, 64) if n % b == 0), None)
+    if block_rows is None:
+        raise ValueError(f"N={n} must be a multiple of 64")
+    k_step = next((s for s in (128, 64, 256) if k % s == 0), None)
+    if k_step is None:
+        raise ValueError(f"K={k} must be a multiple of 64")
+    return block_rows, k_step
 
 
 def check_weight_shapes(packed, scales) -> tuple[int, int, int]:
@@ -141,17 +161,27 @@ def check_weight_shapes(packed, scales) -> tuple[int, int, int]:
     return e, n, k
 
 
-def prepare_weights(packed, scales, xp=np, chunk_experts: int = 8) -> PreparedWeights:
+def prepare_weights(packed, scales, xp=np, layout: tuple[int, int] | None = None,
+                    chunk_experts: int = 8) -> PreparedWeights:
     """Lay (E, N, K) NVFP4 weights out as the kernel's atoms; NumPy or CuPy (`xp`), same result.
+
+    `layout` = (block_rows, k_step), default `default_layout(N, K)`; atoms are ordered
+    [expert][row block][k chunk][16-row tile in block][k atom in chunk].
 
     Atom (expert e, row tile nt, k atom ka) = 576 bytes: lane L = 4g + t gets 16 bytes, word j
     (k16 step j) being the encoded bytes [W(g, 2t..), W(g+8, 2t..), W(g, 2t+8..), W(g+8, 2t+8..)]
     of that step; then 8 groups x 8 bytes of scales [s(g, j), s(g+8, j)] for j = 0..3.
     """
     e, n, k = check_weight_shapes(packed, scales)
+    block_rows, k_step = layout or default_layout(n, k)
+    if block_rows % ATOM_ROWS or n % block_rows or k_step % ATOM_K or k % k_step:
+        raise ValueError(f"layout (block_rows={block_rows}, k_step={k_step}) must divide N={n}, K={k} "
+                         f"in units of {ATOM_ROWS} rows and {ATOM_K} k")
     nt, ka = n // ATOM_ROWS, k // ATOM_K
     tables = xp.asarray(ENCODE_TABLES)
-    out = xp.empty((e, nt, ka, ATOM_BYTES), dtype=xp.uint8)
+    atoms = xp.empty((chunk_experts, nt, ka, ATOM_BYTES), dtype=xp.uint8)
+    nb, kc, tiles, katoms = n // block_rows, k // k_step, block_rows // ATOM_ROWS, k_step // ATOM_K
+    out = xp.empty((e, nb, kc, tiles, katoms, ATOM_BYTES), dtype=xp.uint8)
     for e0 in range(0, e, chunk_experts):
         e1 = min(e, e0 + chunk_experts)
         m = e1 - e0
@@ -160,11 +190,12 @@ def prepare_weights(packed, scales, xp=np, chunk_experts: int = 8) -> PreparedWe
         pv = p.reshape(m, nt, 2, 8, ka, 4, 2, 4)
         b = pv.transpose(0, 1, 4, 3, 7, 5, 6, 2).reshape(m, nt, ka, 32, 4, 4)  # [.., lane, j, q]
         words = (tables[0][b[..., 0]] ^ tables[1][b[..., 1]] ^ tables[2][b[..., 2]] ^ tables[3][b[..., 3]])
-        out[e0:e1, :, :, :ATOM_CODE_BYTES] = words.astype(xp.uint32).reshape(m, nt, ka, 32 * 4).view(
+        atoms[:m, :, :, :ATOM_CODE_BYTES] = words.astype(xp.uint32).reshape(m, nt, ka, 32 * 4).view(
             xp.uint8).reshape(m, nt, ka, ATOM_CODE_BYTES)
         s = xp.asarray(scales[e0:e1]).reshape(m, nt, 2, 8, ka, 4)
-        out[e0:e1, :, :, ATOM_CODE_BYTES:] = s.transpose(0, 1, 4, 3, 5, 2).reshape(m, nt, ka, 64)
-    return PreparedWeights(out, e, n, k)
+        atoms[:m, :, :, ATOM_CODE_BYTES:] = s.transpose(0, 1, 4, 3, 5, 2).reshape(m, nt, ka, 64)
+        out[e0:e1] = atoms[:m].reshape(m, nb, tiles, kc, katoms, ATOM_BYTES).transpose(0, 1, 3, 2, 4, 5)
+    return PreparedWeights(out, e, n, k, block_rows, k_step)
 
 
 def unprepare_weights(prep: PreparedWeights) -> tuple[np.ndarray, np.ndarray]:
@@ -172,6 +203,7 @@ def unprepare_weights(prep: PreparedWeights) -> tuple[np.ndarray, np.ndarray]:
     data = np.asarray(prep.data if isinstance(prep.data, np.ndarray) else prep.data.get())
     e, n, k = prep.experts, prep.n, prep.k
     nt, ka = n // ATOM_ROWS, k // ATOM_K
+    data = data.transpose(0, 1, 3, 2, 4, 5).reshape(e, nt, ka, ATOM_BYTES)  # back to [e][tile][k atom]
     words = data[..., :ATOM_CODE_BYTES].copy().view(np.uint32).reshape(e, nt, ka, 32, 4)
     regs = decode_words(words)  # four (e, nt, ka, 32, 4) fp16x2 words
     payload = np.stack([_regs_to_byte(r) for r in regs], axis=-1)  # [.., lane, j, q]
@@ -240,6 +272,10 @@ class GemmConfig:
         off_xf = 16 * ((off_xs + self.stages * stage_xs + 15) // 16)
         return off_xf + 2 * xf
 
+    def launch_smem(self, experts: int) -> int:
+        """Dynamic shared memory of a launch: the pipeline plus the compacted expert list."""
+        return self.smem_bytes + 16 * ((4 * experts + 15) // 16)
+
     @property
     def bytes_in_flight(self) -> int:
         """Weight bytes one CTA keeps requested ahead of its consumers."""
@@ -256,7 +292,7 @@ class GemmConfig:
             raise ValueError(f"stages must be 2..12, got {self.stages}")
         if self.warps * self.row_tiles > 32:
             raise ValueError("warps * row_tiles must be at most 32 (one producer lane per row tile)")
-        if self.smem_bytes > SMEM_LIMIT:
+        if self.smem_bytes + 4096 > SMEM_LIMIT:
             raise ValueError(f"{self}: needs {self.smem_bytes} B of shared memory, limit {SMEM_LIMIT}")
         if n is not None and n % self.block_n:
             raise ValueError(f"N={n} is not a multiple of the block's {self.block_n} rows ({self})")
@@ -265,30 +301,43 @@ class GemmConfig:
         return self
 
 
+SM_SMEM = 228 * 1024  # shared memory per SM (H100/H200)
+SM_REGS = 65536
+SM_THREADS = 2048
+SMEM_PER_CTA_RESERVED = 1024  # the runtime's per-block reservation
+
+
+def resident_ctas(cfg: GemmConfig, experts: int, registers: int) -> int:
+    """CTAs of `cfg` that fit on one SM at once (shared memory, registers, threads)."""
+    by_smem = SM_SMEM // (cfg.launch_smem(experts) + SMEM_PER_CTA_RESERVED)
+    regs_per_warp = 256 * -(-registers * 32 // 256)
+    by_regs = SM_REGS // (regs_per_warp * (cfg.threads // 32))
+    return max(1, min(by_smem, by_regs, SM_THREADS // cfg.threads))
+
+
 def frags_for(max_count: int) -> int:
     """Smallest compiled fragment count covering `max_count` tokens in one pass (capped at 8)."""
     need = max(1, -(-int(max_count) // 8))
     return next((f for f in MAX_FRAGS_CHOICES if f >= need), MAX_FRAGS_CHOICES[-1])
 
 
-def heuristic(n: int, k: int, counts) -> GemmConfig:
-    """Default tile for a problem: the widest block and k step that divide it, a token tile that
-    holds the routine expert in one pass, stages for ~60 KB of weights in flight per CTA."""
+def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None) -> GemmConfig:
+    """Default tile for a problem whose weights were prepared with `layout` (default
+    `default_layout`): 16-row tiles two per warp, a token tile that holds the routine expert in
+    one pass, and stages for ~60 KB of weights in flight per CTA (two CTAs per SM fit)."""
+    block_rows, k_step = layout or default_layout(n, k)
     counts = np.asarray(counts)
     active = counts[counts > 0]
     # Cover the 99th percentile in one pass; rarer, larger experts take a second pass.
     q = int(np.ceil(np.quantile(active, 0.99))) if active.size else 8
     frags = frags_for(q)
-    k_step = next(s for s in (128, 64, 256) if k % s == 0)
-    for warps, row_tiles in ((8, 2), (4, 2), (4, 1), (2, 2), (2, 1), (1, 4)):
-        if n % (warps * row_tiles * ATOM_ROWS) == 0:
-            break
-    else:
-        raise ValueError(f"N={n} has no supported block")
-    stage_w = warps * row_tiles * (k_step // ATOM_K) * ATOM_BYTES
-    stages = max(3, min(8, (64 * 1024) // stage_w))
+    tiles = block_rows // ATOM_ROWS
+    row_tiles = 2 if tiles % 2 == 0 and tiles >= 4 else 1
+    warps = tiles // row_tiles
+    stage_w = tiles * (k_step // ATOM_K) * ATOM_BYTES
+    stages = max(3, min(8, (80 * 1024) // stage_w))
     cfg = GemmConfig(warps, row_tiles, k_step, stages, frags)
-    while cfg.smem_bytes > SMEM_LIMIT and cfg.stages > 2:
+    while cfg.smem_bytes + 4096 > SMEM_LIMIT and cfg.stages > 2:
         cfg = GemmConfig(warps, row_tiles, k_step, cfg.stages - 1, frags)
     return cfg.validate(n, k)
 
@@ -344,11 +393,18 @@ def grouped_gemm(prep: PreparedWeights, x_packed, x_scales, offsets, alpha, out,
 
     _check_activation(x_packed, x_scales, offsets, alpha, out, prep)
     cfg.validate(prep.n, prep.k)
+    if (cfg.block_n, cfg.k_step) != (prep.block_rows, prep.k_step):
+        raise ValueError(f"cfg: block {cfg.block_n} x k_step {cfg.k_step} does not match the weights' "
+                         f"layout ({prep.block_rows}, {prep.k_step}); prepare with layout=(block_n, k_step)")
     if x_packed.shape[0] == 0 or prep.experts == 0:
         return
-    fn = jit.kernel(SOURCE, cfg.expression_for(read_only), cfg.smem_bytes)
-    grid = (prep.n // cfg.block_n, prep.experts)
+    smem = cfg.launch_smem(prep.experts)
+    fn = jit.kernel(SOURCE, cfg.expression_for(read_only), smem)
+    units = prep.experts * (prep.n // cfg.block_n)
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    grid = (min(units, sms * resident_ctas(cfg, prep.experts, fn.num_regs)),)
     stream = stream if stream is not None else cp.cuda.get_current_stream()
     with stream:
         fn(grid, (cfg.threads,), (prep.data, x_packed, x_scales, offsets, alpha, out,
-                                  np.int32(prep.n), np.int32(prep.k)), shared_mem=cfg.smem_bytes)
+                                  np.int32(prep.n), np.int32(prep.k), np.int32(prep.experts)),
+           shared_mem=smem)

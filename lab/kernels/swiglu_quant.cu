@@ -1,0 +1,183 @@
+// Activation kernels of the MoE layer: NVFP4 quantize of rows (the input quantizer, optionally
+// gathering token rows), SwiGLU + quantize (w13 output -> w2 input), and fp32 -> bf16 (the output).
+//
+// Quantization is lab/nvfp4.py's definition, bit for bit: every step is one IEEE float32
+// operation in the docstring's order (__fdiv_rn / __fmul_rn so no reciprocal or FMA creeps in):
+//   s_in  = block_amax / (6 * g)          then min(s_in, 448), RNE to e4m3 (cvt ... satfinite)
+//   denom = e4m3(s_in) * g                (decoded scale times global, rounded once)
+//   q     = x / denom, clip to [-6, 6], RNE to e2m1 by exact thresholds (ties to the even code)
+//   denom == 0 -> all 16 codes +0; otherwise the sign bit of q is kept (-0.0 -> nibble 8).
+//
+// Layout (plain row-major, what the grouped GEMM reads):
+//   packed (rows, K/2)  uint8  element 2j in the low nibble of byte j
+//   scales (rows, K/16) uint8  raw e4m3 bits, one per 16 elements
+//
+// Threads: one block of THREADS per row; a thread owns 4 consecutive elements (one 16-byte fp32
+// load, two bytes of codes), the 4 lanes of an aligned quad own one 16-element block and share
+// its amax by two shuffles; lane 0 of the quad writes the scale byte. A warp thus reads 512
+// contiguous bytes per load and writes 64 contiguous bytes of codes.
+//
+// Non-finite values (NaN or Inf in the input, in h, or in a = silu(g) * u) are counted into
+// *nonfinite (one atomicAdd per thread that saw any); their codes are meaningless and the
+// caller must read the counter after a checked run.
+
+namespace lab_act {
+
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long size_t;
+
+// ------------------------------------------------------------------------------ formats
+
+__device__ __forceinline__ bool finite(float v) { return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u; }
+
+// float32 >= 0 -> e4m3 bits, RNE, saturating at 448 (sm_89+ conversion).
+__device__ __forceinline__ uint32_t e4m3_encode(float s) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(s));
+  return r & 0xffu;  // the second operand lands in the low byte
+}
+
+// e4m3 bits (sign 0, not NaN) -> float32, exactly: exponent field 0 is subnormal (m * 2^-9).
+__device__ __forceinline__ float e4m3_decode(uint32_t c) {
+  const uint32_t e = (c >> 3) & 0xfu, m = c & 0x7u;
+  return e == 0 ? __fmul_rn((float)m, 0.001953125f) : __uint_as_float(((e + 120u) << 23) | (m << 20));
+}
+
+// q in [-6, 6] -> e2m1 nibble. Grid {0, .5, 1, 1.5, 2, 3, 4, 6}: each midpoint rounds to the
+// even code, so the comparisons alternate > (tie goes down) and >= (tie goes up).
+__device__ __forceinline__ uint32_t e2m1_encode(float q) {
+  const float a = fabsf(q);
+  const uint32_t i = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) +
+                     (a > 5.0f);
+  return i | ((__float_as_uint(q) >> 28) & 0x8u);
+}
+
+// fp32 -> bf16 bits, RNE (overflow goes to Inf as in ml_dtypes); NaN -> quiet NaN, sign kept.
+__device__ __forceinline__ uint32_t bf16_bits(float v) {
+  const uint32_t u = __float_as_uint(v);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+// ------------------------------------------------------------------------------ quantize
+
+// This thread's 4 values v (elements 4*c4 .. 4*c4+3 of the row) -> 2 bytes of codes; lane 0 of
+// the quad writes the block's scale. g is the float32 global, six_g = 6 * g rounded once.
+__device__ __forceinline__ void quantize4(const float (&v)[4], float g, float six_g, int c4,
+                                          uint8_t* __restrict__ packed_row, uint8_t* __restrict__ scales_row) {
+  const uint32_t lane = threadIdx.x & 31u;
+  const uint32_t quad = 0xfu << (lane & 28u);
+  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+  amax = fmaxf(amax, __shfl_xor_sync(quad, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(quad, amax, 2));
+  const float s_in = fminf(__fdiv_rn(amax, six_g), 448.0f);
+  const uint32_t code = e4m3_encode(s_in);
+  const float denom = __fmul_rn(e4m3_decode(code), g);
+  uint32_t nib = 0;
+  if (denom != 0.0f) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float q = fminf(fmaxf(__fdiv_rn(v[i], denom), -6.0f), 6.0f);
+      nib |= e2m1_encode(q) << (4 * i);
+    }
+  }
+  reinterpret_cast<uint16_t*>(packed_row)[c4] = (uint16_t)nib;
+  if ((lane & 3u) == 0) scales_row[c4 >> 2] = (uint8_t)code;
+}
+
+__device__ __forceinline__ void load4(const float* p, float (&v)[4]) {
+  const float4 t = *reinterpret_cast<const float4*>(p);
+  v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w;
+}
+__device__ __forceinline__ void load4(const uint16_t* p, float (&v)[4]) {  // bf16 bits
+  const uint2 t = *reinterpret_cast<const uint2*>(p);
+  v[0] = __uint_as_float(t.x << 16); v[1] = __uint_as_float(t.x & 0xffff0000u);
+  v[2] = __uint_as_float(t.y << 16); v[3] = __uint_as_float(t.y & 0xffff0000u);
+}
+
+// out row r = NVFP4(x[row_src ? row_src[r] : r]) with global g. T: float or uint16_t (bf16 bits).
+// Requires K % 16 == 0 and blockDim.x % 32 == 0.
+template <typename T>
+__global__ void quantize_rows(const T* __restrict__ x, const int* __restrict__ row_src, int K, float g,
+                              uint8_t* __restrict__ packed, uint8_t* __restrict__ scales,
+                              uint32_t* __restrict__ nonfinite) {
+  const int r = blockIdx.x;
+  const size_t src = row_src ? (size_t)row_src[r] : (size_t)r;
+  const T* xr = x + src * K;
+  uint8_t* pr = packed + (size_t)r * (K / 2);
+  uint8_t* sr = scales + (size_t)r * (K / 16);
+  const float six_g = __fmul_rn(6.0f, g);
+  uint32_t bad = 0;
+  for (int c4 = threadIdx.x; c4 < K / 4; c4 += blockDim.x) {  // a quad is all in or all out
+    float v[4];
+    load4(xr + 4 * c4, v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) bad += !finite(v[i]);
+    quantize4(v, g, six_g, c4, pr, sr);
+  }
+  if (bad) atomicAdd(nonfinite, bad);
+}
+
+// ------------------------------------------------------------------------------ SwiGLU + quantize
+
+// h (rows, 2I) fp32: gate in columns [0, I), up in [I, 2I), no weight globals applied.
+// Row r belongs to expert e with offsets[e] <= r < offsets[e+1] (binary search; empty experts
+// have offsets[e] == offsets[e+1] and are skipped by taking the last e with offsets[e] <= r).
+//   g = h_gate * gate_global[e]; u = h_up * up_global[e]; a = silu(g) * u, silu(g) = g / (1 + expf(-g))
+// (CUDA's expf, within 2 ulp, not the fast-math __expf; expf(-g) = Inf for g << 0 gives -0.)
+// a is quantized with the static global g2 into packed (rows, I/2) / scales (rows, I/16); when
+// a_out is not null the fp32 a (rows, I) is written too (for checks).
+__global__ void swiglu_quant(const float* __restrict__ h, const int* __restrict__ offsets, int experts, int I,
+                             const float* __restrict__ gate_global, const float* __restrict__ up_global,
+                             float g2, uint8_t* __restrict__ packed, uint8_t* __restrict__ scales,
+                             float* __restrict__ a_out, uint32_t* __restrict__ nonfinite) {
+  const int r = blockIdx.x;
+  int lo = 0, hi = experts;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (offsets[mid] <= r) lo = mid; else hi = mid;
+  }
+  const float gs = gate_global[lo], us = up_global[lo];
+  const float* hr = h + (size_t)r * (2 * I);
+  uint8_t* pr = packed + (size_t)r * (I / 2);
+  uint8_t* sr = scales + (size_t)r * (I / 16);
+  const float six_g = __fmul_rn(6.0f, g2);
+  uint32_t bad = 0;
+  for (int c4 = threadIdx.x; c4 < I / 4; c4 += blockDim.x) {
+    float hg[4], hu[4], a[4];
+    load4(hr + 4 * c4, hg);
+    load4(hr + I + 4 * c4, hu);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float g = __fmul_rn(hg[i], gs);
+      const float u = __fmul_rn(hu[i], us);
+      const float silu = __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
+      a[i] = __fmul_rn(silu, u);
+      bad += !finite(hg[i]) + !finite(hu[i]) + !finite(a[i]);
+    }
+    if (a_out) *reinterpret_cast<float4*>(a_out + (size_t)r * I + 4 * c4) = make_float4(a[0], a[1], a[2], a[3]);
+    quantize4(a, g2, six_g, c4, pr, sr);
+  }
+  if (bad) atomicAdd(nonfinite, bad);
+}
+
+// ------------------------------------------------------------------------------ output
+
+// y = bf16 bits of x, n4 = n / 4 groups of 4 elements; counts non-finite outputs (NaN, Inf in
+// x, or finite values that overflow bf16).
+__global__ void to_bf16(const float* __restrict__ x, uint16_t* __restrict__ y, size_t n4,
+                        uint32_t* __restrict__ nonfinite) {
+  uint32_t bad = 0;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (size_t)gridDim.x * blockDim.x) {
+    const float4 v = reinterpret_cast<const float4*>(x)[i];
+    const uint32_t b0 = bf16_bits(v.x), b1 = bf16_bits(v.y), b2 = bf16_bits(v.z), b3 = bf16_bits(v.w);
+    bad += ((b0 & 0x7f80u) == 0x7f80u) + ((b1 & 0x7f80u) == 0x7f80u) + ((b2 & 0x7f80u) == 0x7f80u) +
+           ((b3 & 0x7f80u) == 0x7f80u);
+    reinterpret_cast<uint2*>(y)[i] = make_uint2(b0 | (b1 << 16), b2 | (b3 << 16));
+  }
+  if (bad) atomicAdd(nonfinite, bad);
+}
+
+}  // namespace lab_act
