@@ -130,6 +130,14 @@ def _stream(stream):
     return stream if stream is not None else cp.cuda.get_current_stream()
 
 
+def _require_device(**arrays) -> None:
+    import cupy as cp
+
+    for name, a in arrays.items():
+        if a is not None and not isinstance(a, cp.ndarray):
+            raise ValueError(f"{name}: must be a CuPy array on the device, got {type(a).__name__}")
+
+
 def quantize_input(x, global_scale, out_packed, out_scales, counter, row_token=None, stream=None) -> None:
     """NVFP4-quantize rows of x with a static global: row r of the output is x[row_token[r]]
     (or x[r] without row_token). x (T, K) float32 or uint16 holding bf16 bits.
@@ -139,6 +147,7 @@ def quantize_input(x, global_scale, out_packed, out_scales, counter, row_token=N
     """
     rows, k = check_quantize_input(x, out_packed, out_scales, counter, row_token)
     g = check_global("global_scale", global_scale)
+    _require_device(x=x, out_packed=out_packed, out_scales=out_scales, counter=counter, row_token=row_token)
     if rows == 0:
         return
     fn = jit.kernel(SOURCE, _expr_quantize(x.dtype))
@@ -156,6 +165,8 @@ def swiglu_quant(h, offsets, gate_global, up_global, input_scale, out_packed, ou
     """
     rows, i, e = check_swiglu_quant(h, offsets, gate_global, up_global, out_packed, out_scales, counter, a_out)
     g = check_global("input_scale", input_scale)
+    _require_device(h=h, offsets=offsets, gate_global=gate_global, up_global=up_global, out_packed=out_packed,
+                    out_scales=out_scales, counter=counter, a_out=a_out)
     if rows == 0:
         return
     fn = jit.kernel(SOURCE, "lab_act::swiglu_quant")
@@ -173,6 +184,7 @@ def to_bf16(x, out, counter, stream=None) -> None:
         raise ValueError(f"x: size {x.size} must be a multiple of 4")
     if x.size == 0:
         return
+    _require_device(x=x, out=out, counter=counter)
     import cupy as cp
 
     fn = jit.kernel(SOURCE, "lab_act::to_bf16")
