@@ -9,12 +9,14 @@
 // Operand swap: weight rows fill the M side of mma.m16n8k16 and tokens its 8-wide N side, so a
 // handful of tokens wastes at most 7 columns of an 8-wide fragment instead of 120 rows of 128.
 //
-// CTA = W consumer warps + 1 producer warp, one (expert, block of BN = W*R*16 weight rows).
+// CTA = W consumer warps + 1 producer warp + 1 activation-decoder warp; a unit of work is one
+// (expert, block of BN = W*R*16 weight rows).
 //   producer: per stage, one cp.async.bulk of the stage's prepared weights (evict-first),
 //             plus cp.async of the stage's raw NVFP4 activation rows (L2 resident), all
 //             completing on the stage's `full` mbarrier; STAGES deep.
-//   consumers: decode the stage's activations once into fp16 B fragments (shared by all warps,
-//             one named barrier), then each warp streams its R row tiles: 16-byte LDS of codes,
+//   decoder:  one warp turns the stage's raw activations into fp16 B fragments, then arrives on
+//             `full` (weights' bytes + decoder done = stage ready).
+//   consumers: each warp streams its R row tiles: 16-byte LDS of codes,
 //             bit decode, e4m3 scale via cvt and one HMUL2 per pair, mma into fp32 registers.
 //             Each consumer thread arrives on `empty` when done with the stage.
 //   Experts with more than 8*FMAX tokens take several passes over their weights.
@@ -152,20 +154,20 @@ struct Config {
   static constexpr int STAGE_W = W * R * KATOMS * ATOM_BYTES;
   static constexpr int STAGE_XQ = TOKENS * (BK / 2);
   static constexpr int STAGE_XS = TOKENS * (BK / 16);
-  static constexpr int XF = FMAX * KSTEPS * 32 * 8;  // fp16 B fragments, one buffer
+  static constexpr int XF = FMAX * KSTEPS * 32 * 8;  // fp16 B fragments of one stage
   static constexpr int OFF_BAR = 0;
-  static constexpr int OFF_W = 16 * ((2 * STAGES * 8 + 15) / 16);
+  static constexpr int OFF_W = 16 * ((3 * STAGES * 8 + 15) / 16);
   static constexpr int OFF_XQ = OFF_W + STAGES * STAGE_W;
   static constexpr int OFF_XS = OFF_XQ + STAGES * STAGE_XQ;
   static constexpr int OFF_XF = 16 * ((OFF_XS + STAGES * STAGE_XS + 15) / 16);
-  static constexpr int SMEM = OFF_XF + 2 * XF;
-  static constexpr int THREADS = (W + 1) * 32;
+  static constexpr int SMEM = OFF_XF + STAGES * XF;
+  static constexpr int THREADS = (W + 2) * 32;
 };
 
 // READ_ONLY = true runs the same grid, pipeline and copies but skips decode, MMA and stores:
 // the achievable read rate of exactly this access pattern.
 template <int W, int R, int BK, int STAGES, int FMAX, bool READ_ONLY = false>
-__global__ void __launch_bounds__((W + 1) * 32, 1)
+__global__ void __launch_bounds__((W + 2) * 32, 1)
 grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (atoms)
                    const uint8_t* __restrict__ xq,      // (T, K/2) codes
                    const uint8_t* __restrict__ xs,      // (T, K/16) e4m3 scales
@@ -184,14 +186,16 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + C::OFF_BAR);
   const uint32_t full0 = smem_addr(bars);
   const uint32_t empty0 = smem_addr(bars + STAGES);
+  const uint32_t raw0 = smem_addr(bars + 2 * STAGES);
   int* active = reinterpret_cast<int*>(smem + C::SMEM);  // experts with tokens, in order
-  __shared__ int warp_count[W + 1];
+  __shared__ int warp_count[W + 2];
   __shared__ int n_active_s;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full0 + 8 * s, 1 + 32);   // producer's expect_tx arrive + 32 cp.async arrivals
+      mbar_init(full0 + 8 * s, 1 + 32);   // producer's expect_tx arrive + the decoder warp
       mbar_init(empty0 + 8 * s, W * 32);  // every consumer thread
+      mbar_init(raw0 + 8 * s, 32);        // the producer's cp.async arrivals (raw activations)
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     n_active_s = 0;
@@ -211,7 +215,7 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
     __syncthreads();
     if (threadIdx.x == 0) {
       int total = 0;
-      for (int w = 0; w <= W; ++w) total += warp_count[w];
+      for (int w = 0; w < W + 2; ++w) total += warp_count[w];
       n_active_s += total;
     }
   }
@@ -256,7 +260,52 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
           const uint8_t* src = xs + (size_t)(row0 + tok0 + tr) * (K / 16) + kc * (BK / 16);
           cp_async<BK / 16>(smem_addr(sdst + tr * (BK / 16)), src);
         }
-        cp_async_arrive_noinc(full0 + 8 * s);
+        cp_async_arrive_noinc(raw0 + 8 * s);
+      }
+    }
+    return;
+  }
+
+  if (warp == W + 1) {
+    // ---------------- activation decoder warp ----------------
+    // Raw NVFP4 activations of stage s -> fp16 B fragments xf[s] (item = token row, k16 block),
+    // then arrive on full[s]: consumers never synchronise with each other.
+    const uint32_t two14 = 0x74007400u;  // fp16x2 (2^14, 2^14): v*2^-14*s is exact, then *2^14 exact
+    int it = 0;
+    for (int u = blockIdx.x; u < n_units; u += gridDim.x) {
+      const int e = active[u / NB];
+      const int count = offsets[e + 1] - offsets[e];
+      const int iters = ((count + C::TOKENS - 1) / C::TOKENS) * kchunks;
+      for (int ui = 0; ui < iters; ++ui, ++it) {
+        const int s = it % STAGES;
+        const uint32_t phase = (it / STAGES) & 1;
+        const int tok0 = (ui / kchunks) * C::TOKENS;
+        const int ntok = min(C::TOKENS, count - tok0);
+        const int frags = (ntok + 7) >> 3;
+        mbar_wait(raw0 + 8 * s, phase);
+        if constexpr (!READ_ONLY) {
+          const uint8_t* qsrc = smem + C::OFF_XQ + s * C::STAGE_XQ;
+          const uint8_t* ssrc = smem + C::OFF_XS + s * C::STAGE_XS;
+          uint2* xf = reinterpret_cast<uint2*>(smem + C::OFF_XF + s * C::XF);
+          for (int item = lane; item < frags * 8 * C::KSTEPS; item += 32) {
+            const int tr = item / C::KSTEPS, j = item - tr * C::KSTEPS;
+            uint2 raw = make_uint2(0u, 0u);
+            uint32_t sbits = 0;
+            if (tr < ntok) {
+              raw = *reinterpret_cast<const uint2*>(qsrc + tr * (BK / 2) + j * 8);
+              sbits = ssrc[tr * (BK / 16) + j];
+            }
+            const uint32_t sc = e4m3x2_to_f16x2(sbits);  // low half = this block's scale
+            uint2* dst = xf + ((tr >> 3) * C::KSTEPS + j) * 32 + (tr & 7) * 4;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              const uint32_t lo = raw_byte_to_f16x2((raw.x >> (8 * q)) & 0xffu);
+              const uint32_t hi = raw_byte_to_f16x2((raw.y >> (8 * q)) & 0xffu);
+              dst[q] = make_uint2(hmul2(hmul2_lo(lo, sc), two14), hmul2(hmul2_lo(hi, sc), two14));
+            }
+          }
+        }
+        mbar_arrive(full0 + 8 * s);
       }
     }
     return;
@@ -297,31 +346,7 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
     }
     (void)out_scale;
 
-    // Decode this stage's activations into fp16 B fragments: item = (token row, k16 block).
-    uint2* xf = reinterpret_cast<uint2*>(smem + C::OFF_XF + (it & 1) * C::XF);
-    {
-      const uint8_t* qsrc = smem + C::OFF_XQ + s * C::STAGE_XQ;
-      const uint8_t* ssrc = smem + C::OFF_XS + s * C::STAGE_XS;
-      const uint32_t two14 = 0x74007400u;  // fp16x2 (2^14, 2^14): v*2^-14*s is exact, then *2^14 exact
-      for (int item = threadIdx.x; item < frags * 8 * C::KSTEPS; item += W * 32) {
-        const int tr = item / C::KSTEPS, j = item - tr * C::KSTEPS;
-        uint2 raw = make_uint2(0u, 0u);
-        uint32_t sbits = 0;
-        if (tr < ntok) {
-          raw = *reinterpret_cast<const uint2*>(qsrc + tr * (BK / 2) + j * 8);
-          sbits = ssrc[tr * (BK / 16) + j];
-        }
-        const uint32_t sc = e4m3x2_to_f16x2(sbits);  // low half = this block's scale
-        uint2* dst = xf + ((tr >> 3) * C::KSTEPS + j) * 32 + (tr & 7) * 4;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const uint32_t lo = raw_byte_to_f16x2((raw.x >> (8 * q)) & 0xffu);
-          const uint32_t hi = raw_byte_to_f16x2((raw.y >> (8 * q)) & 0xffu);
-          dst[q] = make_uint2(hmul2(hmul2_lo(lo, sc), two14), hmul2(hmul2_lo(hi, sc), two14));
-        }
-      }
-    }
-    named_barrier(1, W * 32);
+    const uint2* xf = reinterpret_cast<const uint2*>(smem + C::OFF_XF + s * C::XF);
 
     const uint8_t* wst = smem + C::OFF_W + s * C::STAGE_W;
 #pragma unroll

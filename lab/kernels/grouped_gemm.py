@@ -249,7 +249,7 @@ class GemmConfig:
 
     @property
     def threads(self) -> int:
-        return (self.warps + 1) * 32
+        return (self.warps + 2) * 32  # consumers, producer, activation decoder
 
     @property
     def expression(self) -> str:
@@ -267,10 +267,10 @@ class GemmConfig:
         stage_xq = tokens * (self.k_step // 2)
         stage_xs = tokens * (self.k_step // 16)
         xf = self.max_frags * ksteps * 32 * 8
-        off_w = 16 * ((2 * self.stages * 8 + 15) // 16)
+        off_w = 16 * ((3 * self.stages * 8 + 15) // 16)
         off_xs = off_w + self.stages * (stage_w + stage_xq)
         off_xf = 16 * ((off_xs + self.stages * stage_xs + 15) // 16)
-        return off_xf + 2 * xf
+        return off_xf + self.stages * xf
 
     def launch_smem(self, experts: int) -> int:
         """Dynamic shared memory of a launch: the pipeline plus the compacted expert list."""
@@ -344,7 +344,7 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None) -> 
 
 SHIPPED_CONFIGS = tuple(
     GemmConfig(w, r, ks, st, f)
-    for (w, r, ks, st) in ((8, 2, 128, 4), (4, 2, 128, 6), (8, 2, 256, 3), (8, 2, 64, 8))
+    for (w, r, ks, st) in ((8, 2, 128, 4), (8, 2, 128, 3), (4, 2, 128, 6), (8, 2, 256, 2), (8, 2, 64, 8))
     for f in MAX_FRAGS_CHOICES)
 
 

@@ -125,8 +125,10 @@ __global__ void quantize_rows(const T* __restrict__ x, const int* __restrict__ r
 // h (rows, 2I) fp32: gate in columns [0, I), up in [I, 2I), no weight globals applied.
 // Row r belongs to expert e with offsets[e] <= r < offsets[e+1] (binary search; empty experts
 // have offsets[e] == offsets[e+1] and are skipped by taking the last e with offsets[e] <= r).
-//   g = h_gate * gate_global[e]; u = h_up * up_global[e]; a = silu(g) * u, silu(g) = g / (1 + expf(-g))
-// (CUDA's expf, within 2 ulp, not the fast-math __expf; expf(-g) = Inf for g << 0 gives -0.)
+//   g = h_gate * gate_global[e]; u = h_up * up_global[e]; a = (g * sigmoid(g)) * u, with
+//   sigmoid(g) = 1 / (1 + t) for g >= 0 and t / (1 + t) below, t = expf(-|g|)
+// (as lab/reference.py writes it: t never overflows, so silu stays accurate for g << 0; CUDA's
+// expf is within 2 ulp, not the fast-math __expf).
 // a is quantized with the static global g2 into packed (rows, I/2) / scales (rows, I/16); when
 // a_out is not null the fp32 a (rows, I) is written too (for checks).
 __global__ void swiglu_quant(const float* __restrict__ h, const int* __restrict__ offsets, int experts, int I,
@@ -153,8 +155,9 @@ __global__ void swiglu_quant(const float* __restrict__ h, const int* __restrict_
     for (int i = 0; i < 4; ++i) {
       const float g = __fmul_rn(hg[i], gs);
       const float u = __fmul_rn(hu[i], us);
-      const float silu = __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
-      a[i] = __fmul_rn(silu, u);
+      const float e = expf(-fabsf(g));  // in (0, 1]: never overflows
+      const float sig = __fdiv_rn(g >= 0.0f ? 1.0f : e, __fadd_rn(1.0f, e));
+      a[i] = __fmul_rn(__fmul_rn(g, sig), u);
       bad += !finite(hg[i]) + !finite(hu[i]) + !finite(a[i]);
     }
     if (a_out) *reinterpret_cast<float4*>(a_out + (size_t)r * I + 4 * c4) = make_float4(a[0], a[1], a[2], a[3]);

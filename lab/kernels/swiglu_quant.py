@@ -9,8 +9,9 @@
 
 Codes and scales equal ``lab.nvfp4.quantize(values, global_scale)`` bit for bit given the same
 float32 values (the kernel repeats the docstring's float32 operations in order). SwiGLU is
-computed in float32 as ``g / (1 + expf(-g)) * u`` with CUDA's expf (within 2 ulp), so its
-values match the float64 reference to a few ulp, not bitwise.
+computed in float32 as ``(g * sigmoid(g)) * u``, sigmoid from ``t = expf(-|g|)`` as
+lab.reference writes it, with CUDA's expf (within 2 ulp), so its values match the float64
+reference to a few ulp (times the conditioning of silu at g), not bitwise.
 
 Every kernel adds the number of non-finite values it met (inputs, h, a, or bf16 outputs) to
 ``counter`` (1,) uint32: the caller zeroes it, runs, and reads it after a checked run. Launches

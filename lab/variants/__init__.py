@@ -1,1 +1,33 @@
-"""Layer variants: small files that compose kernels on one runner."""
+"""Layer variants: small files that compose kernels on one runner (lab/runner.py).
+
+Each variant has a ``name``, an ``expect`` saying what its output should be, ``prepare`` and
+``run``:
+
+    baseline  separate                     the reference every other variant is compared with
+    match     cuda-graph, chunked-{2,4,8,16}   bitwise equal to separate's output
+    ceiling   one-launch-2G                numerically wrong by construction; timed as a bound
+    approx    cublas-fp16                  fp16 arithmetic; compared with the float64 reference
+"""
+
+from __future__ import annotations
+
+from . import chunked, cublas_fp16, cuda_graph, one_launch_2g, separate
+
+# name -> factory, in the order the layer table lists them
+REGISTRY = {
+    separate.name: separate.Separate,
+    cuda_graph.name: cuda_graph.CudaGraph,
+    **{f"chunked-{k}": (lambda k=k: chunked.Chunked(k)) for k in chunked.CHUNKS},
+    one_launch_2g.name: one_launch_2g.OneLaunch2G,
+    cublas_fp16.name: cublas_fp16.CublasFp16,
+}
+NAMES = tuple(REGISTRY)
+
+
+def make(name: str):
+    """A fresh variant by name; ValueError listing the known names otherwise."""
+    try:
+        factory = REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown variant {name!r}; known: {', '.join(NAMES)}") from None
+    return factory()

@@ -1,0 +1,44 @@
+"""separate: the baseline. w13 grouped GEMM, SwiGLU + quantize, w2 grouped GEMM, then the
+fp32 -> bf16 output conversion, one launch each on the runner's stream.
+
+    x_q (rows, H) --w13--> h (rows, 2I) f32 --act--> a_q (rows, I) --w2--> out f32 --out--> bf16
+"""
+
+from __future__ import annotations
+
+from lab.kernels import grouped_gemm as gg
+from lab.kernels import swiglu_quant as sq
+
+name = "separate"
+expect = "baseline"
+STAGES = ("w13", "act", "w2", "out")
+
+
+def launch_stages(runner, layer, part, stream, after_w13=None) -> None:
+    """The four stages of `part` (a lab.layer.Part) on `stream`; `after_w13` (an event) is
+    recorded on `stream` once the w13 GEMM is enqueued, for pipelines that order on it."""
+    with runner.stage("w13", stream):
+        gg.grouped_gemm(part.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, part.h,
+                        layer.w13_cfg, stream=stream)
+    if after_w13 is not None:
+        after_w13.record(stream)
+    with runner.stage("act", stream):
+        sq.swiglu_quant(part.h, part.offsets, part.gate_global, part.up_global, layer.weights.w2_input_scale,
+                        part.a_packed, part.a_scales, runner.counter, stream=stream)
+    with runner.stage("w2", stream):
+        gg.grouped_gemm(part.w2, part.a_packed, part.a_scales, part.offsets, part.w2_alpha, part.out,
+                        layer.w2_cfg, stream=stream)
+    with runner.stage("out", stream):
+        sq.to_bf16(part.out, part.out_bf16, runner.counter, stream=stream)
+
+
+class Separate:
+    name = name
+    expect = expect
+    stages = STAGES
+
+    def prepare(self, runner, layer) -> None:
+        pass  # every buffer is the layer's
+
+    def run(self, runner, layer) -> None:
+        launch_stages(runner, layer, layer.full, runner.stream)

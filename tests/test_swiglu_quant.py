@@ -1,0 +1,428 @@
+"""Activation kernels: NVFP4 quantize, SwiGLU + quantize, fp32 -> bf16.
+
+CPU: the kernel's arithmetic (e2m1 thresholds, e4m3 decode by bits, bf16 rounding by bits)
+re-run in NumPy against lab.nvfp4 / ml_dtypes, argument checks, and ptxas (no spills).
+GPU: the kernels themselves, bit for bit against lab.nvfp4.quantize.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lab import nvfp4, reference
+from lab.kernels import jit
+from lab.kernels import swiglu_quant as sq
+
+f32 = np.float32
+MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], f32)
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs that hit every rule of the format
+# ---------------------------------------------------------------------------------------------
+
+
+def hard_matrix(seed: int, rows: int, blocks: int, g: float) -> np.ndarray:
+    """(rows, 16 * blocks) float32 whose blocks are each one of: Gaussian at a random decade,
+    exact e2m1 midpoints (ties), one ulp off midpoints, zeros and -0.0, saturating (scale input
+    past 448), tiny (scale rounds to 0 or to an e4m3 subnormal), and grid values with negatives
+    that round to -0."""
+    rng = np.random.default_rng(seed)
+    g = f32(g)
+    x = np.empty((rows, blocks, 16), f32)
+    s_vals = nvfp4.decode_e4m3(np.arange(1, 0x7F, dtype=np.uint8))
+    for r in range(rows):
+        for b in range(blocks):
+            kind = rng.integers(0, 7)
+            if kind == 0:  # Gaussian over many decades
+                x[r, b] = rng.standard_normal(16) * f32(10.0 ** rng.uniform(-8, 4))
+            elif kind in (1, 2):  # midpoints of a scale s: amax 6*s*g pins the scale to s
+                denom = f32(rng.choice(s_vals) * g)
+                el = rng.choice(MIDPOINTS, 16) * denom * rng.choice([-1, 1], 16)
+                el = el.astype(f32)
+                if kind == 2:
+                    el = np.nextafter(el, rng.choice([-np.inf, np.inf], 16).astype(f32)).astype(f32)
+                el[0] = f32(6) * denom
+                x[r, b] = el
+            elif kind == 3:  # zeros, -0.0 and a few tiny negatives
+                x[r, b] = 0
+                x[r, b, rng.integers(0, 16, 4)] = -0.0
+                if rng.random() < 0.5:
+                    x[r, b, rng.integers(0, 16)] = 1.0
+                    x[r, b, rng.integers(0, 16, 3)] = -1e-3
+            elif kind == 4:  # saturating block scale
+                x[r, b] = rng.standard_normal(16) * f32(448 * 6) * g * f32(rng.uniform(1, 100))
+            elif kind == 5:  # tiny: scale input near 2**-10 (zero code) and e4m3 subnormals
+                amax = f32(6) * g * f32(2.0 ** rng.uniform(-11, -5))
+                x[r, b] = (rng.uniform(-1, 1, 16) * amax).astype(f32)
+                x[r, b, 0] = amax
+            else:  # grid values x scale x g, with negatives that round to -0
+                denom = f32(rng.choice(s_vals) * g)
+                x[r, b] = rng.choice(nvfp4.E2M1_VALUES, 16) * denom
+                x[r, b, rng.integers(0, 16)] = -0.1 * denom
+    return x.reshape(rows, blocks * 16).astype(f32)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the kernel's arithmetic in NumPy
+# ---------------------------------------------------------------------------------------------
+
+
+def kernel_e2m1(q: np.ndarray) -> np.ndarray:
+    """swiglu_quant.cu e2m1_encode: threshold comparisons on |q|, sign bit copied."""
+    a = np.abs(q)
+    i = ((a > 0.25).astype(np.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5) +
+         (a > 5.0)).astype(np.uint8)
+    return i | ((q.view(np.uint32) >> 28) & 8).astype(np.uint8)
+
+
+def kernel_e4m3_decode(c: np.ndarray) -> np.ndarray:
+    """swiglu_quant.cu e4m3_decode: exponent field 0 -> m * 2^-9, else float32 bits."""
+    c = c.astype(np.uint32)
+    e, m = (c >> 3) & 0xF, c & 7
+    normal = (((e + 120) << 23) | (m << 20)).astype(np.uint32).view(f32)
+    return np.where(e == 0, m.astype(f32) * f32(2.0**-9), normal).astype(f32)
+
+
+def kernel_bf16(x: np.ndarray) -> np.ndarray:
+    """swiglu_quant.cu bf16_bits."""
+    u = x.astype(f32).view(np.uint32).astype(np.uint64)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+    return np.where(nan, (u >> 16) | 0x40, r).astype(np.uint16)
+
+
+def kernel_quantize(x: np.ndarray, g) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's quantize4 on whole rows (ml_dtypes standing in for the e4m3 cvt)."""
+    g = f32(g)
+    rows, K = x.shape
+    xb = x.astype(f32).reshape(rows, K // 16, 16)
+    amax = np.abs(xb).max(axis=-1)
+    s_in = np.minimum(amax / (f32(6) * g), f32(448)).astype(f32)
+    code = s_in.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    denom = (kernel_e4m3_decode(code) * g).astype(f32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        q = np.minimum(np.maximum(xb / denom[..., None], f32(-6)), f32(6)).astype(f32)
+    nib = np.where(denom[..., None] != 0, kernel_e2m1(q), 0).astype(np.uint8)
+    return nvfp4.pack_nibbles(nib.reshape(rows, K)), code
+
+
+def test_e2m1_thresholds_match_ml_dtypes_on_every_midpoint_and_neighbour():
+    grid = nvfp4.E2M1_VALUES[:8]
+    pts = np.concatenate([grid, MIDPOINTS, np.float32([1e-30, 2.0**-149, 5.9999995, 6.0])])
+    near = np.concatenate([pts, np.nextafter(pts, f32(np.inf)), np.nextafter(pts, f32(-np.inf))])
+    near = np.concatenate([near, -near, np.float32([0.0, -0.0])])
+    near = np.clip(near, -6, 6).astype(f32)
+    want = near.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
+    np.testing.assert_array_equal(kernel_e2m1(near), want)
+
+
+def test_e4m3_decode_by_bits_matches_every_finite_code():
+    codes = np.arange(0, 0x7F, dtype=np.uint8)
+    np.testing.assert_array_equal(kernel_e4m3_decode(codes), nvfp4.decode_e4m3(codes))
+
+
+@settings(max_examples=40)
+@given(st.integers(0, 2**32 - 1))
+def test_bf16_rounding_by_bits_matches_ml_dtypes(seed):
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)
+    bits[:8] = [0, 0x80000000, 0x7F7FFFFF, 0x3F808000, 0x3F818000, 0x3F80FFFF, 0x00008000, 0x7F800000]
+    x = bits.view(f32)
+    x = x[np.isfinite(x) | np.isinf(x)]
+    np.testing.assert_array_equal(kernel_bf16(x), x.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+@settings(max_examples=60)
+@given(st.integers(0, 2**31), st.integers(1, 6), st.integers(1, 6), st.floats(1e-6, 1e3))
+def test_kernel_arithmetic_equals_nvfp4_quantize(seed, rows, blocks, g):
+    """The quantizer as the kernel writes it (thresholds, decode by bits, zero-block rule, sign
+    rule) is lab.nvfp4's definition, on ties, zeros, saturation and subnormal scales."""
+    x = hard_matrix(seed, rows, blocks, g)
+    t = nvfp4.quantize(x, g)
+    packed, scales = kernel_quantize(x, g)
+    np.testing.assert_array_equal(scales, t.scales)
+    np.testing.assert_array_equal(packed, t.packed)
+
+
+def test_hard_matrix_covers_every_rule():
+    x = np.concatenate([hard_matrix(s, 8, 8, 0.01) for s in range(4)])
+    t = nvfp4.quantize(x, 0.01)
+    nib = nvfp4.unpack_nibbles(t.packed)
+    assert (t.scales == 0).any() and (t.scales == 0x7E).any()  # zero blocks, saturated blocks
+    assert ((t.scales > 0) & (t.scales < 8)).any()  # e4m3 subnormal scales
+    assert (nib == 8).any() and (nib == 7).any() and (nib == 15).any()  # -0, +-6
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: argument checks and ptxas
+# ---------------------------------------------------------------------------------------------
+
+
+def _qargs(rows=4, k=64, t=None, dtype=np.float32):
+    t = rows if t is None else t
+    return (np.zeros((t, k), dtype), np.zeros((rows, k // 2), np.uint8), np.zeros((rows, k // 16), np.uint8),
+            np.zeros(1, np.uint32))
+
+
+@pytest.mark.parametrize("mutate, word", [
+    (lambda a: (np.zeros((4, 60), np.float32),) + a[1:], "K=60"),  # K not a multiple of 16
+    (lambda a: (np.zeros((4, 64), np.float64),) + a[1:], "x: expected"),  # float64 input
+    (lambda a: (np.zeros(64, np.float32),) + a[1:], "x: expected (T, K)"),  # 1-D input
+    (lambda a: (np.zeros((4, 128), np.float32)[:, ::2],) + a[1:], "C-contiguous"),  # strided
+    (lambda a: a[:1] + (np.zeros((4, 31), np.uint8),) + a[2:], "out_packed"),
+    (lambda a: a[:2] + (np.zeros((4, 4), np.float32),) + a[3:], "out_scales"),
+    (lambda a: a[:3] + (np.zeros(2, np.uint32),), "counter"),
+])
+def test_quantize_input_rejects_bad_arguments(mutate, word):
+    with pytest.raises(ValueError, match=word.replace("(", r"\(").replace(")", r"\)")):
+        sq.check_quantize_input(*mutate(_qargs()))
+
+
+def test_quantize_input_checks_row_token_and_accepts_bf16_bits():
+    x, p, s, c = _qargs(rows=6, t=3, dtype=np.uint16)
+    assert sq.check_quantize_input(x, p, s, c, np.zeros(6, np.int32)) == (6, 64)
+    with pytest.raises(ValueError, match="row_token"):
+        sq.check_quantize_input(x, p, s, c, np.zeros(6, np.int64))
+    with pytest.raises(ValueError, match="out_packed"):  # outputs follow row_token's length
+        sq.check_quantize_input(x, p, s, c, np.zeros(5, np.int32))
+
+
+def _sargs(rows=5, i=64, e=3):
+    return dict(h=np.zeros((rows, 2 * i), np.float32), offsets=np.zeros(e + 1, np.int32),
+                gate_global=np.ones(e, np.float32), up_global=np.ones(e, np.float32),
+                out_packed=np.zeros((rows, i // 2), np.uint8), out_scales=np.zeros((rows, i // 16), np.uint8),
+                counter=np.zeros(1, np.uint32))
+
+
+@pytest.mark.parametrize("key, value, word", [
+    ("h", np.zeros((5, 100), np.float32), "h: expected"),  # 2I not a multiple of 32
+    ("h", np.zeros((5, 128), np.float16), "h: expected"),
+    ("offsets", np.zeros(4, np.int64), "offsets"),
+    ("offsets", np.zeros(1, np.int32), "offsets"),  # no expert
+    ("gate_global", np.ones(2, np.float32), "gate_global"),
+    ("up_global", np.ones(3, np.float64), "up_global"),
+    ("out_packed", np.zeros((5, 64), np.uint8), "out_packed"),
+    ("out_scales", np.zeros((4, 4), np.uint8), "out_scales"),
+    ("counter", np.zeros(1, np.int64), "counter"),
+])
+def test_swiglu_quant_rejects_bad_arguments(key, value, word):
+    args = _sargs()
+    assert sq.check_swiglu_quant(**args) == (5, 64, 3)
+    args[key] = value
+    with pytest.raises(ValueError, match=word):
+        sq.check_swiglu_quant(**args)
+    with pytest.raises(ValueError, match="a_out"):
+        sq.check_swiglu_quant(**_sargs(), a_out=np.zeros((5, 63), np.float32))
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf"), 1e39])
+def test_global_scale_must_be_finite_positive_float32(value):
+    with pytest.raises(ValueError, match="global"):
+        sq.check_global("global_scale", value)
+
+
+@pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
+@pytest.mark.parametrize("expression", sq.EXPRESSIONS)
+def test_kernels_compile_for_sm90a_without_spills(expression):
+    info = jit.ptxas_report(sq.SOURCE, expression)
+    assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
+    assert info.registers <= 64, info
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the kernels
+# ---------------------------------------------------------------------------------------------
+
+
+def gpu_quantize(x, g, row_token=None):
+    import cupy as cp
+
+    rows = x.shape[0] if row_token is None else len(row_token)
+    k = x.shape[1]
+    packed = cp.full((rows, k // 2), 0xAA, cp.uint8)
+    scales = cp.full((rows, k // 16), 0xAA, cp.uint8)
+    counter = cp.zeros(1, cp.uint32)
+    rt = None if row_token is None else cp.asarray(row_token, dtype=cp.int32)
+    sq.quantize_input(cp.asarray(x), g, packed, scales, counter, row_token=rt)
+    return packed.get(), scales.get(), int(counter.get()[0])
+
+
+def assert_codes_equal(got_packed, got_scales, t: nvfp4.NVFP4Tensor):
+    """Bitwise equality, reporting the first differing element."""
+    bad = np.argwhere(got_scales != t.scales)
+    assert bad.size == 0, f"scale differs first at {tuple(bad[0])}: {got_scales[tuple(bad[0])]:#x} vs {t.scales[tuple(bad[0])]:#x}"
+    gn, wn = nvfp4.unpack_nibbles(got_packed), nvfp4.unpack_nibbles(t.packed)
+    bad = np.argwhere(gn != wn)
+    assert bad.size == 0, f"code differs first at {tuple(bad[0])}: {gn[tuple(bad[0])]} vs {wn[tuple(bad[0])]}"
+
+
+@pytest.mark.gpu
+@settings(max_examples=40)
+@given(st.integers(0, 2**31), st.integers(1, 9), st.integers(1, 40), st.floats(1e-6, 1e3))
+def test_gpu_quantize_input_matches_nvfp4_bit_for_bit(seed, rows, blocks, g):
+    """Ties, zeros, -0.0, saturating and subnormal scales (hard_matrix); K up to 640 so a row
+    spans several block steps of the kernel's loop."""
+    x = hard_matrix(seed, rows, blocks, g)
+    packed, scales, bad = gpu_quantize(x, g)
+    assert bad == 0
+    assert_codes_equal(packed, scales, nvfp4.quantize(x, g))
+
+
+@pytest.mark.gpu
+def test_gpu_quantize_on_rounding_boundaries_for_many_globals():
+    rng = np.random.default_rng(3)
+    for g in np.exp(rng.uniform(np.log(1e-7), np.log(1e2), 24)).astype(f32):
+        x = hard_matrix(int(rng.integers(2**31)), 64, 8, g)
+        packed, scales, bad = gpu_quantize(x, g)
+        assert bad == 0
+        assert_codes_equal(packed, scales, nvfp4.quantize(x, g))
+
+
+@pytest.mark.gpu
+@settings(max_examples=20)
+@given(st.integers(0, 2**31), st.integers(1, 20), st.integers(1, 12))
+def test_gpu_quantize_bf16_input_with_gather(seed, tokens, rows):
+    """bf16 bits in, rows gathered by row_token (repeats allowed): row r is quantize(x[rt[r]])."""
+    rng = np.random.default_rng(seed)
+    g = f32(32 / 2688)
+    x = (rng.standard_normal((tokens, 256)) * 10.0 ** rng.uniform(-3, 1)).astype(ml_dtypes.bfloat16)
+    rt = rng.integers(0, tokens, rows).astype(np.int32)
+    packed, scales, bad = gpu_quantize(x.view(np.uint16), g, rt)
+    assert bad == 0
+    assert_codes_equal(packed, scales, nvfp4.quantize(x[rt], g))
+
+
+@pytest.mark.gpu
+def test_gpu_quantize_counts_non_finite_inputs():
+    x = hard_matrix(0, 4, 8, 0.01)
+    packed, scales, bad = gpu_quantize(x, 0.01)
+    assert bad == 0
+    x[1, 3], x[2, 100], x[3, 127] = np.nan, np.inf, -np.inf
+    assert gpu_quantize(x, 0.01)[2] == 3
+    xb = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    assert gpu_quantize(xb, 0.01)[2] == 3
+
+
+def ragged_offsets(rng, rows, experts):
+    """(E+1,) int32 offsets with some empty experts (at the start, middle and end too)."""
+    cuts = np.sort(rng.integers(0, rows + 1, experts - 1))
+    return np.concatenate([[0], cuts, [rows]]).astype(np.int32)
+
+
+def gpu_swiglu(h, offsets, gate, up, g2, a_out=True):
+    import cupy as cp
+
+    rows, two_i = h.shape
+    i = two_i // 2
+    packed = cp.full((rows, i // 2), 0xAA, cp.uint8)
+    scales = cp.full((rows, i // 16), 0xAA, cp.uint8)
+    counter = cp.zeros(1, cp.uint32)
+    a = cp.full((rows, i), cp.nan, cp.float32) if a_out else None
+    sq.swiglu_quant(cp.asarray(h), cp.asarray(offsets), cp.asarray(gate), cp.asarray(up), g2, packed, scales,
+                    counter, a_out=a)
+    return packed.get(), scales.get(), (a.get() if a_out else None), int(counter.get()[0])
+
+
+def assert_swiglu_close(a, ref, h, offsets, gate):
+    """fp32 SwiGLU within a few ulp of float64: g carries half an ulp, which silu's condition
+    number (1 + |g|) amplifies; expf adds 2 ulp; subnormal results get an absolute ulp."""
+    i = h.shape[1] // 2
+    e = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+    g = np.abs(h[:, :i].astype(np.float64) * gate[e][:, None])
+    bound = np.abs(ref) * 2.0**-24 * (8 + 2 * g) + 2.0**-148
+    err = np.abs(a - ref)
+    worst = np.unravel_index(np.argmax(err - bound), err.shape)
+    assert (err <= bound).all(), f"a{worst} = {a[worst]!r}, float64 {ref[worst]!r}"
+
+
+@pytest.mark.gpu
+@settings(max_examples=30)
+@given(st.integers(0, 2**31), st.integers(1, 40), st.integers(1, 7), st.sampled_from([16, 64, 256, 1088]))
+def test_gpu_swiglu_quant_codes_are_nvfp4_of_its_fp32_values(seed, rows, experts, i):
+    """Codes and scales equal nvfp4.quantize of the kernel's own fp32 SwiGLU values bit for bit,
+    those values match the float64 SwiGLU to a few ulp, and writing a_out changes no code."""
+    rng = np.random.default_rng(seed)
+    h = (rng.standard_normal((rows, 2 * i)) * 10.0 ** rng.uniform(0, 5)).astype(f32)
+    h[rng.random(h.shape) < 0.01] = 0.0
+    offsets = ragged_offsets(rng, rows, experts)
+    gate = (4.65e-5 * np.exp(0.1 * rng.standard_normal(experts))).astype(f32)
+    up = (gate / f32(1.2308)).astype(f32)
+    g2 = f32(16 / 2688)
+    packed, scales, a, bad = gpu_swiglu(h, offsets, gate, up, g2)
+    assert bad == 0
+    assert_codes_equal(packed, scales, nvfp4.quantize(a, g2))
+    ref = reference.swiglu(h, offsets, gate, up)
+    assert_swiglu_close(a, ref, h, offsets, gate)
+    p2, s2, _, _ = gpu_swiglu(h, offsets, gate, up, g2, a_out=False)
+    np.testing.assert_array_equal(p2, packed)
+    np.testing.assert_array_equal(s2, scales)
+
+
+@pytest.mark.gpu
+def test_gpu_swiglu_uses_each_rows_expert_globals():
+    """Identical h rows under different experts differ exactly by their globals."""
+    rng = np.random.default_rng(5)
+    h = np.repeat(rng.standard_normal((1, 128)).astype(f32), 6, axis=0)
+    offsets = np.array([0, 2, 2, 5, 6], np.int32)  # expert 1 empty
+    gate = np.array([1.0, 9.0, 0.5, 2.0], f32)
+    up = np.array([1.0, 9.0, 3.0, 0.25], f32)
+    _, _, a, bad = gpu_swiglu(h, offsets, gate, up, f32(0.01))
+    assert bad == 0
+    for r, e in enumerate([0, 0, 2, 2, 2, 3]):
+        g, u = h[r, :64].astype(np.float64) * gate[e], h[r, 64:].astype(np.float64) * up[e]
+        np.testing.assert_allclose(a[r], g / (1 + np.exp(-g)) * u, rtol=2e-6, atol=1e-30)
+
+
+@pytest.mark.gpu
+def test_gpu_swiglu_is_accurate_for_very_negative_gate():
+    """silu(g) for g down to -100 stays a tiny normal/subnormal number, not -0 or NaN."""
+    g = -np.linspace(0, 100, 64, dtype=f32)
+    h = np.concatenate([g, np.ones(64, f32)])[None, :].astype(f32)
+    one = np.ones(1, f32)
+    _, _, a, bad = gpu_swiglu(h, np.array([0, 1], np.int32), one, one, f32(1e-3))
+    assert bad == 0
+    ref = reference.swiglu(h, np.array([0, 1]), one, one)
+    assert_swiglu_close(a, ref, h, np.array([0, 1]), one)
+
+
+@pytest.mark.gpu
+def test_gpu_swiglu_counts_non_finite_h_and_a():
+    rng = np.random.default_rng(6)
+    h = rng.standard_normal((4, 64)).astype(f32)
+    offsets = np.array([0, 4], np.int32)
+    one = np.ones(1, f32)
+    assert gpu_swiglu(h, offsets, one, one, f32(0.01))[3] == 0
+    h[0, 3] = np.nan  # gate NaN: h and a non-finite
+    h[1, 40] = np.inf  # up Inf: h and a
+    h[2, 5] = f32(3e38)  # finite h, g = h * 4 overflows: a non-finite
+    assert gpu_swiglu(h, offsets, one * 4, one, f32(0.01))[3] == 5
+
+
+@pytest.mark.gpu
+@settings(max_examples=20)
+@given(st.integers(0, 2**31), st.integers(1, 33))
+def test_gpu_to_bf16_rounds_like_ml_dtypes(seed, rows):
+    import cupy as cp
+
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 2**32, (rows, 64), dtype=np.uint64).astype(np.uint32).view(f32)
+    x = np.where(np.isfinite(x), x, f32(1.0)).astype(f32)
+    x[0, :4] = [0.0, -0.0, 1.00390625, 1.01171875]  # ties to even, both directions
+    out = cp.zeros((rows, 64), cp.uint16)
+    counter = cp.zeros(1, cp.uint32)
+    sq.to_bf16(cp.asarray(x), out, counter)
+    want = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    np.testing.assert_array_equal(out.get(), want)
+    assert int(counter.get()[0]) == int((~np.isfinite(want.view(ml_dtypes.bfloat16).astype(f32))).sum())
+
+
+@pytest.mark.gpu
+def test_gpu_launchers_reject_host_arrays():
+    x, p, s, c = _qargs()
+    with pytest.raises(ValueError, match="CuPy array"):
+        sq.quantize_input(x, 1.0, p, s, c)
