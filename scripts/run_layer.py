@@ -1,0 +1,416 @@
+"""Run, check and time the MoE layer variants on one GPU, and print the study's tables.
+
+    python scripts/run_layer.py                              the study's problem, mean 8 and 32
+    python scripts/run_layer.py --variants separate cuda-graph --mean-tokens 8 --json out.json
+    python scripts/run_layer.py --experts 16 --hidden 512 --intermediate 256 --iterations 5
+
+Prints a setup table, the bytes table with its roofline, the read bandwidth measured in the
+same run (a flat streaming read), the layer table (ms and % of roofline at each mean, and
+whether the output is right: baseline / match / MISMATCH / invalid, ceiling / approx with its
+error against float64) and separate's stage table at --stage-mean. --json writes all of it.
+
+Correctness (unless --no-check): `separate` stage by stage against the float64 reference (all
+experts on small problems, a seeded sample of --check-experts on large ones), every other
+valid variant bitwise equal to separate, the layer's relative error against float64 reported.
+Without a GPU it prints the bytes table and exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tabulate import tabulate
+
+from lab import roofline
+from lab.checkpoint import CheckpointError, load_checkpoint
+from lab.problem import MoEProblem, make_routing, random_activations, random_weights, tokens_for_mean
+from lab.variants import NAMES
+
+DEFAULTS = MoEProblem()
+SMALL_WEIGHT_BYTES = 256 << 20  # at most this much weight: check every expert against float64
+STAGE_BYTES_KEYS = {"w13": "w13", "act": "act", "w2": "w2"}
+
+
+def log(msg: str) -> None:
+    print(f"[run_layer {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# arguments
+# ---------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", nargs="+", default=list(NAMES), metavar="NAME",
+                    help=f"variants to run (default all: {' '.join(NAMES)})")
+    ap.add_argument("--mean-tokens", nargs="+", type=float, default=[8.0, 32.0], metavar="M",
+                    help="mean tokens per expert, one run each (default 8 32)")
+    ap.add_argument("--experts", type=int, help=f"E (default {DEFAULTS.experts}, or the checkpoint's)")
+    ap.add_argument("--hidden", type=int, help=f"H (default {DEFAULTS.hidden}, or the checkpoint's)")
+    ap.add_argument("--intermediate", type=int, help=f"I (default {DEFAULTS.intermediate}, or the checkpoint's)")
+    ap.add_argument("--top-k", type=int, default=DEFAULTS.top_k)
+    ap.add_argument("--iterations", type=int, default=20, help="timed iterations per variant (median, min, max)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skew", type=float, default=0.0, help="routing skew: 0 uniform, else p ~ 1/rank**skew")
+    ap.add_argument("--checkpoint", help="ModelOpt NVFP4 safetensors file (default: synthetic weights)")
+    ap.add_argument("--layer", type=int, help="layer index in the checkpoint (default: its only layer)")
+    ap.add_argument("--check-experts", type=int, default=16,
+                    help="experts checked against float64 on large problems (>= 16)")
+    ap.add_argument("--stage-mean", type=float, default=8.0, help="mean whose stage table is printed")
+    ap.add_argument("--no-check", action="store_true", help="skip every correctness check")
+    ap.add_argument("--json", metavar="PATH", help="write every table and check here")
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    unknown = [v for v in args.variants if v not in NAMES]
+    if unknown:
+        ap.error(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(NAMES)}")
+    args.variants = list(dict.fromkeys(args.variants))
+    bad = [m for m in args.mean_tokens if not (np.isfinite(m) and m > 0)]
+    if bad:
+        ap.error(f"--mean-tokens: must be positive, got {bad}")
+    for name in ("experts", "hidden", "intermediate", "top_k", "iterations"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            ap.error(f"--{name.replace('_', '-')}: must be >= 1, got {v}")
+    if args.warmup < 0:
+        ap.error(f"--warmup: must be >= 0, got {args.warmup}")
+    if not (np.isfinite(args.skew) and args.skew >= 0):
+        ap.error(f"--skew: must be finite and >= 0, got {args.skew}")
+    if args.check_experts < 16:
+        ap.error(f"--check-experts: must be >= 16 (use --no-check to skip checks), got {args.check_experts}")
+    if args.checkpoint and not Path(args.checkpoint).is_file():
+        ap.error(f"--checkpoint: no such file: {args.checkpoint}")
+    if args.checkpoint is None and args.layer is not None:
+        ap.error("--layer: needs --checkpoint")
+    try:
+        flags_problem(args).validate()
+    except ValueError as exc:
+        ap.error(str(exc))
+    return args
+
+
+def flags_problem(args) -> MoEProblem:
+    return MoEProblem(args.experts or DEFAULTS.experts, args.hidden or DEFAULTS.hidden,
+                      args.intermediate or DEFAULTS.intermediate, args.top_k)
+
+
+def resolve_weights(args):
+    """(problem, MoEWeights or None, checkpoint report or None). Synthetic weights are drawn later
+    (only on a GPU machine); a checkpoint is read now and must match every shape flag given."""
+    if not args.checkpoint:
+        return flags_problem(args), None, None
+    given = {k: getattr(args, k) for k in ("experts", "hidden", "intermediate") if getattr(args, k) is not None}
+    problem = flags_problem(args) if len(given) == 3 else None
+    log(f"reading checkpoint {args.checkpoint}")
+    weights, report = load_checkpoint(args.checkpoint, layer=args.layer, problem=problem)
+    found = {"experts": report.experts, "hidden": report.hidden, "intermediate": report.intermediate}
+    for k, v in given.items():
+        if found[k] != v:
+            raise CheckpointError(f"{args.checkpoint}: --{k} {v} does not match the checkpoint's {k}={found[k]}")
+    log(report.summary())
+    return weights.problem(args.top_k).validate(), weights, report
+
+
+# ---------------------------------------------------------------------------------------------
+# tables
+# ---------------------------------------------------------------------------------------------
+
+
+def routing_for(problem: MoEProblem, mean: float, args):
+    tokens = tokens_for_mean(mean, problem.experts, problem.top_k)
+    return make_routing(tokens, problem.experts, problem.top_k, skew=args.skew, seed=args.seed)
+
+
+def bytes_rows(problem: MoEProblem, routings: dict, gbps: float) -> list[dict]:
+    rows = []
+    for mean, routing in routings.items():
+        for r in roofline.bytes_table(problem, routing.counts, gbps, active=True):
+            rows.append({"mean_tokens": mean, "rows": routing.rows,
+                         "active_experts": int((routing.counts > 0).sum()), **r})
+    return rows
+
+
+def print_bytes(rows: list[dict], gbps: float, measured: bool) -> None:
+    what = "measured" if measured else "nominal H200, not measured"
+    print(f"\nBytes the layer moves (experts with tokens) and their roofline at {gbps:.0f} GB/s ({what})")
+    print(tabulate([[f"{r['mean_tokens']:g}", r["stage"], f"{r['weights_GB']:.4g}", f"{r['act_GB']:.4g}",
+                     f"{r['total_GB']:.4g}", f"{r['roofline_ms']:.4g}"] for r in rows],
+                   headers=["tokens/expert", "stage", "weights GB", "activations GB", "total GB", "roofline ms"]))
+
+
+def fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# the GPU run
+# ---------------------------------------------------------------------------------------------
+
+
+def correct_label(entry: dict) -> str:
+    """The layer table's `correct` column for one variant across means."""
+    if entry.get("skipped"):
+        return f"skipped: {entry['skipped']}"
+    if entry.get("errors"):
+        return "ERROR: " + "; ".join(entry["errors"])
+    expect = entry["expect"]
+    if expect == "ceiling":
+        return "invalid, ceiling"
+    checks = entry["checks"]
+    if not checks:
+        return "unchecked"
+    if expect == "baseline":
+        return "baseline" if all(c["ok"] for c in checks) else "baseline, FAILED stage checks"
+    if expect == "match":
+        return "match" if all(c["ok"] for c in checks) else "MISMATCH"
+    worst = max(c["rel"] for c in checks)
+    return f"approx ({worst:.1e})"
+
+
+def run_gpu(args, problem, weights, routings, cp) -> dict:
+    from lab import checks
+    from lab.device_info import setup_info
+    from lab.kernels.stream_read import measure_read_roofline
+    from lab.layer import load_layer, upload_weights
+    from lab.runner import NonFiniteError, Runner
+    from lab.variants import make
+
+    setup = setup_info()
+    log(f"device: {setup.get('gpu')}")
+    if weights is None:
+        log(f"weights: drawing synthetic NVFP4 weights for {problem}")
+        weights = random_weights(problem, seed=args.seed)
+    log("weights: preparing the GEMM layout on the device")
+    dweights = upload_weights(weights)
+    cp.cuda.Device().synchronize()
+
+    log("read roofline: flat streaming read")
+    roof = measure_read_roofline(iterations=args.iterations)
+    cp.get_default_memory_pool().free_all_blocks()
+    gbps = roof["gbps"]
+    log(f"read roofline {gbps:.0f} GB/s")
+
+    small = weights.nbytes() <= SMALL_WEIGHT_BYTES
+    order = list(args.variants)
+    if not args.no_check and "separate" not in order:
+        order.insert(0, "separate")  # the baseline every other variant is compared with
+    table = {name: {"variant": name, "expect": make(name).expect, "ms": {}, "timing": {}, "checks": [],
+                    "errors": [], "skipped": None, "checksum": {}} for name in order}
+    separate_checks, stages = {}, None
+    stage_mean = args.stage_mean if args.stage_mean in routings else next(iter(routings))
+
+    for i, (mean, routing) in enumerate(routings.items()):
+        log(f"mean {mean}: {routing.tokens} tokens, {routing.rows} rows, max count {routing.counts.max()}, "
+            f"{int((routing.counts == 0).sum())} experts without tokens")
+        x = random_activations(routing.tokens, problem.hidden, seed=args.seed + i)
+        runner = Runner()
+        layer = load_layer(runner, dweights, routing, x)
+        n_check = problem.experts if small else args.check_experts
+        experts = checks.sample_experts(routing.counts, n_check, seed=args.seed + i)
+        rows_sel = checks.expert_rows(layer.offsets_host, experts)
+        baseline, ref_out = None, None
+        for name in order:
+            entry = table[name]
+            v = make(name)
+            try:
+                log(f"  {name}: prepare")
+                runner.prepare(v, layer)
+            except NotImplementedError as exc:
+                entry["skipped"] = str(exc)
+                log(f"  {name}: skipped ({exc})")
+                continue
+            except Exception as exc:  # a variant that cannot run is reported, the others go on
+                entry["errors"].append(f"mean {mean}: prepare: {type(exc).__name__}: {exc}")
+                log(f"  {name}: prepare failed: {exc}")
+                continue
+            if not args.no_check and v.expect != "ceiling":
+                try:
+                    runner.checked_run(v, layer)
+                except NonFiniteError as exc:
+                    entry["errors"].append(f"mean {mean}: {exc}")
+                    log(f"  {name}: {exc}")
+                    continue
+                bits = layer.out_bf16.get()
+                entry["checksum"][mean] = checks.checksum(bits)
+                if name == "separate":
+                    log(f"  separate: checking stage by stage on {len(experts)} experts against float64")
+                    res = checks.check_separate(runner, layer, experts)
+                    ref_out = res.pop("reference")["out"]
+                    separate_checks[mean] = res
+                    baseline = bits
+                    entry["checks"].append({"mean": mean, "ok": res["ok"], "layer_rel": res["layer_rel"]})
+                    for stage in ("x_q", "h", "a", "a_q", "out", "bf16"):
+                        log(f"    {stage}: {'ok' if res[stage]['ok'] else 'FAILED'}: {res[stage]['detail']}")
+                    log(f"    layer vs float64: rel {res['layer_rel']:.2e} (bf16 {res['layer_rel_bf16']:.2e})")
+                elif baseline is None:
+                    entry["errors"].append(f"mean {mean}: no baseline to compare with (separate failed)")
+                elif v.expect == "match":
+                    ok, msg = checks.compare_bits(bits, baseline)
+                    entry["checks"].append({"mean": mean, "ok": ok, "detail": msg})
+                    log(f"  {name}: {'match' if ok else 'MISMATCH'} ({msg})")
+                elif v.expect == "approx":
+                    rel = checks.approx_error(layer, ref_out, rows_sel)
+                    entry["checks"].append({"mean": mean, "ok": True, "rel": rel})
+                    log(f"  {name}: rel error vs float64 {rel:.2e}")
+            if name not in args.variants:
+                continue  # the baseline ran for the checks only
+            log(f"  {name}: timing {args.iterations} iterations")
+            t = runner.time(v, layer, args.iterations, args.warmup)
+            entry["ms"][mean] = t.median_ms
+            entry["timing"][mean] = t.as_dict()
+            if name == "separate" and mean == stage_mean:
+                st = runner.time_stages(v, layer, args.iterations, args.warmup)
+                stages = {"mean_tokens": mean, "layer_ms": t.median_ms,
+                          "stages": {k: s.as_dict() for k, s in st.items()}}
+            log(f"  {name}: {t.median_ms:.3f} ms (min {t.min_ms:.3f}, max {t.max_ms:.3f})")
+        del layer, runner
+        cp.get_default_memory_pool().free_all_blocks()
+
+    return {"setup": setup, "read_roofline": roof, "table": table, "separate_checks": separate_checks,
+            "stages": stages, "gbps": gbps}
+
+
+def layer_rows(result: dict, problem, routings, variants) -> list[dict]:
+    gbps = result["gbps"]
+    rows = []
+    for name in variants:
+        entry = result["table"][name]
+        row = {"variant": name, "expect": entry["expect"], "correct": correct_label(entry),
+               "checks": entry["checks"], "checksum": entry["checksum"], "timing": entry["timing"]}
+        for mean, routing in routings.items():
+            ms = entry["ms"].get(mean)
+            roof_ms = roofline.roofline_ms(roofline.layer_bytes(problem, routing.counts, active=True).total, gbps)
+            row[f"ms@{mean:g}"] = ms
+            row[f"roof%@{mean:g}"] = None if ms is None else 100 * roof_ms / ms
+            row[f"roofline_ms@{mean:g}"] = roof_ms
+        rows.append(row)
+    return rows
+
+
+def stage_rows(stages: dict, problem, routing, gbps) -> list[dict]:
+    lb = roofline.layer_bytes(problem, routing.counts, active=True)
+    out = []
+    total = 0.0
+    for name, t in stages["stages"].items():
+        total += t["median_ms"]
+        if name in STAGE_BYTES_KEYS:
+            nbytes = lb.stages[STAGE_BYTES_KEYS[name]].total
+        elif name == "out":  # fp32 read + bf16 written; the roofline counts only the bf16 (in w2)
+            nbytes = routing.rows * problem.hidden * (roofline.FP32_BYTES + roofline.BF16_BYTES)
+        else:
+            nbytes = None
+        roof_ms = None if nbytes is None else roofline.roofline_ms(nbytes, gbps)
+        out.append({"stage": name, "ms": t["median_ms"], "ms_min": t["min_ms"], "ms_max": t["max_ms"],
+                    "pct_of_layer": 100 * t["median_ms"] / stages["layer_ms"], "GB": None if nbytes is None else nbytes / 1e9,
+                    "roofline_ms": roof_ms, "roof_pct": None if roof_ms is None else 100 * roof_ms / t["median_ms"]})
+    out.append({"stage": "sum of stages", "ms": total, "pct_of_layer": 100 * total / stages["layer_ms"]})
+    out.append({"stage": "separate (one run)", "ms": stages["layer_ms"], "pct_of_layer": 100.0})
+    return out
+
+
+def print_results(result, problem, routings, brows, lrows, srows, args) -> None:
+    setup = result["setup"]
+    print(tabulate(sorted((k, str(v)) for k, v in setup.items()), headers=["setup", ""]))
+    print(f"\nproblem: E={problem.experts} H={problem.hidden} I={problem.intermediate} top_k={problem.top_k} "
+          f"gate/up global ratio {problem.gate_up_ratio:.4f}; skew {args.skew}; seed {args.seed}; "
+          f"{args.iterations} iterations after {args.warmup} warm-up")
+    print_bytes(brows, result["gbps"], measured=True)
+    roof = result["read_roofline"]
+    print(f"\nread bandwidth (flat streaming read of {roof['bytes'] / 1e9:.3f} GB, this run): {result['gbps']:.0f} GB/s")
+    means = list(routings)
+    headers = ["variant"] + [f"ms @{m:g}" for m in means] + [f"roof% @{m:g}" for m in means] + ["correct"]
+    table = [[r["variant"]] + [fmt(r[f"ms@{m:g}"], ".3f") for m in means] +
+             [fmt(r[f"roof%@{m:g}"], ".1f") for m in means] + [r["correct"]] for r in lrows]
+    print("\nLayer (median ms; roof% = roofline ms of the active bytes at the measured bandwidth / ms)")
+    print(tabulate(table, headers=headers))
+    for mean, res in result["separate_checks"].items():
+        print(f"check at mean {mean:g}: separate stage by stage on {len(res['experts'])} experts: "
+              f"{'ok' if res['ok'] else 'FAILED'}; layer vs float64 rel {res['layer_rel']:.2e} "
+              f"(bf16 output {res['layer_rel_bf16']:.2e})")
+        for stage in ("x_q", "h", "a", "a_q", "out", "bf16"):
+            if not res[stage]["ok"]:
+                print(f"  {stage}: FAILED: {res[stage]['detail']}")
+    if srows:
+        print(f"\nStages of separate at mean {result['stages']['mean_tokens']:g} (CUDA events around each stage)")
+        print(tabulate([[r["stage"], fmt(r["ms"], ".3f"), fmt(r.get("pct_of_layer"), ".1f"), fmt(r.get("GB"), ".4f"),
+                         fmt(r.get("roofline_ms"), ".3f"), fmt(r.get("roof_pct"), ".1f")] for r in srows],
+                       headers=["stage", "ms", "% of layer", "GB", "roofline ms", "roof%"]))
+
+
+def main(argv=None) -> int:
+    argv_list = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv_list)
+    try:
+        problem, weights, report = resolve_weights(args)
+    except (CheckpointError, ValueError) as exc:
+        print(f"run_layer: {exc}", file=sys.stderr)
+        return 2
+    log(f"problem {problem}")
+    routings = {m: routing_for(problem, m, args) for m in args.mean_tokens}
+
+    from lab.gpu import gpu_available, require_gpu
+
+    if not gpu_available():
+        brows = bytes_rows(problem, routings, roofline.H200_GBPS)
+        print_bytes(brows, roofline.H200_GBPS, measured=False)
+        try:
+            require_gpu("run_layer")
+        except RuntimeError as exc:
+            print(f"\n{exc}; printed the bytes table only.", file=sys.stderr)
+        if args.json:
+            write_json(args.json, {"script": "scripts/run_layer.py", "argv": argv_list, "problem": vars(problem), "bytes": brows,
+                                   "error": "no CUDA GPU"})
+        return 1
+    cp = require_gpu("run_layer")
+
+    result = run_gpu(args, problem, weights, routings, cp)
+    brows = bytes_rows(problem, routings, result["gbps"])
+    lrows = layer_rows(result, problem, routings, args.variants)
+    srows = stage_rows(result["stages"], problem, routings[result["stages"]["mean_tokens"]], result["gbps"]) \
+        if result["stages"] else []
+    print_results(result, problem, routings, brows, lrows, srows, args)
+    if args.json:
+        write_json(args.json, {
+            "script": "scripts/run_layer.py", "argv": argv_list,
+            "setup": result["setup"], "problem": vars(problem),
+            "checkpoint": report.as_dict() if report else None,
+            "read_roofline": result["read_roofline"], "bytes": brows, "layer": lrows, "stages": srows,
+            "separate_checks": result["separate_checks"]})
+        log(f"wrote {args.json}")
+    failed = [r["variant"] for r in lrows if r["correct"].startswith(("MISMATCH", "ERROR", "baseline, FAILED"))]
+    failed += [f"separate checks at mean {m:g}" for m, r in result["separate_checks"].items() if not r["ok"]]
+    if failed:
+        print(f"\nrun_layer: FAILED: {', '.join(dict.fromkeys(failed))}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _jsonable(o):
+    if isinstance(o, dict):
+        return {str(k): _jsonable(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_jsonable(v) for v in o]
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return o
+
+
+def write_json(path: str, data: dict) -> None:
+    Path(path).write_text(json.dumps(_jsonable(data), indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
