@@ -146,7 +146,8 @@ def print_bytes(rows: list[dict], gbps: float, measured: bool) -> None:
     print(f"\nBytes the layer moves (experts with tokens) and their roofline at {gbps:.0f} GB/s ({what})")
     print(tabulate([[f"{r['mean_tokens']:g}", r["stage"], f"{r['weights_GB']:.4g}", f"{r['act_GB']:.4g}",
                      f"{r['total_GB']:.4g}", f"{r['roofline_ms']:.4g}"] for r in rows],
-                   headers=["tokens/expert", "stage", "weights GB", "activations GB", "total GB", "roofline ms"]))
+                   headers=["tokens/expert", "stage", "weights GB", "activations GB", "total GB", "roofline ms"],
+                   disable_numparse=True))
 
 
 def fmt(v, spec: str) -> str:
@@ -333,7 +334,7 @@ def print_results(result, problem, routings, brows, lrows, srows, args) -> None:
     table = [[r["variant"]] + [fmt(r[f"ms@{m:g}"], ".3f") for m in means] +
              [fmt(r[f"roof%@{m:g}"], ".1f") for m in means] + [r["correct"]] for r in lrows]
     print("\nLayer (median ms; roof% = roofline ms of the active bytes at the measured bandwidth / ms)")
-    print(tabulate(table, headers=headers))
+    print(tabulate(table, headers=headers, disable_numparse=True))
     for mean, res in result["separate_checks"].items():
         print(f"check at mean {mean:g}: separate stage by stage on {len(res['experts'])} experts: "
               f"{'ok' if res['ok'] else 'FAILED'}; layer vs float64 rel {res['layer_rel']:.2e} "
@@ -345,7 +346,7 @@ def print_results(result, problem, routings, brows, lrows, srows, args) -> None:
         print(f"\nStages of separate at mean {result['stages']['mean_tokens']:g} (CUDA events around each stage)")
         print(tabulate([[r["stage"], fmt(r["ms"], ".3f"), fmt(r.get("pct_of_layer"), ".1f"), fmt(r.get("GB"), ".4f"),
                          fmt(r.get("roofline_ms"), ".3f"), fmt(r.get("roof_pct"), ".1f")] for r in srows],
-                       headers=["stage", "ms", "% of layer", "GB", "roofline ms", "roof%"]))
+                       headers=["stage", "ms", "% of layer", "GB", "roofline ms", "roof%"], disable_numparse=True))
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,291 @@
+"""Layer variants and the device layer: the registry, chunk splitting and the pre-launch checks
+on the CPU; on the GPU, every variant against separate (bitwise) and separate against the
+float64 reference, stage by stage, on small problems."""
+
+from __future__ import annotations
+
+import importlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lab import checks, layer as layer_mod, reference
+from lab.problem import MoEProblem, Routing, make_routing, random_activations, random_weights
+from lab.runner import EXPECTS
+from lab.variants import NAMES, REGISTRY, make
+from lab.variants.chunked import CHUNKS, Chunked, chunk_bounds
+
+# ---------------------------------------------------------------------------------------------
+# CPU: registry and chunks
+# ---------------------------------------------------------------------------------------------
+
+
+def test_registry_lists_the_study_variants_in_order():
+    assert NAMES == ("separate", "cuda-graph", "chunked-2", "chunked-4", "chunked-8", "chunked-16",
+                     "one-launch-2G", "cublas-fp16")
+    for name in NAMES:
+        v = make(name)
+        assert v.name == name and v.expect in EXPECTS
+    assert [make(n).expect for n in NAMES].count("baseline") == 1
+
+
+@pytest.mark.parametrize("module", ["separate", "cuda_graph", "chunked", "one_launch_2g", "cublas_fp16"])
+def test_each_variant_file_declares_name_and_expect(module):
+    m = importlib.import_module(f"lab.variants.{module}")
+    assert isinstance(m.name, str) and m.expect in EXPECTS
+
+
+def test_unknown_variant_names_the_known_ones():
+    with pytest.raises(ValueError, match="known: separate, cuda-graph"):
+        make("fused")
+
+
+def test_one_launch_2g_says_what_it_needs():
+    with pytest.raises(NotImplementedError, match="needs the two-problem GEMM launch"):
+        make("one-launch-2G").prepare(None, None)
+
+
+@settings(max_examples=200)
+@given(st.integers(1, 400), st.integers(1, 40))
+def test_chunk_bounds_cover_the_experts_contiguously_and_evenly(experts, k):
+    b = chunk_bounds(experts, k)
+    assert len(b) == min(k, experts)
+    assert b[0][0] == 0 and b[-1][1] == experts
+    assert all(b[i][1] == b[i + 1][0] for i in range(len(b) - 1))
+    sizes = [e1 - e0 for e0, e1 in b]
+    assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+
+
+def test_chunk_bounds_of_the_study():
+    assert chunk_bounds(288, 16)[:2] == [(0, 18), (18, 36)]
+    assert [len(chunk_bounds(288, k)) for k in CHUNKS] == list(CHUNKS)
+    with pytest.raises(ValueError):
+        chunk_bounds(0, 2)
+    with pytest.raises(ValueError):
+        Chunked(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: checks before launch
+# ---------------------------------------------------------------------------------------------
+
+SMALL = MoEProblem(experts=6, hidden=128, intermediate=64, top_k=2)
+
+
+@pytest.fixture(scope="module")
+def small_weights():
+    return random_weights(SMALL, seed=1)
+
+
+def test_check_weights_accepts_synthetic_weights(small_weights):
+    p = layer_mod.check_weights(small_weights)
+    assert (p.experts, p.hidden, p.intermediate) == (6, 128, 64)
+
+
+@pytest.mark.parametrize("field, make_bad, word", [
+    ("w13_packed", lambda w: w.w13_packed[:, :, :-1], "w13_packed"),  # H not a multiple of 64
+    ("w13_packed", lambda w: w.w13_packed.astype(np.int8), "w13_packed"),  # dtype
+    ("w2_packed", lambda w: w.w2_packed[:-1], "w2_packed"),  # expert count differs from w13
+    ("w2_scales", lambda w: w.w2_scales[:, :, :-1], "w2_scales"),
+    ("w13_scales", lambda w: np.where(np.arange(w.w13_scales.shape[-1]) == 3, 0x7F, w.w13_scales).astype(np.uint8),
+     "NaN"),
+    ("gate_global", lambda w: w.gate_global.astype(np.float64), "gate_global"),
+    ("up_global", lambda w: np.where(np.arange(6) == 4, np.float32(0), w.up_global).astype(np.float32), "expert 4"),
+    ("w2_global", lambda w: np.full(6, np.nan, np.float32), "w2_global"),
+    ("w13_input_scale", lambda w: -1.0, "w13_input_scale"),
+    ("w2_input_scale", lambda w: float("inf"), "w2_input_scale"),
+])
+def test_check_weights_names_what_is_wrong(small_weights, field, make_bad, word):
+    import dataclasses
+
+    bad = dataclasses.replace(small_weights, **{field: make_bad(small_weights)})
+    with pytest.raises(ValueError, match=word):
+        layer_mod.check_weights(bad)
+
+
+def _routing(tokens=5, experts=6, top_k=2, seed=0):
+    return make_routing(tokens, experts, top_k, seed=seed)
+
+
+def test_check_routing_accepts_ragged_routings_with_empty_experts():
+    r = _routing(tokens=2)  # 4 rows over 6 experts: at least two experts have none
+    assert (r.counts == 0).sum() >= 2
+    layer_mod.check_routing(r, 6)
+
+
+def test_all_tokens_to_one_expert_is_a_valid_routing():
+    offsets = np.array([0, 0, 0, 7, 7, 7, 7], np.int32)
+    r = Routing(offsets, np.diff(offsets), np.arange(7, dtype=np.int32), np.full((7, 1), 2, np.int32), 7, 1)
+    layer_mod.check_routing(r, 6)
+    assert checks.sample_experts(r.counts, 16) == [2]
+
+
+def _with(r: Routing, **kw) -> Routing:
+    import dataclasses
+
+    return dataclasses.replace(r, **kw)
+
+
+@pytest.mark.parametrize("mutate, word", [
+    (lambda r: _with(r, offsets=r.offsets[:-1]), "offsets: expected"),  # wrong length
+    (lambda r: _with(r, offsets=r.offsets.astype(np.float32)), "offsets: expected"),
+    (lambda r: _with(r, offsets=r.offsets + 1), "start at 0"),
+    (lambda r: _with(r, offsets=np.r_[r.offsets[:-1], r.offsets[-1] - 1].astype(np.int32)),
+     "tokens \\* top_k"),  # offsets do not sum to T * top_k
+    (lambda r: _with(r, offsets=np.r_[0, 5, 3, r.offsets[3:]].astype(np.int32)), "never decrease"),
+    (lambda r: _with(r, counts=r.counts[::-1].copy()), "counts"),
+    (lambda r: _with(r, row_token=r.row_token[:-1]), "row_token"),
+    (lambda r: _with(r, row_token=np.r_[r.row_token[:-1], 99].astype(np.int32)), r"\[0, 5\)"),
+])
+def test_check_routing_names_what_is_wrong(mutate, word):
+    r = _routing()
+    if word == "counts" and (r.counts == r.counts[::-1]).all():
+        pytest.skip("symmetric counts")
+    with pytest.raises(ValueError, match=word):
+        layer_mod.check_routing(mutate(r), 6)
+
+
+def test_check_activations():
+    x = random_activations(5, 128)
+    assert layer_mod.check_activations(x, 5, 128) is not None
+    xb = x.astype(ml_dtypes.bfloat16)
+    dev = layer_mod.check_activations(xb, 5, 128)
+    assert dev.dtype == np.uint16 and (dev == xb.view(np.uint16)).all()
+    with pytest.raises(ValueError, match=r"x: expected shape \(T, H\) = \(5, 128\)"):
+        layer_mod.check_activations(x[:4], 5, 128)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        layer_mod.check_activations(x.astype(np.float64), 5, 128)
+    x[3, 17] = np.inf
+    x[4, 0] = np.nan
+    with pytest.raises(ValueError, match="2 non-finite values \\(first at token 3, column 17"):
+        layer_mod.check_activations(x, 5, 128)
+
+
+def test_check_helpers():
+    assert checks.compare_bits(np.arange(4), np.arange(4)) == (True, "bitwise equal")
+    ok, msg = checks.compare_bits(np.array([[1, 2], [3, 4]]), np.array([[1, 2], [3, 5]]))
+    assert not ok and "first at (1, 1)" in msg and "1 of 4" in msg
+    assert not checks.compare_bits(np.zeros(3), np.zeros(4))[0]
+    assert checks.checksum(np.arange(5)) == checks.checksum(np.arange(5)) != checks.checksum(np.arange(6))
+    counts = np.array([0, 3, 0, 1, 2, 5])
+    assert checks.sample_experts(counts, 16) == [1, 3, 4, 5]
+    s = checks.sample_experts(counts, 2, seed=3)
+    assert len(s) == 2 and set(s) <= {1, 3, 4, 5} and s == checks.sample_experts(counts, 2, seed=3)
+    np.testing.assert_array_equal(checks.expert_rows(np.array([0, 0, 3, 3, 4]), [1, 3]), [0, 1, 2, 3])
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: every variant against separate, separate against float64
+# ---------------------------------------------------------------------------------------------
+
+# (problem, routing): each case is commented
+GPU_CASES = [
+    # E=8, H=I=256, mean 8 tokens per expert, uniform routing
+    (MoEProblem(8, 256, 256, 8), dict(tokens=8, skew=0.0)),
+    # E=16, H=512, I=256, mean 2 tokens per expert: several experts empty
+    (MoEProblem(16, 512, 256, 4), dict(tokens=8, skew=0.0)),
+    # E=12, H=256, I=512, skewed routing: a few experts own most rows (multi-pass GEMM tiles)
+    (MoEProblem(12, 256, 512, 4), dict(tokens=40, skew=2.0)),
+    # E=8, H=I=256, top_k=1 and every token to expert 5 (built by hand below)
+    (MoEProblem(8, 256, 256, 1), dict(tokens=19, one_expert=5)),
+]
+
+
+def _case_routing(problem, spec, seed=0):
+    if spec.get("one_expert") is not None:
+        t, e = spec["tokens"], spec["one_expert"]
+        counts = np.zeros(problem.experts, np.int32)
+        counts[e] = t
+        offsets = np.r_[0, np.cumsum(counts)].astype(np.int32)
+        return Routing(offsets, counts, np.arange(t, dtype=np.int32), np.full((t, 1), e, np.int32), t, 1)
+    return make_routing(spec["tokens"], problem.experts, problem.top_k, skew=spec["skew"], seed=seed)
+
+
+@pytest.fixture(scope="module", params=range(len(GPU_CASES)))
+def gpu_case(request):
+    from lab.layer import load_layer, upload_weights
+    from lab.runner import Runner
+
+    problem, spec = GPU_CASES[request.param]
+    weights = random_weights(problem, seed=request.param)
+    routing = _case_routing(problem, spec, seed=request.param)
+    x = random_activations(routing.tokens, problem.hidden, seed=request.param)
+    runner = Runner()
+    layer = load_layer(runner, upload_weights(weights), routing, x)
+    sep = make("separate")
+    runner.prepare(sep, layer)
+    runner.checked_run(sep, layer)
+    baseline = (layer.out_bf16.get(), layer.out.get())
+    res = checks.check_separate(runner, layer, checks.sample_experts(routing.counts, problem.experts))
+    return runner, layer, baseline, res
+
+
+@pytest.mark.gpu
+def test_separate_matches_float64_stage_by_stage(gpu_case):
+    _, _, _, res = gpu_case
+    for stage in ("x_q", "h", "a", "a_q", "out", "bf16"):
+        assert res[stage]["ok"], f"{stage}: {res[stage]['detail']}"
+    assert res["layer_rel"] < 1e-2, res["layer_rel"]  # only a_q codes on rounding boundaries may differ
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [n for n in NAMES if REGISTRY[n]().expect == "match"])
+def test_matching_variants_are_bitwise_equal_to_separate(gpu_case, name):
+    runner, layer, (bf16, out), _ = gpu_case
+    v = make(name)
+    runner.prepare(v, layer)
+    for _ in range(2):  # a second run, over the first one's buffers, must not differ
+        runner.checked_run(v, layer)
+        ok, msg = checks.compare_bits(layer.out_bf16.get(), bf16)
+        assert ok, f"{name}: {msg}"
+        ok, msg = checks.compare_bits(layer.out.get().view(np.uint32), out.view(np.uint32))
+        assert ok, f"{name} fp32 out: {msg}"
+
+
+@pytest.mark.gpu
+def test_cublas_fp16_is_close_to_float64(gpu_case):
+    runner, layer, _, res = gpu_case
+    v = make("cublas-fp16")
+    runner.prepare(v, layer)
+    runner.checked_run(v, layer)
+    rows = checks.expert_rows(layer.offsets_host, res["experts"])
+    ref = reference.layer(checks._host_x(layer), layer.routing, layer.weights.host, experts=res["experts"])
+    err = checks.approx_error(layer, ref["out"], rows)
+    assert err < 2e-2, err  # fp16 h moves a few a_q codes across rounding boundaries
+
+
+@pytest.mark.gpu
+def test_timing_every_runnable_variant(gpu_case):
+    runner, layer, _, _ = gpu_case
+    for name in NAMES:
+        v = make(name)
+        try:
+            runner.prepare(v, layer)
+        except NotImplementedError:
+            continue
+        t = runner.time(v, layer, iterations=3, warmup=1)
+        assert 0 < t.min_ms <= t.median_ms <= t.max_ms
+    st = runner.time_stages(make("separate"), layer, iterations=3, warmup=1)
+    assert list(st) == ["w13", "act", "w2", "out"]
+
+
+@pytest.mark.gpu
+def test_load_layer_rejects_bad_input_before_launch():
+    from lab.layer import load_layer, upload_weights
+    from lab.runner import Runner
+
+    problem = MoEProblem(8, 256, 256, 2)
+    dw = upload_weights(random_weights(problem))
+    r = _case_routing(problem, dict(tokens=6, skew=0.0))
+    x = random_activations(6, 256)
+    runner = Runner()
+    with pytest.raises(ValueError, match="x: expected shape"):
+        load_layer(runner, dw, r, x[:5])
+    x[2, 2] = np.nan
+    with pytest.raises(ValueError, match="non-finite"):
+        load_layer(runner, dw, r, x)
+    with pytest.raises(ValueError, match="offsets"):
+        load_layer(Runner(), dw, _routing(tokens=6, experts=6), random_activations(6, 256))
