@@ -37,7 +37,7 @@ float v = e == 0 ? 0.5f * m : (float)(1 << (e - 1)) * (1.0f + 0.5f * m);
 if (nib & 8u) v = -v;
 const unsigned int sc = s[r * (n / 16) + c / 16], se = (sc >> 3) & 15u, sm = sc & 7u;
 const float sv = se == 0 ? sm * 0.001953125f : __uint_as_float(((se + 120u) << 23) | (sm << 20));
-y = (T)(v * sv);
+y = (float16)(v * sv);
 """
 
 _KERNELS: dict = {}
@@ -46,15 +46,15 @@ _KERNELS: dict = {}
 def _kernels(cp):
     if not _KERNELS:
         _KERNELS["swiglu"] = cp.ElementwiseKernel(
-            "T hg, T hu, float32 gm, float32 um", "float32 a",
+            "float16 hg, float16 hu, float32 gm, float32 um", "float32 a",
             "const float g = (float)hg * gm, u = (float)hu * um;"
             "const float t = expf(-fabsf(g));"
             "a = g * ((g >= 0.0f ? 1.0f : t) / (1.0f + t)) * u;",
             "lab_cublas_swiglu")
         _KERNELS["dequant"] = cp.ElementwiseKernel(
-            "raw uint8 p, raw uint8 s, int64 n", "T y", _DEQUANT_BODY, "lab_cublas_dequant")
+            "raw uint8 p, raw uint8 s, int64 n", "float16 y", _DEQUANT_BODY, "lab_cublas_dequant")
         _KERNELS["gather"] = cp.ElementwiseKernel(
-            "raw T o, raw int32 pad_rows, raw float32 mult, int64 n", "float32 y",
+            "raw float16 o, raw int32 pad_rows, raw float32 mult, int64 n", "float32 y",
             "const long long r = i / n, c = i - r * n; y = (float)o[(long long)pad_rows[r] * n + c] * mult[r];",
             "lab_cublas_gather_rows")
     return _KERNELS
