@@ -246,6 +246,17 @@ def test_matching_variants_are_bitwise_equal_to_separate(gpu_case, name):
 
 
 @pytest.mark.gpu
+def test_chunked_launched_directly_is_bitwise_equal_to_separate(gpu_case):
+    """The two-stream sequence without the graph (what the graph captures)."""
+    runner, layer, (bf16, _), _ = gpu_case
+    v = Chunked(4, graph=False)
+    runner.prepare(v, layer)
+    runner.checked_run(v, layer)
+    ok, msg = checks.compare_bits(layer.out_bf16.get(), bf16)
+    assert ok, msg
+
+
+@pytest.mark.gpu
 def test_cublas_fp16_is_close_to_float64(gpu_case):
     runner, layer, _, res = gpu_case
     v = make("cublas-fp16")
