@@ -162,7 +162,7 @@ def fmt(v, spec: str) -> str:
 def correct_label(entry: dict) -> str:
     """The layer table's `correct` column for one variant across means."""
     if entry.get("skipped"):
-        return f"skipped: {entry['skipped']}"
+        return f"skipped: {entry['skipped'].split(' (')[0]}"
     if entry.get("errors"):
         return "ERROR: " + "; ".join(entry["errors"])
     expect = entry["expect"]
@@ -335,6 +335,10 @@ def print_results(result, problem, routings, brows, lrows, srows, args) -> None:
              [fmt(r[f"roof%@{m:g}"], ".1f") for m in means] + [r["correct"]] for r in lrows]
     print("\nLayer (median ms; roof% = roofline ms of the active bytes at the measured bandwidth / ms)")
     print(tabulate(table, headers=headers, disable_numparse=True))
+    for r in lrows:
+        entry = result["table"][r["variant"]]
+        if entry.get("skipped"):
+            print(f"{r['variant']}: skipped: {entry['skipped']}")
     for mean, res in result["separate_checks"].items():
         print(f"check at mean {mean:g}: separate stage by stage on {len(res['experts'])} experts: "
               f"{'ok' if res['ok'] else 'FAILED'}; layer vs float64 rel {res['layer_rel']:.2e} "

@@ -18,7 +18,7 @@ class OneLaunch2G:
 
     def prepare(self, runner, layer) -> None:
         raise NotImplementedError(
-            "one-launch-2G needs the two-problem GEMM launch (w13 and w2 groups in one grid), "
+            "needs the two-problem GEMM launch (all w13 and w2 groups in one grid), "
             "which lab/kernels/grouped_gemm.py does not provide yet")
 
     def run(self, runner, layer) -> None:
