@@ -148,9 +148,11 @@ def upload_weights(weights: MoEWeights) -> DeviceWeights:
     g1 = np.float32(weights.w13_input_scale)
     g2 = np.float32(weights.w2_input_scale)
     w2_alpha = (g2 * weights.w2_global.astype(np.float32)).astype(np.float32)
-    return DeviceWeights(
+    dw = DeviceWeights(
         problem, weights, w13, w2, cp.asarray(weights.gate_global), cp.asarray(weights.up_global),
         cp.asarray(np.full(e, g1, np.float32)), cp.asarray(w2_alpha), float(g1), float(g2))
+    cp.cuda.Device().synchronize()  # the runners' non-blocking streams do not wait for this one
+    return dw
 
 
 # ---------------------------------------------------------------------------------------------
