@@ -12,10 +12,11 @@
 //   packed (rows, K/2)  uint8  element 2j in the low nibble of byte j
 //   scales (rows, K/16) uint8  raw e4m3 bits, one per 16 elements
 //
-// Threads: one block of THREADS per row; a thread owns 4 consecutive elements (one 16-byte fp32
-// load, two bytes of codes), the 4 lanes of an aligned quad own one 16-element block and share
-// its amax by two shuffles; lane 0 of the quad writes the scale byte. A warp thus reads 512
-// contiguous bytes per load and writes 64 contiguous bytes of codes.
+// Threads: grid (rows, ceil(K/4 / blockDim)); a thread owns 4 consecutive elements (one 16-byte
+// fp32 load, two bytes of codes), the 4 lanes of an aligned quad own one 16-element block and
+// share its amax by two shuffles; lane 0 of the quad writes the scale byte. A warp reads 512
+// contiguous bytes per load and writes 64 contiguous bytes of codes. One step per thread keeps
+// blocks short, so the last wave of a few thousand rows is a small fraction of the kernel.
 //
 // Non-finite values (NaN or Inf in the input, in h, or in a = silu(g) * u) are counted into
 // *nonfinite (one atomicAdd per thread that saw any); their codes are meaningless and the
@@ -104,19 +105,15 @@ __global__ void quantize_rows(const T* __restrict__ x, const int* __restrict__ r
                               uint8_t* __restrict__ packed, uint8_t* __restrict__ scales,
                               uint32_t* __restrict__ nonfinite) {
   const int r = blockIdx.x;
+  const int c4 = blockIdx.y * blockDim.x + threadIdx.x;
+  if (c4 >= K / 4) return;  // K/4 and blockDim are multiples of 4: quads leave together
   const size_t src = row_src ? (size_t)row_src[r] : (size_t)r;
-  const T* xr = x + src * K;
-  uint8_t* pr = packed + (size_t)r * (K / 2);
-  uint8_t* sr = scales + (size_t)r * (K / 16);
-  const float six_g = __fmul_rn(6.0f, g);
+  float v[4];
+  load4(x + src * K + 4 * c4, v);
   uint32_t bad = 0;
-  for (int c4 = threadIdx.x; c4 < K / 4; c4 += blockDim.x) {  // a quad is all in or all out
-    float v[4];
-    load4(xr + 4 * c4, v);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) bad += !finite(v[i]);
-    quantize4(v, g, six_g, c4, pr, sr);
-  }
+  for (int i = 0; i < 4; ++i) bad += !finite(v[i]);
+  quantize4(v, g, __fmul_rn(6.0f, g), c4, packed + (size_t)r * (K / 2), scales + (size_t)r * (K / 16));
   if (bad) atomicAdd(nonfinite, bad);
 }
 
@@ -136,33 +133,30 @@ __global__ void swiglu_quant(const float* __restrict__ h, const int* __restrict_
                              float g2, uint8_t* __restrict__ packed, uint8_t* __restrict__ scales,
                              float* __restrict__ a_out, uint32_t* __restrict__ nonfinite) {
   const int r = blockIdx.x;
+  const int c4 = blockIdx.y * blockDim.x + threadIdx.x;
+  if (c4 >= I / 4) return;  // quads leave together
+  float hg[4], hu[4], a[4];
+  const float* hr = h + (size_t)r * (2 * I);
+  load4(hr + 4 * c4, hg);  // issued before the search below, which only waits on offsets
+  load4(hr + I + 4 * c4, hu);
   int lo = 0, hi = experts;
   while (hi - lo > 1) {
     const int mid = (lo + hi) >> 1;
     if (offsets[mid] <= r) lo = mid; else hi = mid;
   }
   const float gs = gate_global[lo], us = up_global[lo];
-  const float* hr = h + (size_t)r * (2 * I);
-  uint8_t* pr = packed + (size_t)r * (I / 2);
-  uint8_t* sr = scales + (size_t)r * (I / 16);
-  const float six_g = __fmul_rn(6.0f, g2);
   uint32_t bad = 0;
-  for (int c4 = threadIdx.x; c4 < I / 4; c4 += blockDim.x) {
-    float hg[4], hu[4], a[4];
-    load4(hr + 4 * c4, hg);
-    load4(hr + I + 4 * c4, hu);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float g = __fmul_rn(hg[i], gs);
-      const float u = __fmul_rn(hu[i], us);
-      const float e = expf(-fabsf(g));  // in (0, 1]: never overflows
-      const float sig = __fdiv_rn(g >= 0.0f ? 1.0f : e, __fadd_rn(1.0f, e));
-      a[i] = __fmul_rn(__fmul_rn(g, sig), u);
-      bad += !finite(hg[i]) + !finite(hu[i]) + !finite(a[i]);
-    }
-    if (a_out) *reinterpret_cast<float4*>(a_out + (size_t)r * I + 4 * c4) = make_float4(a[0], a[1], a[2], a[3]);
-    quantize4(a, g2, six_g, c4, pr, sr);
+  for (int i = 0; i < 4; ++i) {
+    const float g = __fmul_rn(hg[i], gs);
+    const float u = __fmul_rn(hu[i], us);
+    const float e = expf(-fabsf(g));  // in (0, 1]: never overflows
+    const float sig = __fdiv_rn(g >= 0.0f ? 1.0f : e, __fadd_rn(1.0f, e));
+    a[i] = __fmul_rn(__fmul_rn(g, sig), u);
+    bad += !finite(hg[i]) + !finite(hu[i]) + !finite(a[i]);
   }
+  if (a_out) *reinterpret_cast<float4*>(a_out + (size_t)r * I + 4 * c4) = make_float4(a[0], a[1], a[2], a[3]);
+  quantize4(a, g2, __fmul_rn(6.0f, g2), c4, packed + (size_t)r * (I / 2), scales + (size_t)r * (I / 16));
   if (bad) atomicAdd(nonfinite, bad);
 }
 

@@ -27,7 +27,7 @@ import numpy as np
 from lab.kernels import jit
 
 SOURCE = "swiglu_quant.cu"
-THREADS = 128  # per row; a thread handles 4 elements per step, so 512 elements per block step
+THREADS = 128  # per block; a thread handles 4 elements, so a block covers 512 elements of a row
 BF16_BLOCKS_PER_SM = 8
 BLOCK = 16
 _NULL = np.uint64(0)  # a null pointer argument (8 bytes)
@@ -118,6 +118,14 @@ def check_swiglu_quant(h, offsets, gate_global, up_global, out_packed, out_scale
 # ---------------------------------------------------------------------------------------------
 
 
+def _grid(rows: int, k: int) -> tuple[int, int]:
+    """(rows, column blocks): one 4-element step per thread."""
+    blocks = -(-(k // 4) // THREADS)
+    if blocks > 65535:
+        raise ValueError(f"K={k} needs {blocks} column blocks, more than a grid's y dimension allows")
+    return (rows, blocks)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_id: int) -> int:
     import cupy as cp
@@ -153,7 +161,7 @@ def quantize_input(x, global_scale, out_packed, out_scales, counter, row_token=N
         return
     fn = jit.kernel(SOURCE, _expr_quantize(x.dtype))
     with _stream(stream):
-        fn((rows,), (THREADS,), (x, row_token if row_token is not None else _NULL, np.int32(k), g,
+        fn(_grid(rows, k), (THREADS,), (x, row_token if row_token is not None else _NULL, np.int32(k), g,
                                  out_packed, out_scales, counter))
 
 
@@ -172,7 +180,7 @@ def swiglu_quant(h, offsets, gate_global, up_global, input_scale, out_packed, ou
         return
     fn = jit.kernel(SOURCE, "lab_act::swiglu_quant")
     with _stream(stream):
-        fn((rows,), (THREADS,), (h, offsets, np.int32(e), np.int32(i), gate_global, up_global, g,
+        fn(_grid(rows, i), (THREADS,), (h, offsets, np.int32(e), np.int32(i), gate_global, up_global, g,
                                  out_packed, out_scales, a_out if a_out is not None else _NULL, counter))
 
 
