@@ -62,7 +62,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--check-experts", type=int, default=16, help="experts checked against float64 (0: none)")
     ap.add_argument("--no-cublas", action="store_true")
-    ap.add_argument("--config", help="override the tile: warps,row_tiles,k_step,stages (token tile from the heuristic)")
+    ap.add_argument("--config", action="append", default=[],
+                    help="override the tile: warps,row_tiles,k_step,stages (token tile from the heuristic); "
+                         "repeat to time several tiles in one run")
     ap.add_argument("--json", help="write everything here")
     args = ap.parse_args(argv)
 
@@ -86,11 +88,18 @@ def main(argv=None) -> int:
         "w2": dict(packed=w.w2_packed, scales=w.w2_scales, n=problem.hidden, k=problem.intermediate,
                    input_scale=W2_INPUT_SCALE, alpha=lambda g: (np.float32(g) * w.w2_global).astype(np.float32)),
     }
-    override = [int(v) for v in args.config.split(",")] if args.config else None
-    for name, gm in gemms.items():
-        log(f"{name}: preparing the kernel layout on the GPU")
-        layout = (override[0] * override[1] * gg.ATOM_ROWS, override[2]) if override else None
-        gm["prep"] = gg.prepare_weights(gm["packed"], gm["scales"], xp=cp, layout=layout)
+    overrides = [tuple(int(v) for v in c.split(",")) for c in args.config] or [None]
+    preps = {}
+
+    def prepared(gm, override):
+        layout = (override[0] * override[1] * gg.ATOM_ROWS, override[2]) if override else gg.default_layout(gm["n"], gm["k"])
+        key = (id(gm), layout)
+        if key not in preps:
+            for old in [k for k in preps if k[0] == id(gm)]:
+                del preps[old]  # one layout per GEMM on the device at a time
+            log(f"preparing the kernel layout {layout} on the GPU")
+            preps[key] = gg.prepare_weights(gm["packed"], gm["scales"], xp=cp, layout=layout)
+        return preps[key]
     cp.cuda.Device().synchronize()
 
     rows_out, checks = [], []
@@ -101,8 +110,9 @@ def main(argv=None) -> int:
         counts, offsets = routing.counts, routing.offsets
         d_off = cp.asarray(offsets.astype(np.int32))
         active = counts > 0
-        for name, gm in gemms.items():
+        for (name, gm), override in [(item, o) for o in overrides for item in gemms.items()]:
             n, k = gm["n"], gm["k"]
+            gm["prep"] = prepared(gm, override)
             x = random_activations(routing.rows, k, seed=args.seed + int(mean * 10) + len(name))
             xq = nvfp4.quantize(x, gm["input_scale"])
             alpha = gm["alpha"](xq.global_scale)
@@ -153,11 +163,11 @@ def main(argv=None) -> int:
                 f"{t_read.median_ms:.3f} ms, cublas-fp16 {row.get('cublas_ms', float('nan')):.3f} ms")
             del out
 
-    table = [[r["gemm"], r["mean_tokens"], f"{r['ms']:.3f}", f"{r['gbps']:.0f}", f"{r['roof_pct']:.1f}",
+    table = [[r["gemm"], r["mean_tokens"], "{warps},{row_tiles},{k_step},{stages},{max_frags}".format(**r["config"]), f"{r['ms']:.3f}", f"{r['gbps']:.0f}", f"{r['roof_pct']:.1f}",
               f"{r['pattern_pct']:.1f}", f"{r['read_pattern_ms']:.3f}", f"{r.get('cublas_ms', float('nan')):.3f}"]
              for r in rows_out]
     print(f"read roofline: {bw:.0f} GB/s (flat streaming read, {roof['bytes'] / 1e9:.3f} GB)")
-    print(tabulate(table, headers=["gemm", "tokens/expert", "ms", "GB/s", "% roofline", "% same-pattern read",
+    print(tabulate(table, headers=["gemm", "tokens/expert", "tile W,R,BK,S,F", "ms", "GB/s", "% roofline", "% same-pattern read",
                                    "read-pattern ms", "cublas-fp16 ms"]))
     for c in checks:
         print(f"check {c['gemm']} mean {c['mean']}: rel Frobenius {c['rel_frobenius']:.2e} on {len(c['experts'])} experts")

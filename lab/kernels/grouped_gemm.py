@@ -323,8 +323,8 @@ def frags_for(max_count: int) -> int:
 
 def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None) -> GemmConfig:
     """Default tile for a problem whose weights were prepared with `layout` (default
-    `default_layout`): 16-row tiles two per warp, a token tile that holds the routine expert in
-    one pass, and stages for ~60 KB of weights in flight per CTA (two CTAs per SM fit)."""
+    `default_layout`): a token tile that holds the routine expert in one pass, four (or two)
+    16-row tiles per warp, and stages for ~80 KB of weights in flight per CTA."""
     block_rows, k_step = layout or default_layout(n, k)
     counts = np.asarray(counts)
     active = counts[counts > 0]
@@ -332,7 +332,11 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None) -> 
     q = int(np.ceil(np.quantile(active, 0.99))) if active.size else 8
     frags = frags_for(q)
     tiles = block_rows // ATOM_ROWS
-    row_tiles = 2 if tiles % 2 == 0 and tiles >= 4 else 1
+    # Four 16-row tiles per warp share each B fragment and give each warp four independent
+    # decode+MMA chains: measured best for token tiles of 8-16 (results/bench_gemm_tiles2.json,
+    # w13 @2: 88% vs 81% with two tiles); with 32-64 token tiles the accumulators crowd the
+    # registers and two tiles per warp win (26% vs 24% @32).
+    row_tiles = 4 if frags <= 2 and tiles % 4 == 0 else (2 if tiles % 2 == 0 and tiles >= 4 else 1)
     warps = tiles // row_tiles
     stage_w = tiles * (k_step // ATOM_K) * ATOM_BYTES
     stages = max(3, min(8, (80 * 1024) // stage_w))
@@ -344,7 +348,8 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None) -> 
 
 SHIPPED_CONFIGS = tuple(
     GemmConfig(w, r, ks, st, f)
-    for (w, r, ks, st) in ((8, 2, 128, 4), (8, 2, 128, 3), (4, 2, 128, 6), (8, 2, 256, 2), (8, 2, 64, 8))
+    for (w, r, ks, st) in ((4, 4, 128, 4), (8, 2, 128, 4), (8, 2, 128, 3), (4, 2, 128, 6), (8, 2, 256, 2),
+                           (8, 2, 64, 8))
     for f in MAX_FRAGS_CHOICES)
 
 
