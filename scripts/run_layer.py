@@ -207,7 +207,7 @@ def run_gpu(args, problem, weights, routings, cp) -> dict:
     if not args.no_check and "separate" not in order:
         order.insert(0, "separate")  # the baseline every other variant is compared with
     table = {name: {"variant": name, "expect": make(name).expect, "ms": {}, "timing": {}, "checks": [],
-                    "errors": [], "skipped": None, "checksum": {}} for name in order}
+                    "errors": [], "skipped": None, "checksum": {}, "stages": {}} for name in order}
     separate_checks, stages = {}, None
     stage_mean = args.stage_mean if args.stage_mean in routings else next(iter(routings))
 
@@ -270,10 +270,12 @@ def run_gpu(args, problem, weights, routings, cp) -> dict:
             t = runner.time(v, layer, args.iterations, args.warmup)
             entry["ms"][mean] = t.median_ms
             entry["timing"][mean] = t.as_dict()
-            if name == "separate" and mean == stage_mean:
+            if mean == stage_mean:
                 st = runner.time_stages(v, layer, args.iterations, args.warmup)
-                stages = {"mean_tokens": mean, "layer_ms": t.median_ms,
-                          "stages": {k: s.as_dict() for k, s in st.items()}}
+                entry["stages"] = {k: s.median_ms for k, s in st.items()}
+                if name == "separate":
+                    stages = {"mean_tokens": mean, "layer_ms": t.median_ms,
+                              "stages": {k: s.as_dict() for k, s in st.items()}}
             log(f"  {name}: {t.median_ms:.3f} ms (min {t.min_ms:.3f}, max {t.max_ms:.3f})")
         del layer, runner
         cp.get_default_memory_pool().free_all_blocks()
@@ -288,7 +290,8 @@ def layer_rows(result: dict, problem, routings, variants) -> list[dict]:
     for name in variants:
         entry = result["table"][name]
         row = {"variant": name, "expect": entry["expect"], "correct": correct_label(entry),
-               "checks": entry["checks"], "checksum": entry["checksum"], "timing": entry["timing"]}
+               "checks": entry["checks"], "checksum": entry["checksum"], "timing": entry["timing"],
+               "stage_ms": entry["stages"]}
         for mean, routing in routings.items():
             ms = entry["ms"].get(mean)
             roof_ms = roofline.roofline_ms(roofline.layer_bytes(problem, routing.counts, active=True).total, gbps)
@@ -346,6 +349,12 @@ def print_results(result, problem, routings, brows, lrows, srows, args) -> None:
         for stage in ("x_q", "h", "a", "a_q", "out", "bf16"):
             if not res[stage]["ok"]:
                 print(f"  {stage}: FAILED: {res[stage]['detail']}")
+    others = [r for r in lrows if len(r["stage_ms"]) > 1 and r["variant"] != "separate"]
+    if others:  # variants launched stage by stage (a replayed graph is a single stage)
+        names = list(dict.fromkeys(k for r in others for k in r["stage_ms"]))
+        print("\nStage ms of the other variants launched stage by stage, at the stage mean")
+        print(tabulate([[r["variant"]] + [fmt(r["stage_ms"].get(k), ".3f") for k in names] for r in others],
+                       headers=["variant", *names], disable_numparse=True))
     if srows:
         print(f"\nStages of separate at mean {result['stages']['mean_tokens']:g} (CUDA events around each stage)")
         print(tabulate([[r["stage"], fmt(r["ms"], ".3f"), fmt(r.get("pct_of_layer"), ".1f"), fmt(r.get("GB"), ".4f"),
