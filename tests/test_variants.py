@@ -25,7 +25,7 @@ from lab.variants.chunked import CHUNKS, Chunked, chunk_bounds
 
 def test_registry_lists_the_study_variants_in_order():
     assert NAMES == ("separate", "cuda-graph", "chunked-2", "chunked-4", "chunked-8", "chunked-16",
-                     "one-launch-2G", "cublas-fp16")
+                     "one-launch-2G", "cublas-fp16", "cublas-fp16-experts")
     for name in NAMES:
         v = make(name)
         assert v.name == name and v.expect in EXPECTS
@@ -257,9 +257,10 @@ def test_chunked_launched_directly_is_bitwise_equal_to_separate(gpu_case):
 
 
 @pytest.mark.gpu
-def test_cublas_fp16_is_close_to_float64(gpu_case):
+@pytest.mark.parametrize("name", ["cublas-fp16", "cublas-fp16-experts"])
+def test_cublas_fp16_is_close_to_float64(gpu_case, name):
     runner, layer, _, res = gpu_case
-    v = make("cublas-fp16")
+    v = make(name)
     runner.prepare(v, layer)
     runner.checked_run(v, layer)
     rows = checks.expert_rows(layer.offsets_host, res["experts"])

@@ -6,7 +6,7 @@ Each variant has a ``name``, an ``expect`` saying what its output should be, ``p
     baseline  separate                     the reference every other variant is compared with
     match     cuda-graph, chunked-{2,4,8,16}   bitwise equal to separate's output
     ceiling   one-launch-2G                numerically wrong by construction; timed as a bound
-    approx    cublas-fp16                  fp16 arithmetic; compared with the float64 reference
+    approx    cublas-fp16, cublas-fp16-experts   fp16 arithmetic; compared with float64
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ REGISTRY = {
     **{f"chunked-{k}": (lambda k=k: chunked.Chunked(k)) for k in chunked.CHUNKS},
     one_launch_2g.name: one_launch_2g.OneLaunch2G,
     cublas_fp16.name: cublas_fp16.CublasFp16,
+    cublas_fp16.name_per_expert: lambda: cublas_fp16.CublasFp16(per_expert=True),
 }
 NAMES = tuple(REGISTRY)
 

@@ -1,14 +1,19 @@
 """cublas-fp16: the same layer with fp16 weights dequantized at load and cuBLAS GEMMs through
-cupy.matmul, strided-batched over experts padded to the largest row count: the row a user
-would pick instead of NVFP4 kernels. It reads 4x the weight bytes of the NVFP4 path.
+cupy.matmul: the row a user would pick instead of NVFP4 kernels. It reads 4x the weight bytes
+of the NVFP4 path. Two ways to drive cuBLAS:
 
-    xpad (E, M, H) f16 = e2m1 x e4m3 of x_q (exact in fp16; built in prepare, like input quantize)
-    w13  (E, H, 2I) f16 = e2m1 x e4m3 x 2^-14 (exact in fp16, subnormals included; never overflows)
-    w13:  h16 = xpad @ w13                                (E, M, 2I) f16, fp32 accumulation
-    act:  a32 = silu(h16_gate * gm[e]) * (h16_up * um[e]) (E, M, I) f32, gm = x_global 2^14 gate_global[e]
+    cublas-fp16          one strided-batched GEMM per projection over experts padded to the
+                         largest row count M (rows laid out (E, M): P = E * M padded rows)
+    cublas-fp16-experts  one GEMM per expert with rows, on the grouped rows (P = rows), all
+                         captured once as a CUDA graph (hundreds of launches) and replayed
+
+    xin (P, H) f16 = e2m1 x e4m3 of x_q (exact in fp16; built in prepare, like input quantize)
+    w13 (E, H, 2I) f16 = e2m1 x e4m3 x 2^-14 (exact in fp16, subnormals included; never overflows)
+    w13:  h16 = xin @ w13[e]                              (P, 2I) f16, fp32 accumulation
+    act:  a32 = silu(h16_gate * gm[p]) * (h16_up * um[p])  (P, I) f32, gm = x_global 2^14 gate_global[e]
           a_q = quantize_input(a32, w2_input_scale)       the lab's quantizer, as in separate
           a16 = e2m1 x e4m3 of a_q                         exact in fp16
-    w2:   o16 = a16 @ w2                                  (E, M, H) f16, w2 (E, I, H) like w13
+    w2:   o16 = a16 @ w2[e]                               (P, H) f16, w2 (E, I, H) like w13
     out:  out = o16[pad_rows] * 2^14 * w2_alpha[e]        (rows, H) f32, then bf16 bits
 
 Its output is approximate: h and the GEMM outputs are rounded to fp16, so a few codes of a_q
@@ -23,6 +28,7 @@ from lab import nvfp4
 from lab.kernels import swiglu_quant as sq
 
 name = "cublas-fp16"
+name_per_expert = "cublas-fp16-experts"
 expect = "approx"
 TWO14 = 2.0**14
 DEQUANT_CHUNK = 8  # experts per dequantization step (bounds the temporaries)
@@ -78,9 +84,16 @@ def dequant_fp16_t(cp, packed, scales):
 
 
 class CublasFp16:
-    name = name
     expect = expect
-    stages = ("w13", "act", "w2", "out")
+
+    def __init__(self, per_expert: bool = False):
+        self.per_expert = per_expert
+        self.name = name_per_expert if per_expert else name
+        self._graph = None
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        return ("graph",) if self.per_expert else ("w13", "act", "w2", "out")
 
     def prepare(self, runner, layer) -> None:
         cp = runner.cp
@@ -91,49 +104,73 @@ class CublasFp16:
                                  dequant_fp16_t(cp, w.host.w2_packed, w.host.w2_scales))
         self.w13, self.w2 = w.cache["fp16_t"]
         counts, offs = layer.counts, layer.offsets_host
-        M = max(1, int(counts.max()))
-        buf = runner.buffer
-        self.xpad = buf(f"{name}/xpad", (E, M, H), np.float16)
-        self.h16 = buf(f"{name}/h16", (E, M, 2 * I), np.float16)
-        self.a32 = buf(f"{name}/a32", (E * M, I), np.float32)
-        self.ap = buf(f"{name}/a_packed", (E * M, I // 2), np.uint8)
-        self.as_ = buf(f"{name}/a_scales", (E * M, I // 16), np.uint8)
-        self.a16 = buf(f"{name}/a16", (E, M, I), np.float16)
-        self.o16 = buf(f"{name}/o16", (E, M, H), np.float16)
         expert_of_row = np.repeat(np.arange(E), counts)
-        pad_rows = (expert_of_row * M + (np.arange(layer.rows) - offs[expert_of_row])).astype(np.int32)
+        if self.per_expert:
+            P, self.M = layer.rows, None
+            pad_rows = np.arange(layer.rows, dtype=np.int32)
+            expert_of_padded = expert_of_row
+            self.experts = [(e, int(offs[e]), int(offs[e + 1])) for e in np.flatnonzero(counts)]
+        else:
+            self.M = M = max(1, int(counts.max()))
+            P = E * M
+            pad_rows = (expert_of_row * M + (np.arange(layer.rows) - offs[expert_of_row])).astype(np.int32)
+            expert_of_padded = np.repeat(np.arange(E), M)
         g1 = np.float64(w.w13_input_scale) * TWO14
         host = {
             "pad_rows": pad_rows,
-            "gm": (g1 * w.host.gate_global.astype(np.float64)).astype(np.float32).reshape(E, 1, 1),
-            "um": (g1 * w.host.up_global.astype(np.float64)).astype(np.float32).reshape(E, 1, 1),
+            "gm": (g1 * w.host.gate_global.astype(np.float64)[expert_of_padded]).astype(np.float32).reshape(P, 1),
+            "um": (g1 * w.host.up_global.astype(np.float64)[expert_of_padded]).astype(np.float32).reshape(P, 1),
             "mult": (TWO14 * w.w2_alpha.get().astype(np.float64)[expert_of_row]).astype(np.float32),
         }
+        pre = self.name
         for key, value in host.items():
-            arr = buf(f"{name}/{key}", value.shape, value.dtype)
+            arr = runner.buffer(f"{pre}/{key}", value.shape, value.dtype)
             arr.set(value, stream=runner.stream)
             setattr(self, key, arr)
+        for key, shape, dtype in (("xin", (P, H), np.float16), ("h16", (P, 2 * I), np.float16),
+                                  ("a32", (P, I), np.float32), ("ap", (P, I // 2), np.uint8),
+                                  ("as_", (P, I // 16), np.uint8), ("a16", (P, I), np.float16),
+                                  ("o16", (P, H), np.float16)):
+            setattr(self, key, runner.buffer(f"{pre}/{key}", shape, dtype))
         self.k = _kernels(cp)
-        with runner.stream:  # the input, dequantized and scattered into the padded layout
+        with runner.stream:  # the input, dequantized into its (padded) rows
             x16 = cp.empty((layer.rows, H), cp.float16)
             if layer.rows:
                 self.k["dequant"](layer.x_packed.reshape(-1), layer.x_scales.reshape(-1), np.int64(H), x16)
-            self.xpad.fill(0)
-            self.xpad.reshape(E * M, H)[self.pad_rows] = x16
-        self.run(runner, layer)  # compiles the elementwise kernels, picks cuBLAS algorithms
+            self.xin.fill(0)
+            self.xin[self.pad_rows] = x16
+        self.launch(runner, layer)  # compiles the elementwise kernels, picks cuBLAS algorithms
+        if self.per_expert:
+            runner.synchronize()
+            self._graph = runner.capture(lambda: self.launch(runner, layer))
 
-    def run(self, runner, layer) -> None:
+    def _gemm(self, cp, x, w, out) -> None:
+        if self.per_expert:
+            for e, r0, r1 in self.experts:
+                cp.matmul(x[r0:r1], w[e], out=out[r0:r1])
+        else:
+            E, M = w.shape[0], self.M
+            cp.matmul(x.reshape(E, M, -1), w, out=out.reshape(E, M, -1))
+
+    def launch(self, runner, layer) -> None:
         cp = runner.cp
         I, H = layer.problem.intermediate, layer.problem.hidden
         with runner.stage("w13"):
-            cp.matmul(self.xpad, self.w13, out=self.h16)
+            self._gemm(cp, self.xin, self.w13, self.h16)
         with runner.stage("act"):
-            self.k["swiglu"](self.h16[..., :I], self.h16[..., I:], self.gm, self.um, self.a32.reshape(self.a16.shape))
+            self.k["swiglu"](self.h16[:, :I], self.h16[:, I:], self.gm, self.um, self.a32)
             sq.quantize_input(self.a32, layer.weights.w2_input_scale, self.ap, self.as_, runner.counter,
                               stream=runner.stream)
             self.k["dequant"](self.ap.reshape(-1), self.as_.reshape(-1), np.int64(I), self.a16)
         with runner.stage("w2"):
-            cp.matmul(self.a16, self.w2, out=self.o16)
+            self._gemm(cp, self.a16, self.w2, self.o16)
         with runner.stage("out"):
             self.k["gather"](self.o16.reshape(-1), self.pad_rows, self.mult, np.int64(H), layer.out)
             sq.to_bf16(layer.out, layer.out_bf16, runner.counter, stream=runner.stream)
+
+    def run(self, runner, layer) -> None:
+        if self.per_expert:
+            with runner.stage("graph"):
+                runner.replay(self._graph)
+        else:
+            self.launch(runner, layer)
