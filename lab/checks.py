@@ -4,7 +4,7 @@
                                                 reference fed the device's own input to that stage:
         x_q   bitwise  nvfp4.quantize(x[row_token], w13_input_scale)                  all rows
         h     rel      reference.w13(x_q)                                              sampled experts
-        a     rel      reference.swiglu(h as computed)  (the kernel's fp32 SwiGLU)     all rows
+        a     rel      reference.swiglu(h as computed)  (the kernel's fp32 SwiGLU)     sampled experts
         a_q   bitwise  nvfp4.quantize(the kernel's fp32 SwiGLU, w2_input_scale)        all rows
         out   rel      reference.w2(a_q as computed)                                   sampled experts
         bf16  bitwise  ml_dtypes bf16 of out                                           all rows

@@ -184,7 +184,7 @@ def run_gpu(args, problem, weights, routings, cp) -> dict:
     from lab.device_info import setup_info
     from lab.kernels.stream_read import measure_read_roofline
     from lab.layer import load_layer, upload_weights
-    from lab.runner import NonFiniteError, Runner
+    from lab.runner import Runner
     from lab.variants import make
 
     setup = setup_info()
@@ -238,9 +238,9 @@ def run_gpu(args, problem, weights, routings, cp) -> dict:
             if not args.no_check and v.expect != "ceiling":
                 try:
                     runner.checked_run(v, layer)
-                except NonFiniteError as exc:
-                    entry["errors"].append(f"mean {mean}: {exc}")
-                    log(f"  {name}: {exc}")
+                except Exception as exc:  # NonFiniteError, or a failed launch: reported, the others go on
+                    entry["errors"].append(f"mean {mean}: {type(exc).__name__}: {exc}")
+                    log(f"  {name}: {type(exc).__name__}: {exc}")
                     continue
                 bits = layer.out_bf16.get()
                 entry["checksum"][mean] = checks.checksum(bits)
