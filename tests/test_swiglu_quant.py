@@ -395,16 +395,17 @@ def test_gpu_swiglu_stays_finite_and_close_for_very_negative_gate():
 
 
 @pytest.mark.gpu
-def test_gpu_swiglu_counts_non_finite_h_and_a():
+def test_gpu_swiglu_counts_every_non_finite_a():
     rng = np.random.default_rng(6)
     h = rng.standard_normal((4, 64)).astype(f32)
     offsets = np.array([0, 4], np.int32)
     one = np.ones(1, f32)
     assert gpu_swiglu(h, offsets, one, one, f32(0.01))[3] == 0
-    h[0, 3] = np.nan  # gate NaN: h and a non-finite
-    h[1, 40] = np.inf  # up Inf: h and a
-    h[2, 5] = f32(3e38)  # finite h, g = h * 4 overflows: a non-finite
-    assert gpu_swiglu(h, offsets, one * 4, one, f32(0.01))[3] == 5
+    h[0, 3] = np.nan  # gate NaN: a is NaN
+    h[1, 40] = np.inf  # up Inf: a is +-Inf (or NaN if silu(g) is 0)
+    h[2, 5] = f32(3e38)  # finite h, g = h * 4 overflows: a is +-Inf
+    h[3, 7], h[3, 39] = 0.0, -np.inf  # silu(0) * -Inf: NaN
+    assert gpu_swiglu(h, offsets, one * 4, one, f32(0.01))[3] == 4
 
 
 @pytest.mark.gpu

@@ -18,9 +18,9 @@
 // contiguous bytes per load and writes 64 contiguous bytes of codes. One step per thread keeps
 // blocks short, so the last wave of a few thousand rows is a small fraction of the kernel.
 //
-// Non-finite values (NaN or Inf in the input, in h, or in a = silu(g) * u) are counted into
-// *nonfinite (one atomicAdd per thread that saw any); their codes are meaningless and the
-// caller must read the counter after a checked run.
+// Non-finite values (NaN or Inf in the input, or in a = silu(g) * u, which any non-finite h or
+// overflow of g reaches) are counted into *nonfinite (one atomicAdd per thread that saw any);
+// their codes are meaningless and the caller must read the counter after a checked run.
 
 namespace lab_act {
 
@@ -120,8 +120,9 @@ __global__ void quantize_rows(const T* __restrict__ x, const int* __restrict__ r
 // ------------------------------------------------------------------------------ SwiGLU + quantize
 
 // h (rows, 2I) fp32: gate in columns [0, I), up in [I, 2I), no weight globals applied.
-// Row r belongs to expert e with offsets[e] <= r < offsets[e+1] (binary search; empty experts
-// have offsets[e] == offsets[e+1] and are skipped by taking the last e with offsets[e] <= r).
+// Row r belongs to expert e with offsets[e] <= r < offsets[e+1]: thread 0 of the block finds it
+// by binary search while the h loads are in flight (empty experts have offsets[e] ==
+// offsets[e+1] and are skipped by taking the last e with offsets[e] <= r).
 //   g = h_gate * gate_global[e]; u = h_up * up_global[e]; a = (g * sigmoid(g)) * u, with
 //   sigmoid(g) = 1 / (1 + t) for g >= 0 and t / (1 + t) below, t = expf(-|g|)
 // (as lab/reference.py writes it: t never overflows, so silu stays accurate for g << 0; CUDA's
@@ -132,19 +133,27 @@ __global__ void swiglu_quant(const float* __restrict__ h, const int* __restrict_
                              const float* __restrict__ gate_global, const float* __restrict__ up_global,
                              float g2, uint8_t* __restrict__ packed, uint8_t* __restrict__ scales,
                              float* __restrict__ a_out, uint32_t* __restrict__ nonfinite) {
+  __shared__ int row_expert;
   const int r = blockIdx.x;
   const int c4 = blockIdx.y * blockDim.x + threadIdx.x;
-  if (c4 >= I / 4) return;  // quads leave together
+  const bool active = c4 < I / 4;  // quads are all in or all out
   float hg[4], hu[4], a[4];
   const float* hr = h + (size_t)r * (2 * I);
-  load4(hr + 4 * c4, hg);  // issued before the search below, which only waits on offsets
-  load4(hr + I + 4 * c4, hu);
-  int lo = 0, hi = experts;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) >> 1;
-    if (offsets[mid] <= r) lo = mid; else hi = mid;
+  if (active) {  // issued before the search, which only waits on offsets
+    load4(hr + 4 * c4, hg);
+    load4(hr + I + 4 * c4, hu);
   }
-  const float gs = gate_global[lo], us = up_global[lo];
+  if (threadIdx.x == 0) {
+    int lo = 0, hi = experts;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) >> 1;
+      if (offsets[mid] <= r) lo = mid; else hi = mid;
+    }
+    row_expert = lo;
+  }
+  __syncthreads();
+  if (!active) return;
+  const float gs = gate_global[row_expert], us = up_global[row_expert];
   uint32_t bad = 0;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -153,7 +162,7 @@ __global__ void swiglu_quant(const float* __restrict__ h, const int* __restrict_
     const float e = expf(-fabsf(g));  // in (0, 1]: never overflows
     const float sig = __fdiv_rn(g >= 0.0f ? 1.0f : e, __fadd_rn(1.0f, e));
     a[i] = __fmul_rn(__fmul_rn(g, sig), u);
-    bad += !finite(hg[i]) + !finite(hu[i]) + !finite(a[i]);
+    bad += !finite(a[i]);  // NaN or Inf anywhere in h reaches a (0 * Inf is NaN)
   }
   if (a_out) *reinterpret_cast<float4*>(a_out + (size_t)r * I + 4 * c4) = make_float4(a[0], a[1], a[2], a[3]);
   quantize4(a, g2, __fmul_rn(6.0f, g2), c4, packed + (size_t)r * (I / 2), scales + (size_t)r * (I / 16));

@@ -13,7 +13,7 @@ computed in float32 as ``(g * sigmoid(g)) * u``, sigmoid from ``t = expf(-|g|)``
 lab.reference writes it, with CUDA's expf (within 2 ulp), so its values match the float64
 reference to a few ulp (times the conditioning of silu at g), not bitwise.
 
-Every kernel adds the number of non-finite values it met (inputs, h, a, or bf16 outputs) to
+Every kernel adds the number of non-finite values it met (inputs, a, or bf16 outputs) to
 ``counter`` (1,) uint32: the caller zeroes it, runs, and reads it after a checked run. Launches
 neither allocate nor synchronize, so they can be captured in a CUDA graph.
 """
