@@ -63,7 +63,8 @@ def main(argv=None) -> int:
     ap.add_argument("--check-experts", type=int, default=16, help="experts checked against float64 (0: none)")
     ap.add_argument("--no-cublas", action="store_true")
     ap.add_argument("--config", action="append", default=[],
-                    help="override the tile: warps,row_tiles,k_step,stages (token tile from the heuristic); "
+                    help="override the tile: warps,row_tiles,k_step,stages[,mma] (token tile from the heuristic; "
+                         "mma 0 = mma.sync, 1 = wgmma); "
                          "repeat to time several tiles in one run")
     ap.add_argument("--json", help="write everything here")
     args = ap.parse_args(argv)
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
             out = cp.full((routing.rows, n), cp.nan, dtype=cp.float32)
             cfg = gg.heuristic(n, k, counts, layout=(gm["prep"].block_rows, gm["prep"].k_step))
             if override:
-                cfg = gg.GemmConfig(*override, cfg.max_frags).validate(n, k)
+                cfg = gg.GemmConfig(*override[:4], cfg.max_frags, *override[4:]).validate(n, k)
             log(f"{name} mean {mean}: {routing.rows} rows, max count {counts.max()}, {cfg}")
 
             def run(read_only=False):

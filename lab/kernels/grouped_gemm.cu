@@ -140,13 +140,102 @@ __device__ __forceinline__ void decode_a(uint32_t w, uint32_t& p0, uint32_t& p1,
   p3 = (w ^ (w >> 3)) & DECODE_MASK;
 }
 
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+template <int FMAX>
+__device__ __forceinline__ void fence_acc(float (&c)[FMAX][4]) {
+#pragma unroll
+  for (int f = 0; f < FMAX; ++f)
+    asm volatile("" : "+f"(c[f][0]), "+f"(c[f][1]), "+f"(c[f][2]), "+f"(c[f][3])::"memory");
+}
+// Shared-memory matrix descriptor, no swizzle: start, LBO (next core matrix along K), SBO (next
+// core matrix along N), all in 16-byte units.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((addr >> 4) & 0x3FFFu) | ((uint64_t)((lbo >> 4) & 0x3FFFu) << 16) |
+         ((uint64_t)((sbo >> 4) & 0x3FFFu) << 32);
+}
+
+// wgmma m64n(8F)k16, f32 += f16 x f16, A from registers (this warp's 16 rows, the mma.m16n8k16
+// A fragment), B (K-major, no swizzle) by descriptor. Accumulates (scale-d = 1). Generated for
+// F = 1..8 so that the token count picks the instruction's N at run time.
+template <int F, int FMAX> struct Wgmma;
+template <int FMAX> struct Wgmma<1, FMAX> {
+  static __device__ __forceinline__ void run(float (&c)[FMAX][4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                             uint32_t a3, uint64_t desc) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
+                 : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+  }
+};
+template <int FMAX> struct Wgmma<2, FMAX> {
+  static __device__ __forceinline__ void run(float (&c)[FMAX][4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                             uint32_t a3, uint64_t desc) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+                 : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+  }
+};
+template <int FMAX> struct Wgmma<3, FMAX> {
+  static __device__ __forceinline__ void run(float (&c)[FMAX][4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                             uint32_t a3, uint64_t desc) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n wgmma.mma_async.sync.aligned.m64n24k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, %16, p, 1, 1, 0;\n}\n"
+                 : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+  }
+};
+template <int FMAX> struct Wgmma<4, FMAX> {
+  static __device__ __forceinline__ void run(float (&c)[FMAX][4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                             uint32_t a3, uint64_t desc) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+                 : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]), "+f"(c[3][2]), "+f"(c[3][3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+  }
+};
+template <int FMAX> struct Wgmma<5, FMAX> {
+  static __device__ __forceinline__ void run(float (&c)[FMAX][4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                             uint32_t a3, uint64_t desc) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n wgmma.mma_async.sync.aligned.m64n40k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19}, {%20, %21, %22, %23}, %24, p, 1, 1, 0;\n}\n"
+                 : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]), "+f"(c[3][2]), "+f"(c[3][3]), "+f"(c[4][0]), "+f"(c[4][1]), "+f"(c[4][2]), "+f"(c[4][3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+  }
+};
+template <int FMAX> struct Wgmma<6, FMAX> {
+  static __device__ __forceinline__ void run(float (&c)[FMAX][4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                             uint32_t a3, uint64_t desc) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, {%24, %25, %26, %27}, %28, p, 1, 1, 0;\n}\n"
+                 : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]), "+f"(c[3][2]), "+f"(c[3][3]), "+f"(c[4][0]), "+f"(c[4][1]), "+f"(c[4][2]), "+f"(c[4][3]), "+f"(c[5][0]), "+f"(c[5][1]), "+f"(c[5][2]), "+f"(c[5][3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+  }
+};
+template <int FMAX> struct Wgmma<7, FMAX> {
+  static __device__ __forceinline__ void run(float (&c)[FMAX][4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                             uint32_t a3, uint64_t desc) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n wgmma.mma_async.sync.aligned.m64n56k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27}, {%28, %29, %30, %31}, %32, p, 1, 1, 0;\n}\n"
+                 : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]), "+f"(c[3][2]), "+f"(c[3][3]), "+f"(c[4][0]), "+f"(c[4][1]), "+f"(c[4][2]), "+f"(c[4][3]), "+f"(c[5][0]), "+f"(c[5][1]), "+f"(c[5][2]), "+f"(c[5][3]), "+f"(c[6][0]), "+f"(c[6][1]), "+f"(c[6][2]), "+f"(c[6][3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+  }
+};
+template <int FMAX> struct Wgmma<8, FMAX> {
+  static __device__ __forceinline__ void run(float (&c)[FMAX][4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                             uint32_t a3, uint64_t desc) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                 : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]), "+f"(c[3][2]), "+f"(c[3][3]), "+f"(c[4][0]), "+f"(c[4][1]), "+f"(c[4][2]), "+f"(c[4][3]), "+f"(c[5][0]), "+f"(c[5][1]), "+f"(c[5][2]), "+f"(c[5][3]), "+f"(c[6][0]), "+f"(c[6][1]), "+f"(c[6][2]), "+f"(c[6][3]), "+f"(c[7][0]), "+f"(c[7][1]), "+f"(c[7][2]), "+f"(c[7][3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+  }
+};
+
 // Raw NVFP4 byte (two codes, standard order) -> fp16x2 of v * 2^-14.
 __device__ __forceinline__ uint32_t raw_byte_to_f16x2(uint32_t b) {
   return ((b & 0x8u) << 12) | ((b & 0x7u) << 9) | ((b & 0x80u) << 24) | ((b & 0x70u) << 21);
 }
 
-template <int W, int R, int BK, int STAGES, int FMAX>
+// MMA: 0 = mma.sync m16n8k16 per 8-token fragment; 1 = wgmma m64n(8F)k16 per warpgroup (tokens as
+// N, B from shared memory in core matrices); 2 = wgmma with LBO/SBO exchanged (layout probe).
+template <int W, int R, int BK, int STAGES, int FMAX, int MMA>
 struct Config {
+  static constexpr int DW = FMAX >= 4 ? 2 : 1;  // activation-decoder warps
   static constexpr int BN = W * R * 16;
   static constexpr int KATOMS = BK / 64;
   static constexpr int KSTEPS = BK / 16;
@@ -161,13 +250,79 @@ struct Config {
   static constexpr int OFF_XS = OFF_XQ + STAGES * STAGE_XQ;
   static constexpr int OFF_XF = 16 * ((OFF_XS + STAGES * STAGE_XS + 15) / 16);
   static constexpr int SMEM = OFF_XF + STAGES * XF;
-  static constexpr int THREADS = (W + 2) * 32;
+  static constexpr int THREADS = (W + 1 + DW) * 32;
 };
+
+// One pipeline stage of one consumer warp: R row tiles x BK of prepared weights against F
+// fragments of decoded activations (fp16, in shared memory), accumulated into acc.
+template <int W, int R, int BK, int FMAX, int MMA, int F>
+__device__ __forceinline__ void stage_math(float (&acc)[R][FMAX][4], const uint8_t* wst, const uint8_t* xf, int warp,
+                                           int lane) {
+  constexpr int KATOMS = BK / 64;
+  constexpr int KSTEPS = BK / 16;
+  const int g = lane >> 2;
+  const uint32_t xf_addr = smem_addr(xf);
+  if constexpr (MMA != 0) {
+    wgmma_fence();
+#pragma unroll
+    for (int r = 0; r < R; ++r) fence_acc<FMAX>(acc[r]);
+  }
+#pragma unroll
+  for (int ka = 0; ka < KATOMS; ++ka) {
+    uint4 code[R];
+    uint2 scl[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      // Tile r*W + warp: the W warps' r-th tiles are consecutive (a warpgroup's 64 rows).
+      const uint8_t* atom = wst + ((r * W + warp) * KATOMS + ka) * ATOM_BYTES;
+      code[r] = *reinterpret_cast<const uint4*>(atom + lane * 16);
+      scl[r] = *reinterpret_cast<const uint2*>(atom + ATOM_CODE_BYTES + g * 8);
+    }
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      const int j = ka * 4 + jj;
+      uint2 b[F];
+      if constexpr (MMA == 0) {
+#pragma unroll
+        for (int f = 0; f < F; ++f) b[f] = reinterpret_cast<const uint2*>(xf)[(f * KSTEPS + j) * 32 + lane];
+      }
+      uint32_t a[R][4];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const uint32_t word = jj == 0 ? code[r].x : jj == 1 ? code[r].y : jj == 2 ? code[r].z : code[r].w;
+        const uint32_t s2 = e4m3x2_to_f16x2((jj < 2 ? scl[r].x : scl[r].y) >> (16 * (jj & 1)));
+        uint32_t p0, p1, p2, p3;
+        decode_a(word, p0, p1, p2, p3);
+        a[r][0] = hmul2_lo(p0, s2);  // rows g, g+8
+        a[r][1] = hmul2_hi(p1, s2);
+        a[r][2] = hmul2_lo(p2, s2);
+        a[r][3] = hmul2_hi(p3, s2);
+        if constexpr (MMA == 0) {
+#pragma unroll
+          for (int f = 0; f < F; ++f) mma16816(acc[r][f], a[r][0], a[r][1], a[r][2], a[r][3], b[f].x, b[f].y);
+        }
+      }
+      if constexpr (MMA != 0) {
+        // One wgmma per 64-row group per k16 step; the A registers are rewritten next step, so
+        // wait for this step's group before moving on (other warpgroups' decode overlaps it).
+        const uint64_t desc = MMA == 1 ? smem_desc(xf_addr + j * FMAX * 256, 128, 256)
+                                       : smem_desc(xf_addr + j * FMAX * 256, 256, 128);
+        wgmma_fence();
+#pragma unroll
+        for (int r = 0; r < R; ++r) Wgmma<F, FMAX>::run(acc[r], a[r][0], a[r][1], a[r][2], a[r][3], desc);
+        wgmma_commit();
+        wgmma_wait_all();
+#pragma unroll
+        for (int r = 0; r < R; ++r) fence_acc<FMAX>(acc[r]);
+      }
+    }
+  }
+}
 
 // READ_ONLY = true runs the same grid, pipeline and copies but skips decode, MMA and stores:
 // the achievable read rate of exactly this access pattern.
-template <int W, int R, int BK, int STAGES, int FMAX, bool READ_ONLY = false>
-__global__ void __launch_bounds__((W + 2) * 32, 1)
+template <int W, int R, int BK, int STAGES, int FMAX, int MMA, bool READ_ONLY = false>
+__global__ void __launch_bounds__(Config<W, R, BK, STAGES, FMAX, MMA>::THREADS, 1)
 grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (atoms)
                    const uint8_t* __restrict__ xq,      // (T, K/2) codes
                    const uint8_t* __restrict__ xs,      // (T, K/16) e4m3 scales
@@ -175,7 +330,8 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
                    const float* __restrict__ alpha,     // (E,)
                    float* __restrict__ out,             // (T, N)
                    int N, int K, int num_experts) {
-  using C = Config<W, R, BK, STAGES, FMAX>;
+  using C = Config<W, R, BK, STAGES, FMAX, MMA>;
+  static_assert(MMA == 0 || W % 4 == 0, "wgmma needs whole warpgroups of consumers");
   extern __shared__ __align__(128) uint8_t smem[];
 
   const int NB = N / C::BN;
@@ -188,12 +344,12 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
   const uint32_t empty0 = smem_addr(bars + STAGES);
   const uint32_t raw0 = smem_addr(bars + 2 * STAGES);
   int* active = reinterpret_cast<int*>(smem + C::SMEM);  // experts with tokens, in order
-  __shared__ int warp_count[W + 2];
+  __shared__ int warp_count[W + 1 + C::DW];
   __shared__ int n_active_s;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full0 + 8 * s, 1 + 32);   // producer's expect_tx arrive + the decoder warp
+      mbar_init(full0 + 8 * s, 1 + 32 * C::DW);  // producer's expect_tx arrive + the decoder warps
       mbar_init(empty0 + 8 * s, W * 32);  // every consumer thread
       mbar_init(raw0 + 8 * s, 32);        // the producer's cp.async arrivals (raw activations)
     }
@@ -215,7 +371,7 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
     __syncthreads();
     if (threadIdx.x == 0) {
       int total = 0;
-      for (int w = 0; w < W + 2; ++w) total += warp_count[w];
+      for (int w = 0; w < W + 1 + C::DW; ++w) total += warp_count[w];
       n_active_s += total;
     }
   }
@@ -266,8 +422,8 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
     return;
   }
 
-  if (warp == W + 1) {
-    // ---------------- activation decoder warp ----------------
+  if (warp > W) {
+    // ---------------- activation decoder warps ----------------
     // Raw NVFP4 activations of stage s -> fp16 B fragments xf[s] (item = token row, k16 block),
     // then arrive on full[s]: consumers never synchronise with each other.
     const uint32_t two14 = 0x74007400u;  // fp16x2 (2^14, 2^14): v*2^-14*s is exact, then *2^14 exact
@@ -286,8 +442,9 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
         if constexpr (!READ_ONLY) {
           const uint8_t* qsrc = smem + C::OFF_XQ + s * C::STAGE_XQ;
           const uint8_t* ssrc = smem + C::OFF_XS + s * C::STAGE_XS;
-          uint2* xf = reinterpret_cast<uint2*>(smem + C::OFF_XF + s * C::XF);
-          for (int item = lane; item < frags * 8 * C::KSTEPS; item += 32) {
+          uint8_t* xf = smem + C::OFF_XF + s * C::XF;
+#pragma unroll 2
+          for (int item = (warp - W - 1) * 32 + lane; item < frags * 8 * C::KSTEPS; item += 32 * C::DW) {
             const int tr = item / C::KSTEPS, j = item - tr * C::KSTEPS;
             uint2 raw = make_uint2(0u, 0u);
             uint32_t sbits = 0;
@@ -296,14 +453,25 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
               sbits = ssrc[tr * (BK / 16) + j];
             }
             const uint32_t sc = e4m3x2_to_f16x2(sbits);  // low half = this block's scale
-            uint2* dst = xf + ((tr >> 3) * C::KSTEPS + j) * 32 + (tr & 7) * 4;
+            uint32_t h0[4], h1[4];  // k 0..7 and k 8..15 of this block, fp16x2 pairs
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
-              const uint32_t lo = raw_byte_to_f16x2((raw.x >> (8 * q)) & 0xffu);
-              const uint32_t hi = raw_byte_to_f16x2((raw.y >> (8 * q)) & 0xffu);
-              dst[q] = make_uint2(hmul2(hmul2_lo(lo, sc), two14), hmul2(hmul2_lo(hi, sc), two14));
+              h0[q] = hmul2(hmul2_lo(raw_byte_to_f16x2((raw.x >> (8 * q)) & 0xffu), sc), two14);
+              h1[q] = hmul2(hmul2_lo(raw_byte_to_f16x2((raw.y >> (8 * q)) & 0xffu), sc), two14);
+            }
+            if constexpr (MMA == 0) {
+              // mma.sync B fragments: [f][k16 step][lane = 4*row + t][b0 b1]
+              uint2* dst = reinterpret_cast<uint2*>(xf) + ((tr >> 3) * C::KSTEPS + j) * 32 + (tr & 7) * 4;
+#pragma unroll
+              for (int q = 0; q < 4; ++q) dst[q] = make_uint2(h0[q], h1[q]);
+            } else {
+              // wgmma core matrices (8 tokens x 8 k, 128 B): [k16 step][f][k half][token row][16 B]
+              uint4* dst = reinterpret_cast<uint4*>(xf + ((j * FMAX + (tr >> 3)) * 2) * 128 + (tr & 7) * 16);
+              dst[0] = make_uint4(h0[0], h0[1], h0[2], h0[3]);
+              dst[8] = make_uint4(h1[0], h1[1], h1[2], h1[3]);
             }
           }
+          if constexpr (MMA != 0) fence_proxy_async();  // generic-proxy writes read by wgmma
         }
         mbar_arrive(full0 + 8 * s);
       }
@@ -346,39 +514,17 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
     }
     (void)out_scale;
 
-    const uint2* xf = reinterpret_cast<const uint2*>(smem + C::OFF_XF + s * C::XF);
-
     const uint8_t* wst = smem + C::OFF_W + s * C::STAGE_W;
-#pragma unroll
-    for (int ka = 0; ka < C::KATOMS; ++ka) {
-      uint4 code[R];
-      uint2 scl[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const uint8_t* atom = wst + ((warp * R + r) * C::KATOMS + ka) * ATOM_BYTES;
-        code[r] = *reinterpret_cast<const uint4*>(atom + lane * 16);
-        scl[r] = *reinterpret_cast<const uint2*>(atom + ATOM_CODE_BYTES + g * 8);
-      }
-#pragma unroll
-      for (int jj = 0; jj < 4; ++jj) {
-        uint2 b[FMAX];
-#pragma unroll
-        for (int f = 0; f < FMAX; ++f)
-          if (f < frags) b[f] = xf[(f * C::KSTEPS + ka * 4 + jj) * 32 + lane];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const uint32_t word = jj == 0 ? code[r].x : jj == 1 ? code[r].y : jj == 2 ? code[r].z : code[r].w;
-          const uint32_t sw = (jj < 2 ? scl[r].x : scl[r].y) >> (16 * (jj & 1));
-          const uint32_t s2 = e4m3x2_to_f16x2(sw);
-          uint32_t p0, p1, p2, p3;
-          decode_a(word, p0, p1, p2, p3);
-          const uint32_t a0 = hmul2_lo(p0, s2), a1 = hmul2_hi(p1, s2);  // rows g, g+8
-          const uint32_t a2 = hmul2_lo(p2, s2), a3 = hmul2_hi(p3, s2);
-#pragma unroll
-          for (int f = 0; f < FMAX; ++f)
-            if (f < frags) mma16816(acc[r][f], a0, a1, a2, a3, b[f].x, b[f].y);
-        }
-      }
+    const uint8_t* xf = smem + C::OFF_XF + s * C::XF;
+    // One dispatch per stage to a body with a compile-time fragment count: no per-MMA predicates
+    // (each cost an ISETP and a WARPSYNC) and, for wgmma, a single instruction shape.
+    switch (frags) {
+#define LAB_STAGE_CASE(F) \
+      case F: if constexpr (F <= FMAX) stage_math<W, R, BK, FMAX, MMA, F>(acc, wst, xf, warp, lane); break;
+      LAB_STAGE_CASE(1) LAB_STAGE_CASE(2) LAB_STAGE_CASE(3) LAB_STAGE_CASE(4)
+      LAB_STAGE_CASE(5) LAB_STAGE_CASE(6) LAB_STAGE_CASE(7) LAB_STAGE_CASE(8)
+#undef LAB_STAGE_CASE
+      default: break;
     }
     mbar_arrive(empty0 + 8 * s);
 
@@ -386,7 +532,7 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
       // Epilogue: D rows are weight rows (output columns), D columns are tokens.
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const int n = (nb * (W * R) + warp * R + r) * 16 + g;
+        const int n = (nb * (W * R) + r * W + warp) * 16 + g;
 #pragma unroll
         for (int f = 0; f < FMAX; ++f) {
           if (f < frags) {

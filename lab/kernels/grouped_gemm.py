@@ -231,13 +231,15 @@ def _regs_to_byte(reg: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class GemmConfig:
     """warps: consumer warps; row_tiles: 16-row tiles per warp; k_step: K per pipeline stage;
-    stages: pipeline depth; max_frags: 8-token fragments held per pass (token tile = 8*max_frags)."""
+    stages: pipeline depth; max_frags: 8-token fragments held per pass (token tile = 8*max_frags);
+    mma: 0 = mma.sync m16n8k16, 1 = wgmma m64n(8F)k16 (sm_90a, warps a multiple of 4)."""
 
     warps: int = 8
     row_tiles: int = 2
     k_step: int = 128
     stages: int = 4
     max_frags: int = 2
+    mma: int = 0  # 0: mma.sync per 8-token fragment; 1: wgmma m64n(8F)k16 per warpgroup
 
     @property
     def block_n(self) -> int:
@@ -249,7 +251,11 @@ class GemmConfig:
 
     @property
     def threads(self) -> int:
-        return (self.warps + 2) * 32  # consumers, producer, activation decoder
+        return (self.warps + 1 + self.decoder_warps) * 32  # consumers, producer, activation decoders
+
+    @property
+    def decoder_warps(self) -> int:
+        return 2 if self.max_frags >= 4 else 1
 
     @property
     def expression(self) -> str:
@@ -257,7 +263,7 @@ class GemmConfig:
 
     def expression_for(self, read_only: bool) -> str:
         return (f"lab_gemm::grouped_gemm_nvfp4<{self.warps}, {self.row_tiles}, {self.k_step}, "
-                f"{self.stages}, {self.max_frags}, {'true' if read_only else 'false'}>")
+                f"{self.stages}, {self.max_frags}, {self.mma}, {'true' if read_only else 'false'}>")
 
     @property
     def smem_bytes(self) -> int:
@@ -282,6 +288,9 @@ class GemmConfig:
         return self.stages * self.warps * self.row_tiles * (self.k_step // ATOM_K) * ATOM_BYTES
 
     def validate(self, n: int | None = None, k: int | None = None) -> "GemmConfig":
+        if self.mma not in (0, 1, 2) or (self.mma and self.warps % 4):
+            raise ValueError(f"mma must be 0 (mma.sync) or 1 (wgmma, warps a multiple of 4), got {self.mma} "
+                             f"with {self.warps} warps")
         if self.k_step not in (64, 128, 256):
             raise ValueError(f"k_step must be 64, 128 or 256, got {self.k_step}")
         if self.max_frags not in MAX_FRAGS_CHOICES:
@@ -347,9 +356,9 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None) -> 
 
 
 SHIPPED_CONFIGS = tuple(
-    GemmConfig(w, r, ks, st, f)
-    for (w, r, ks, st) in ((4, 4, 128, 4), (8, 2, 128, 4), (8, 2, 128, 3), (4, 2, 128, 6), (8, 2, 256, 2),
-                           (8, 2, 64, 8))
+    GemmConfig(w, r, ks, st, f, mma)
+    for (w, r, ks, st, mma) in ((4, 4, 128, 4, 0), (8, 2, 128, 4, 0), (8, 2, 128, 3, 0), (4, 2, 128, 6, 0),
+                                (8, 2, 256, 2, 0), (8, 2, 64, 8, 0), (4, 4, 128, 4, 1), (8, 2, 128, 4, 1))
     for f in MAX_FRAGS_CHOICES)
 
 
