@@ -19,7 +19,9 @@ Quantizing, exactly (every operation in IEEE float32, round to nearest even):
    to float32 and must be finite and > 0, else ValueError naming ``global_scale``.
 2. Global. When ``global_scale`` is None it is computed per matrix (per leading index):
    ``g = amax_f32 / float32(6 * 448)`` with ``amax_f32 = max |x|`` over the last two axes. An
-   all-zero matrix (or one so small that g underflows to 0) gets ``g = 1.0``.
+   all-zero matrix (or one so small that g underflows to 0) gets ``g = 1.0``; a g below the
+   smallest normal float32 (2**-126) is raised to 2**-126, so that a computed global is never a
+   float32 subnormal (whose few significant bits would make ``6 * g`` and ``s * g`` coarse).
 3. Block scale. For each block of 16 along K:
    ``s_in = block_amax_f32 / (float32(6) * g)`` (the product ``6 * g`` is rounded first), then
    ``min(s_in, 448)``, then RNE to e4m3. So scales saturate at 448 (0x7E) and never become
@@ -61,6 +63,7 @@ _F8 = ml_dtypes.float8_e4m3fn
 _F4 = ml_dtypes.float4_e2m1fn
 _E4M3_TABLE = np.arange(256, dtype=np.uint8).view(_F8).astype(np.float32)  # NaN at 0x7F, 0xFF
 _E4M3_TABLE.setflags(write=False)
+_F32_TINY = np.float32(2.0**-126)  # smallest normal float32: floor of a computed global
 _GLOBAL_DIVISOR = np.float32(E2M1_MAX * E4M3_MAX)  # 2688: maps amax onto 6 * 448
 
 
@@ -216,7 +219,7 @@ def quantize(x, global_scale=None) -> NVFP4Tensor:
         else:
             amax = np.max(np.abs(xf), axis=(-2, -1))
         g = np.asarray(amax / _GLOBAL_DIVISOR, dtype=np.float32)
-        g = np.where(g > 0, g, np.float32(1.0)).astype(np.float32)
+        g = np.where(g > 0, np.maximum(g, _F32_TINY), np.float32(1.0)).astype(np.float32)
     else:
         with np.errstate(over="ignore"):
             g = np.asarray(global_scale, dtype=np.float32)
