@@ -20,8 +20,8 @@
 //             bit decode, e4m3 scale via cvt and one HMUL2 per pair, mma into fp32 registers.
 //             Each consumer thread arrives on `empty` when done with the stage.
 //   Experts with more than 8*FMAX tokens take several passes over their weights.
-//   Persistent: the grid is sized to the resident CTAs; each CTA walks units (expert with tokens,
-//   row block) round-robin, and its pipeline runs on across unit boundaries.
+//   Persistent: the grid is sized to the resident CTAs; each CTA claims units (expert with tokens,
+//   row block) from a device counter, and its pipeline runs on across unit boundaries.
 //   Dynamic shared memory = Config::SMEM + 4 * num_experts (the compacted expert list).
 //
 // Prepared weight layout (lab/kernels/grouped_gemm.py, prepare_weights): atoms of 16 rows x 64 k,
@@ -329,7 +329,8 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
                    const int* __restrict__ offsets,     // (E+1,)
                    const float* __restrict__ alpha,     // (E,)
                    float* __restrict__ out,             // (T, N)
-                   int N, int K, int num_experts) {
+                   int N, int K, int num_experts,
+                   int* __restrict__ sched) {  // [next unit, CTAs done]: zero before the launch, zero after
   using C = Config<W, R, BK, STAGES, FMAX, MMA>;
   static_assert(MMA == 0 || W % 4 == 0, "wgmma needs whole warpgroups of consumers");
   extern __shared__ __align__(128) uint8_t smem[];
@@ -346,12 +347,18 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
   int* active = reinterpret_cast<int*>(smem + C::SMEM);  // experts with tokens, in order
   __shared__ int warp_count[W + 1 + C::DW];
   __shared__ int n_active_s;
+  // Units in the order this CTA's producer claimed them (-1: no more). Consumers and decoders
+  // read entry i when they reach unit i's first stage, published by that stage's barriers; the
+  // producer runs at most STAGES stages (so at most STAGES units) ahead.
+  constexpr int RING = 16;
+  static_assert(STAGES < RING, "unit ring too small");
+  __shared__ int unit_ring[RING];
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full0 + 8 * s, 1 + 32 * C::DW);  // producer's expect_tx arrive + the decoder warps
       mbar_init(empty0 + 8 * s, W * 32);  // every consumer thread
-      mbar_init(raw0 + 8 * s, 32);        // the producer's cp.async arrivals (raw activations)
+      mbar_init(raw0 + 8 * s, 33);        // the producer's cp.async arrivals + lane 0 (unit ring)
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     n_active_s = 0;
@@ -380,14 +387,21 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
 
   if (warp == W) {
     // ---------------- producer warp ----------------
+    // Units (active expert, row block) are claimed one at a time from a device counter, so a CTA
+    // that drew cheap units (few tokens) takes more of them: no static imbalance at the tail.
     const uint64_t pol = evict_first_policy();
     int it = 0;
-    for (int u = blockIdx.x; u < n_units; u += gridDim.x) {
-      const int e = active[u / NB];
-      const int nb = u - (u / NB) * NB;
+    for (int useq = 0;; ++useq) {
+      int u = 0;
+      if (lane == 0) u = atomicAdd(&sched[0], 1);
+      u = __shfl_sync(0xffffffffu, u, 0);
+      const bool done = u >= n_units;
+      const int e = done ? 0 : active[u / NB];
+      const int nb = done ? 0 : u - (u / NB) * NB;
       const int row0 = offsets[e];
-      const int count = offsets[e + 1] - row0;
-      const int iters = ((count + C::TOKENS - 1) / C::TOKENS) * kchunks;
+      const int count = done ? 0 : offsets[e + 1] - row0;
+      // a finished CTA still posts one stage so that consumers and decoders read the -1
+      const int iters = done ? 1 : ((count + C::TOKENS - 1) / C::TOKENS) * kchunks;
       // Block-major layout: one stage's weights (BN rows x BK) are one contiguous run, so each
       // stage is a single bulk copy and DRAM sees long sequential bursts.
       const uint8_t* wblock = wprep + ((size_t)e * NB + nb) * kchunks * C::STAGE_W;
@@ -398,9 +412,15 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
         const int kc = ui - pass * kchunks;
         if (it >= STAGES) mbar_wait(empty0 + 8 * s, phase ^ 1);
         if (lane == 0) {
-          mbar_arrive_expect_tx(full0 + 8 * s, C::STAGE_W);
-          bulk_copy(smem_addr(smem + C::OFF_W + s * C::STAGE_W), wblock + (size_t)kc * C::STAGE_W, C::STAGE_W,
-                    full0 + 8 * s, pol);
+          if (ui == 0) unit_ring[useq % RING] = done ? -1 : u;
+          mbar_arrive(raw0 + 8 * s);  // release: the ring entry before any barrier of this stage
+          if (done) {
+            mbar_arrive(full0 + 8 * s);
+          } else {
+            mbar_arrive_expect_tx(full0 + 8 * s, C::STAGE_W);
+            bulk_copy(smem_addr(smem + C::OFF_W + s * C::STAGE_W), wblock + (size_t)kc * C::STAGE_W, C::STAGE_W,
+                      full0 + 8 * s, pol);
+          }
         }
         const int tok0 = pass * C::TOKENS;
         const int ntok = min(C::TOKENS, count - tok0);
@@ -418,6 +438,15 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
         }
         cp_async_arrive_noinc(raw0 + 8 * s);
       }
+      if (done) break;
+    }
+    // The last CTA to finish leaves the counter at zero for the next launch (or graph replay).
+    if (lane == 0) {
+      __threadfence();
+      if (atomicAdd(&sched[1], 1) == (int)gridDim.x - 1) {
+        atomicExch(&sched[0], 0);
+        atomicExch(&sched[1], 0);
+      }
     }
     return;
   }
@@ -427,18 +456,26 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
     // Raw NVFP4 activations of stage s -> fp16 B fragments xf[s] (item = token row, k16 block),
     // then arrive on full[s]: consumers never synchronise with each other.
     const uint32_t two14 = 0x74007400u;  // fp16x2 (2^14, 2^14): v*2^-14*s is exact, then *2^14 exact
-    int it = 0;
-    for (int u = blockIdx.x; u < n_units; u += gridDim.x) {
-      const int e = active[u / NB];
-      const int count = offsets[e + 1] - offsets[e];
-      const int iters = ((count + C::TOKENS - 1) / C::TOKENS) * kchunks;
-      for (int ui = 0; ui < iters; ++ui, ++it) {
-        const int s = it % STAGES;
-        const uint32_t phase = (it / STAGES) & 1;
+    int it = 0, ui = 0, iters = 0, count = 0;
+    for (int useq = 0;; ++it) {
+      const int s = it % STAGES;
+      const uint32_t phase = (it / STAGES) & 1;
+      mbar_wait(raw0 + 8 * s, phase);
+      if (ui == 0) {
+        const int u = unit_ring[useq % RING];
+        ++useq;
+        if (u < 0) {
+          mbar_arrive(full0 + 8 * s);
+          break;
+        }
+        const int e = active[u / NB];
+        count = offsets[e + 1] - offsets[e];
+        iters = ((count + C::TOKENS - 1) / C::TOKENS) * kchunks;
+      }
+      {
         const int tok0 = (ui / kchunks) * C::TOKENS;
         const int ntok = min(C::TOKENS, count - tok0);
         const int frags = (ntok + 7) >> 3;
-        mbar_wait(raw0 + 8 * s, phase);
         if constexpr (!READ_ONLY) {
           const uint8_t* qsrc = smem + C::OFF_XQ + s * C::STAGE_XQ;
           const uint8_t* ssrc = smem + C::OFF_XS + s * C::STAGE_XS;
@@ -475,6 +512,7 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
         }
         mbar_arrive(full0 + 8 * s);
       }
+      if (++ui == iters) ui = 0;
     }
     return;
   }
@@ -483,17 +521,23 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
   const int g = lane >> 2;
   const int t4 = lane & 3;
   float acc[R][FMAX][4];
-  int it = 0;
-  for (int u = blockIdx.x; u < n_units; u += gridDim.x) {
-  const int e = active[u / NB];
-  const int nb = u - (u / NB) * NB;
-  const int row0 = offsets[e];
-  const int count = offsets[e + 1] - row0;
-  const int iters = ((count + C::TOKENS - 1) / C::TOKENS) * kchunks;
-  const float out_scale = alpha[e];
-  for (int ui = 0; ui < iters; ++ui, ++it) {
+  int e = 0, nb = 0, row0 = 0, count = 0, iters = 0, ui = 0;
+  float out_scale = 0.f;
+  for (int it = 0, useq = 0;; ++it) {
     const int s = it % STAGES;
     const uint32_t phase = (it / STAGES) & 1;
+    mbar_wait(full0 + 8 * s, phase);
+    if (ui == 0) {
+      const int u = unit_ring[useq % RING];
+      ++useq;
+      if (u < 0) break;
+      e = active[u / NB];
+      nb = u - (u / NB) * NB;
+      row0 = offsets[e];
+      count = offsets[e + 1] - row0;
+      iters = ((count + C::TOKENS - 1) / C::TOKENS) * kchunks;
+      out_scale = alpha[e];
+    }
     const int pass = ui / kchunks;
     const int kc = ui - pass * kchunks;
     const int tok0 = pass * C::TOKENS;
@@ -507,9 +551,9 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc[r][f][i] = 0.f;
     }
-    mbar_wait(full0 + 8 * s, phase);
     if constexpr (READ_ONLY) {
       mbar_arrive(empty0 + 8 * s);
+      if (++ui == iters) ui = 0;
       continue;
     }
     (void)out_scale;
@@ -551,8 +595,8 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
         }
       }
     }
+    if (++ui == iters) ui = 0;
   }
-  }  // units
 }
 
 }  // namespace lab_gemm

@@ -419,6 +419,22 @@ def grouped_gemm(prep: PreparedWeights, x_packed, x_scales, offsets, alpha, out,
     grid = (min(units, sms * resident_ctas(cfg, prep.experts, fn.num_regs)),)
     stream = stream if stream is not None else cp.cuda.get_current_stream()
     with stream:
+        sched = _scheduler_state(cp, out, offsets)
         fn(grid, (cfg.threads,), (prep.data, x_packed, x_scales, offsets, alpha, out,
-                                  np.int32(prep.n), np.int32(prep.k), np.int32(prep.experts)),
+                                  np.int32(prep.n), np.int32(prep.k), np.int32(prep.experts), sched),
            shared_mem=smem)
+
+
+_SCHED: dict = {}
+
+
+def _scheduler_state(cp, out, offsets):
+    """The kernel's unit counter, one per (output, offsets) pair: launches that may run at the same
+    time (chunks on two streams) write different outputs, so they never share a counter. The
+    kernel leaves it at zero, so graph replays need no reset. Allocated on first use, which the
+    runner does before any capture."""
+    key = (cp.cuda.Device().id, out.data.ptr, offsets.data.ptr)
+    buf = _SCHED.get(key)
+    if buf is None:
+        buf = _SCHED[key] = cp.zeros(2, dtype=cp.int32)
+    return buf
