@@ -262,6 +262,7 @@ __device__ __forceinline__ void stage_math(float (&acc)[R][FMAX][4], const uint8
   constexpr int KSTEPS = BK / 16;
   const int g = lane >> 2;
   const uint32_t xf_addr = smem_addr(xf);
+  uint32_t a_prev[R][4];  // wgmma: the previous step's A registers, live until retired
   if constexpr (MMA != 0) {
     wgmma_fence();
 #pragma unroll
@@ -303,19 +304,35 @@ __device__ __forceinline__ void stage_math(float (&acc)[R][FMAX][4], const uint8
         }
       }
       if constexpr (MMA != 0) {
-        // One wgmma per 64-row group per k16 step; the A registers are rewritten next step, so
-        // wait for this step's group before moving on (other warpgroups' decode overlaps it).
+        // One wgmma per 64-row group per k16 step. Step j's group runs while step j+1 decodes:
+        // wait_group 1 retires step j-1, and the empty asm below keeps step j-1's A registers
+        // allocated until then (the hardware reads them asynchronously).
         const uint64_t desc = MMA == 1 ? smem_desc(xf_addr + j * FMAX * 256, 128, 256)
                                        : smem_desc(xf_addr + j * FMAX * 256, 256, 128);
         wgmma_fence();
 #pragma unroll
         for (int r = 0; r < R; ++r) Wgmma<F, FMAX>::run(acc[r], a[r][0], a[r][1], a[r][2], a[r][3], desc);
         wgmma_commit();
-        wgmma_wait_all();
+        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+        if (j > 0) {
 #pragma unroll
-        for (int r = 0; r < R; ++r) fence_acc<FMAX>(acc[r]);
+          for (int r = 0; r < R; ++r)
+            asm volatile("" ::"r"(a_prev[r][0]), "r"(a_prev[r][1]), "r"(a_prev[r][2]), "r"(a_prev[r][3]));
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) a_prev[r][i] = a[r][i];
       }
     }
+  }
+  if constexpr (MMA != 0) {
+    wgmma_wait_all();
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      asm volatile("" ::"r"(a_prev[r][0]), "r"(a_prev[r][1]), "r"(a_prev[r][2]), "r"(a_prev[r][3]));
+#pragma unroll
+    for (int r = 0; r < R; ++r) fence_acc<FMAX>(acc[r]);
   }
 }
 
