@@ -43,9 +43,14 @@ def test_unknown_variant_names_the_known_ones():
         make("fused")
 
 
-def test_one_launch_2g_says_what_it_needs():
-    with pytest.raises(NotImplementedError, match="needs the two-problem GEMM launch"):
-        make("one-launch-2G").prepare(None, None)
+def test_one_launch_2g_takes_one_tile_for_both_gemms():
+    from lab.kernels import grouped_gemm as gg
+    from lab.variants.one_launch_2g import pair_config
+
+    cfg = pair_config(gg.GemmConfig(4, 4, 128, 4, 1), gg.GemmConfig(4, 4, 128, 4, 2))
+    assert cfg == gg.GemmConfig(4, 4, 128, 4, 2)
+    with pytest.raises(ValueError, match="share a layout"):
+        pair_config(gg.GemmConfig(4, 4, 128, 4, 1), gg.GemmConfig(4, 4, 64, 4, 1))
 
 
 @settings(max_examples=200)

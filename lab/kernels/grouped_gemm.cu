@@ -22,7 +22,10 @@
 //   Experts with more than 8*FMAX tokens take several passes over their weights.
 //   Persistent: the grid is sized to the resident CTAs; each CTA claims units (expert with tokens,
 //   row block) from a device counter, and its pipeline runs on across unit boundaries.
-//   Dynamic shared memory = Config::SMEM + 4 * num_experts (the compacted expert list).
+//   Dynamic shared memory = Config::SMEM + 4 * (num_experts0 + num_experts1) (compacted experts).
+//   Two problems (w13 and w2, say) may share one launch: their units are claimed from one
+//   counter, problem 0's first. The kernel does not order them: a unit of problem 1 may read
+//   activations that problem 0 of the same launch has not written (the one-launch-2G ceiling).
 //
 // Prepared weight layout (lab/kernels/grouped_gemm.py, prepare_weights): atoms of 16 rows x 64 k,
 // 576 bytes each, ordered [expert][BN-row block][BK chunk][16-row tile][k atom] (one stage is
@@ -340,20 +343,21 @@ __device__ __forceinline__ void stage_math(float (&acc)[R][FMAX][4], const uint8
 // the achievable read rate of exactly this access pattern.
 template <int W, int R, int BK, int STAGES, int FMAX, int MMA, bool READ_ONLY = false>
 __global__ void __launch_bounds__(Config<W, R, BK, STAGES, FMAX, MMA>::THREADS, 1)
-grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (atoms)
-                   const uint8_t* __restrict__ xq,      // (T, K/2) codes
-                   const uint8_t* __restrict__ xs,      // (T, K/16) e4m3 scales
-                   const int* __restrict__ offsets,     // (E+1,)
-                   const float* __restrict__ alpha,     // (E,)
-                   float* __restrict__ out,             // (T, N)
-                   int N, int K, int num_experts,
-                   int* __restrict__ sched) {  // [next unit, CTAs done]: zero before the launch, zero after
+grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single problem) the same
+    const uint8_t* __restrict__ wprep0, const uint8_t* __restrict__ xq0, const uint8_t* __restrict__ xs0,
+    const int* __restrict__ offsets0, const float* __restrict__ alpha0, float* __restrict__ out0,
+    int N0, int K0, int num_experts0,
+    const uint8_t* __restrict__ wprep1, const uint8_t* __restrict__ xq1, const uint8_t* __restrict__ xs1,
+    const int* __restrict__ offsets1, const float* __restrict__ alpha1, float* __restrict__ out1,
+    int N1, int K1, int num_experts1,
+    int* __restrict__ sched) {  // [next unit, CTAs done]: zero before the launch, zero after
+  // A unit of problem p reads that problem's arguments: kernel parameters selected, not copied.
+#define LAB_P(name) (p ? name##1 : name##0)
   using C = Config<W, R, BK, STAGES, FMAX, MMA>;
   static_assert(MMA == 0 || W % 4 == 0, "wgmma needs whole warpgroups of consumers");
   extern __shared__ __align__(128) uint8_t smem[];
 
-  const int NB = N / C::BN;
-  const int kchunks = K / BK;
+  const int NB0 = N0 / C::BN, NB1 = N1 / C::BN;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
 
@@ -382,25 +386,46 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
   }
   // Compact the experts that have tokens (block-wide ballot scan): units are (active expert,
   // row block), handed out round-robin, so empty experts cost nothing and CTAs stay balanced.
-  for (int base = 0; base < num_experts; base += C::THREADS) {
-    __syncthreads();
-    const int ex = base + (int)threadIdx.x;
-    const bool has = ex < num_experts && offsets[ex + 1] > offsets[ex];
-    const uint32_t ballot = __ballot_sync(0xffffffffu, has);
-    if (lane == 0) warp_count[warp] = __popc(ballot);
-    __syncthreads();
-    int before = n_active_s;
-    for (int w = 0; w < warp; ++w) before += warp_count[w];
-    if (has) active[before + __popc(ballot & ((1u << lane) - 1u))] = ex;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      int total = 0;
-      for (int w = 0; w < W + 1 + C::DW; ++w) total += warp_count[w];
-      n_active_s += total;
+  __shared__ int n_active0_s;
+  for (int p = 0; p < 2; ++p) {
+    const int num_experts = LAB_P(num_experts);
+    const int* offsets = LAB_P(offsets);
+    for (int base = 0; base < num_experts; base += C::THREADS) {
+      __syncthreads();
+      const int ex = base + (int)threadIdx.x;
+      const bool has = ex < num_experts && offsets[ex + 1] > offsets[ex];
+      const uint32_t ballot = __ballot_sync(0xffffffffu, has);
+      if (lane == 0) warp_count[warp] = __popc(ballot);
+      __syncthreads();
+      int before = n_active_s;
+      for (int w = 0; w < warp; ++w) before += warp_count[w];
+      if (has) active[before + __popc(ballot & ((1u << lane) - 1u))] = ex;
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        int total = 0;
+        for (int w = 0; w < W + 1 + C::DW; ++w) total += warp_count[w];
+        n_active_s += total;
+      }
     }
+    __syncthreads();
+    if (p == 0 && threadIdx.x == 0) n_active0_s = n_active_s;
   }
-  __syncthreads();
-  const int n_units = n_active_s * NB;
+  const int n_active0 = n_active0_s;
+  const int n_units0 = n_active0 * NB0;
+  const int n_units = n_units0 + (n_active_s - n_active0) * NB1;
+  // unit u -> problem p, expert e (local to p), row block nb; problem 0's units come first
+  struct Unit {
+    int p, e, nb;
+  };
+  auto unit_of = [&](int u) {
+    Unit r;
+    r.p = u >= n_units0;
+    const int uu = u - (r.p ? n_units0 : 0);
+    const int nbs = r.p ? NB1 : NB0;
+    r.e = active[(r.p ? n_active0 : 0) + uu / nbs];
+    r.nb = uu - (uu / nbs) * nbs;
+    return r;
+  };
 
   if (warp == W) {
     // ---------------- producer warp ----------------
@@ -413,15 +438,19 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
       if (lane == 0) u = atomicAdd(&sched[0], 1);
       u = __shfl_sync(0xffffffffu, u, 0);
       const bool done = u >= n_units;
-      const int e = done ? 0 : active[u / NB];
-      const int nb = done ? 0 : u - (u / NB) * NB;
+      const Unit un = done ? Unit{0, 0, 0} : unit_of(u);
+      const int p = un.p, e = un.e, nb = un.nb;
+      const int* offsets = LAB_P(offsets);
+      const uint8_t* xq = LAB_P(xq);
+      const uint8_t* xs = LAB_P(xs);
+      const int K = LAB_P(K), NB = LAB_P(NB), kchunks = K / BK;
       const int row0 = offsets[e];
       const int count = done ? 0 : offsets[e + 1] - row0;
       // a finished CTA still posts one stage so that consumers and decoders read the -1
       const int iters = done ? 1 : ((count + C::TOKENS - 1) / C::TOKENS) * kchunks;
       // Block-major layout: one stage's weights (BN rows x BK) are one contiguous run, so each
       // stage is a single bulk copy and DRAM sees long sequential bursts.
-      const uint8_t* wblock = wprep + ((size_t)e * NB + nb) * kchunks * C::STAGE_W;
+      const uint8_t* wblock = LAB_P(wprep) + ((size_t)e * NB + nb) * kchunks * C::STAGE_W;
       for (int ui = 0; ui < iters; ++ui, ++it) {
         const int s = it % STAGES;
         const uint32_t phase = (it / STAGES) & 1;
@@ -473,7 +502,7 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
     // Raw NVFP4 activations of stage s -> fp16 B fragments xf[s] (item = token row, k16 block),
     // then arrive on full[s]: consumers never synchronise with each other.
     const uint32_t two14 = 0x74007400u;  // fp16x2 (2^14, 2^14): v*2^-14*s is exact, then *2^14 exact
-    int it = 0, ui = 0, iters = 0, count = 0;
+    int it = 0, ui = 0, iters = 0, count = 0, kchunks = 1;
     for (int useq = 0;; ++it) {
       const int s = it % STAGES;
       const uint32_t phase = (it / STAGES) & 1;
@@ -485,8 +514,11 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
           mbar_arrive(full0 + 8 * s);
           break;
         }
-        const int e = active[u / NB];
-        count = offsets[e + 1] - offsets[e];
+        const Unit un = unit_of(u);
+        const int p = un.p;
+        const int* offsets = LAB_P(offsets);
+        count = offsets[un.e + 1] - offsets[un.e];
+        kchunks = LAB_P(K) / BK;
         iters = ((count + C::TOKENS - 1) / C::TOKENS) * kchunks;
       }
       {
@@ -538,8 +570,9 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
   const int g = lane >> 2;
   const int t4 = lane & 3;
   float acc[R][FMAX][4];
-  int e = 0, nb = 0, row0 = 0, count = 0, iters = 0, ui = 0;
+  int nb = 0, row0 = 0, count = 0, iters = 0, ui = 0, kchunks = 1, N = 0;
   float out_scale = 0.f;
+  float* out = out0;
   for (int it = 0, useq = 0;; ++it) {
     const int s = it % STAGES;
     const uint32_t phase = (it / STAGES) & 1;
@@ -548,12 +581,17 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
       const int u = unit_ring[useq % RING];
       ++useq;
       if (u < 0) break;
-      e = active[u / NB];
-      nb = u - (u / NB) * NB;
+      const Unit un = unit_of(u);
+      const int p = un.p, e = un.e;
+      const int* offsets = LAB_P(offsets);
+      nb = un.nb;
       row0 = offsets[e];
       count = offsets[e + 1] - row0;
+      kchunks = LAB_P(K) / BK;
       iters = ((count + C::TOKENS - 1) / C::TOKENS) * kchunks;
-      out_scale = alpha[e];
+      out_scale = LAB_P(alpha)[e];
+      out = LAB_P(out);
+      N = LAB_P(N);
     }
     const int pass = ui / kchunks;
     const int kc = ui - pass * kchunks;
@@ -614,6 +652,7 @@ grouped_gemm_nvfp4(const uint8_t* __restrict__ wprep,   // prepared weights (ato
     }
     if (++ui == iters) ui = 0;
   }
+#undef LAB_P
 }
 
 }  // namespace lab_gemm

@@ -402,38 +402,61 @@ def grouped_gemm(prep: PreparedWeights, x_packed, x_scales, offsets, alpha, out,
 
     `cfg` comes from `heuristic` (it needs the host-side token counts, which the caller has when
     it plans a run); offsets are not read back here, so the launch can be graph-captured.
+    `read_only` launches the same pipeline without decode, MMA or stores (the achievable rate of
+    this access pattern).
     """
+    _launch([(prep, x_packed, x_scales, offsets, alpha, out)], cfg, stream, read_only)
+
+
+def grouped_gemm_pair(first: tuple, second: tuple, cfg: GemmConfig, stream=None) -> None:
+    """Two grouped GEMMs in one launch: `first` and `second` are each (prep, x_packed, x_scales,
+    offsets, alpha, out) as for `grouped_gemm`, sharing `cfg` (its block and k_step must divide
+    both). The launch does not order them: if `second` reads what `first` writes, it reads a
+    stale buffer (that is what the one-launch-2G ceiling measures)."""
+    _launch([first, second], cfg, stream, False)
+
+
+def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool) -> None:
     import cupy as cp
 
-    _check_activation(x_packed, x_scales, offsets, alpha, out, prep)
-    cfg.validate(prep.n, prep.k)
-    if (cfg.block_n, cfg.k_step) != (prep.block_rows, prep.k_step):
-        raise ValueError(f"cfg: block {cfg.block_n} x k_step {cfg.k_step} does not match the weights' "
-                         f"layout ({prep.block_rows}, {prep.k_step}); prepare with layout=(block_n, k_step)")
-    if x_packed.shape[0] == 0 or prep.experts == 0:
+    for prep, x_packed, x_scales, offsets, alpha, out in problems:
+        _check_activation(x_packed, x_scales, offsets, alpha, out, prep)
+        cfg.validate(prep.n, prep.k)
+        if (cfg.block_n, cfg.k_step) != (prep.block_rows, prep.k_step):
+            raise ValueError(f"cfg: block {cfg.block_n} x k_step {cfg.k_step} does not match the weights' "
+                             f"layout ({prep.block_rows}, {prep.k_step}); prepare with layout=(block_n, k_step)")
+    problems = [pr for pr in problems if pr[1].shape[0] and pr[0].experts]
+    if not problems:
         return
-    smem = cfg.launch_smem(prep.experts)
+    if len(problems) == 1:  # problem 1 of the kernel: no experts
+        prep, x_packed, x_scales, offsets, alpha, out = problems[0]
+        problems.append((PreparedWeights(prep.data, 0, prep.n, prep.k, prep.block_rows, prep.k_step),
+                         x_packed, x_scales, offsets, alpha, out))
+    experts = sum(pr[0].experts for pr in problems)
+    smem = cfg.launch_smem(experts)
     fn = jit.kernel(SOURCE, cfg.expression_for(read_only), smem)
-    units = prep.experts * (prep.n // cfg.block_n)
+    units = sum(pr[0].experts * (pr[0].n // cfg.block_n) for pr in problems)
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    grid = (min(units, sms * resident_ctas(cfg, prep.experts, fn.num_regs)),)
+    grid = (min(units, sms * resident_ctas(cfg, experts, fn.num_regs)),)
+    args = []
+    for prep, x_packed, x_scales, offsets, alpha, out in problems:
+        args += [prep.data, x_packed, x_scales, offsets, alpha, out,
+                 np.int32(prep.n), np.int32(prep.k), np.int32(prep.experts)]
     stream = stream if stream is not None else cp.cuda.get_current_stream()
     with stream:
-        sched = _scheduler_state(cp, out, offsets)
-        fn(grid, (cfg.threads,), (prep.data, x_packed, x_scales, offsets, alpha, out,
-                                  np.int32(prep.n), np.int32(prep.k), np.int32(prep.experts), sched),
-           shared_mem=smem)
+        args.append(_scheduler_state(cp, problems[0][5], problems[0][3], problems[1][5]))
+        fn(grid, (cfg.threads,), tuple(args), shared_mem=smem)
 
 
 _SCHED: dict = {}
 
 
-def _scheduler_state(cp, out, offsets):
+def _scheduler_state(cp, out, offsets, out1):
     """The kernel's unit counter, one per (output, offsets) pair: launches that may run at the same
     time (chunks on two streams) write different outputs, so they never share a counter. The
     kernel leaves it at zero, so graph replays need no reset. Allocated on first use, which the
     runner does before any capture."""
-    key = (cp.cuda.Device().id, out.data.ptr, offsets.data.ptr)
+    key = (cp.cuda.Device().id, out.data.ptr, offsets.data.ptr, out1.data.ptr)
     buf = _SCHED.get(key)
     if buf is None:
         buf = _SCHED[key] = cp.zeros(2, dtype=cp.int32)
