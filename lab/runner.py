@@ -221,6 +221,21 @@ class Runner:
         return time_cuda(lambda: self.run(variant, layer), iterations=iterations, warmup=warmup,
                          stream=self.stream)
 
+    def stage_spans(self, variant, layer) -> list[dict]:
+        """One run with events around every stage: [{stage, start_ms, stop_ms}] in launch order,
+        times relative to the earliest start (for timelines: gaps between chunks, overlap)."""
+        self._stage_log = []
+        try:
+            self.run(variant, layer)
+        finally:
+            log, self._stage_log = self._stage_log, None
+        self.synchronize()
+        if not log:
+            return []
+        t0 = min((self.cp.cuda.get_elapsed_time(log[0][1], start) for _, start, _ in log), default=0.0)
+        return [{"stage": stage, "start_ms": self.cp.cuda.get_elapsed_time(log[0][1], start) - t0,
+                 "stop_ms": self.cp.cuda.get_elapsed_time(log[0][1], stop) - t0} for stage, start, stop in log]
+
     def time_stages(self, variant, layer, iterations: int = 20, warmup: int = 3) -> dict[str, Timing]:
         """Per stage: median / min / max over iterations of the summed event spans of that
         stage (one span per stage for single-stream variants)."""

@@ -1,0 +1,135 @@
+"""What the GEMM benchmarks share: the study's weights on the GPU in any tile layout, the
+NVFP4 activations of a routing, and one timed measurement of a tile (GEMM, and the same grid
+and pipeline reading its bytes with no math). Scripts compose these; none hides a loop.
+
+    bench = GemmBench(problem, seed)                       host weights, once
+    case = bench.case("w13", mean_tokens, skew)            routing + activations on the GPU
+    row = bench.measure(case, cfg, roofline_gbps, iters)   {ms, read_pattern_ms, roof_pct, ...}
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from lab import nvfp4, reference
+from lab.kernels import grouped_gemm as gg
+from lab.problem import (W2_INPUT_SCALE, W13_INPUT_SCALE, MoEProblem, make_routing, random_activations,
+                         random_weights, tokens_for_mean)
+from lab.timing import time_cuda
+
+
+def log(tag: str, msg: str) -> None:
+    print(f"[{tag} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class GemmCase:
+    """One GEMM (w13 or w2) at one routing: device inputs, host copies for checks."""
+
+    gemm: str
+    mean_tokens: float
+    n: int
+    k: int
+    counts: np.ndarray  # (E,) host
+    offsets: np.ndarray  # (E+1,) host int64
+    xq: nvfp4.NVFP4Tensor  # host activations
+    alpha: np.ndarray  # (E,) float32 host
+    d_xp: object
+    d_xs: object
+    d_off: object
+    d_alpha: object
+    out: object  # (rows, N) float32 device
+
+    @property
+    def rows(self) -> int:
+        return int(self.offsets[-1])
+
+
+class GemmBench:
+    """The study's weights (host, generated once) and their kernel layouts on the GPU (one layout
+    per GEMM kept at a time, so a sweep over layouts does not hold several copies)."""
+
+    def __init__(self, problem: MoEProblem, seed: int = 0, tag: str = "gemm"):
+        from lab.gpu import require_gpu
+
+        self.cp = require_gpu("GemmBench")
+        self.problem, self.seed, self.tag = problem.validate(), seed, tag
+        log(tag, "weights: generating on the host")
+        self.w = random_weights(problem, seed=seed)
+        p = problem
+        self.gemms = {
+            "w13": dict(packed=self.w.w13_packed, scales=self.w.w13_scales, n=2 * p.intermediate, k=p.hidden,
+                        input_scale=W13_INPUT_SCALE),
+            "w2": dict(packed=self.w.w2_packed, scales=self.w.w2_scales, n=p.hidden, k=p.intermediate,
+                       input_scale=W2_INPUT_SCALE),
+        }
+        self._prep: dict[str, tuple] = {}
+
+    def prepared(self, gemm: str, layout: tuple[int, int]) -> gg.PreparedWeights:
+        cached = self._prep.get(gemm)
+        if cached is None or cached[0] != layout:
+            self._prep.pop(gemm, None)  # free the old layout first
+            g = self.gemms[gemm]
+            log(self.tag, f"{gemm}: preparing the kernel layout {layout} on the GPU")
+            self._prep[gemm] = (layout, gg.prepare_weights(g["packed"], g["scales"], xp=self.cp, layout=layout))
+        return self._prep[gemm][1]
+
+    def case(self, gemm: str, mean_tokens: float, skew: float = 0.0) -> GemmCase:
+        cp, p, g = self.cp, self.problem, self.gemms[gemm]
+        tokens = tokens_for_mean(mean_tokens, p.experts, p.top_k)
+        routing = make_routing(tokens, p.experts, p.top_k, skew=skew, seed=self.seed)
+        x = random_activations(routing.rows, g["k"], seed=self.seed + int(mean_tokens * 10) + len(gemm))
+        xq = nvfp4.quantize(x, g["input_scale"])
+        if gemm == "w13":
+            alpha = np.full(p.experts, xq.global_scale, np.float32)
+        else:
+            alpha = (np.float32(xq.global_scale) * self.w.w2_global).astype(np.float32)
+        return GemmCase(gemm, mean_tokens, g["n"], g["k"], routing.counts, routing.offsets.astype(np.int64), xq,
+                        alpha, cp.asarray(xq.packed), cp.asarray(xq.scales),
+                        cp.asarray(routing.offsets.astype(np.int32)), cp.asarray(alpha),
+                        cp.full((routing.rows, g["n"]), cp.nan, dtype=cp.float32))
+
+    def check(self, case: GemmCase, experts: np.ndarray) -> float:
+        """Relative Frobenius error of the last output on `experts` against float64."""
+        g = self.gemms[case.gemm]
+        got = case.out.get()
+        ref = reference.grouped_gemm(case.xq.packed, case.xq.scales, case.offsets, g["packed"], g["scales"],
+                                     case.alpha, experts=experts)
+        rows = np.concatenate([np.arange(case.offsets[e], case.offsets[e + 1]) for e in experts])
+        return reference.rel_frobenius(got[rows], ref[rows])
+
+    def required_bytes(self, case: GemmCase) -> int:
+        """What the GEMM must move: weights of experts with tokens, NVFP4 activations, fp32 out."""
+        wbytes = int((case.counts > 0).sum()) * case.n * case.k * 9 // 16
+        return wbytes + case.xq.packed.nbytes + case.xq.scales.nbytes + case.rows * case.n * 4
+
+    def measure(self, case: GemmCase, cfg: gg.GemmConfig, roofline_gbps: float, iterations: int,
+                read_pattern: bool = True) -> dict:
+        """Time `cfg` on `case` (after one poisoned run whose unwritten elements are counted)."""
+        prep = self.prepared(case.gemm, (cfg.block_n, cfg.k_step))
+        cfg.validate(case.n, case.k)
+
+        def run(read_only=False):
+            gg.grouped_gemm(prep, case.d_xp, case.d_xs, case.d_off, case.d_alpha, case.out, cfg,
+                            read_only=read_only)
+
+        case.out.fill(self.cp.nan)
+        run()
+        self.cp.cuda.Device().synchronize()
+        unwritten = int(self.cp.isnan(case.out).sum())
+        t = time_cuda(run, iterations=iterations)
+        nbytes = self.required_bytes(case)
+        t_roof = nbytes / (roofline_gbps * 1e9) * 1e3
+        row = {"gemm": case.gemm, "mean_tokens": case.mean_tokens, "rows": case.rows,
+               "max_count": int(case.counts.max()), "config": cfg.__dict__, "bytes": nbytes,
+               "ms": t.median_ms, "ms_min": t.min_ms, "ms_max": t.max_ms, "gbps": nbytes / t.median_ms / 1e6,
+               "roof_pct": 100 * t_roof / t.median_ms, "unwritten": unwritten}
+        if read_pattern:
+            tr = time_cuda(lambda: run(True), iterations=iterations)
+            row.update({"read_pattern_ms": tr.median_ms, "pattern_pct": 100 * tr.median_ms / t.median_ms,
+                        "read_pattern_roof_pct": 100 * t_roof / tr.median_ms})
+        return row

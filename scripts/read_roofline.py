@@ -1,0 +1,62 @@
+"""Flat streaming read against a raw read of exactly the GEMM's bytes in its own tile order
+(the GEMM's grid and pipeline with no decode or MMA), at each mean: is the gap between the GEMM
+and the roofline the mainloop or the access pattern?
+
+    python scripts/read_roofline.py --json results/read_roofline.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tabulate import tabulate
+
+from lab.device_info import setup_info
+from lab.gemm_bench import GemmBench, log
+from lab.kernels import grouped_gemm as gg
+from lab.kernels.stream_read import measure_read_roofline
+from lab.problem import MoEProblem
+
+TAG = "read_roofline"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mean-tokens", type=float, nargs="+", default=[2, 4, 8, 32])
+    ap.add_argument("--experts", type=int, default=288)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--intermediate", type=int, default=2048)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--iterations", type=int, default=10)
+    ap.add_argument("--json", help="write everything here")
+    args = ap.parse_args(argv)
+
+    problem = MoEProblem(args.experts, args.hidden, args.intermediate, args.top_k).validate()
+    setup = setup_info()
+    roof = measure_read_roofline(iterations=args.iterations)
+    bw = roof["gbps"]
+    log(TAG, f"flat read {bw:.0f} GB/s")
+    bench = GemmBench(problem, args.seed, TAG)
+    rows = []
+    for mean in args.mean_tokens:
+        for gemm in ("w13", "w2"):
+            case = bench.case(gemm, mean)
+            cfg = gg.heuristic(case.n, case.k, case.counts)
+            rows.append(bench.measure(case, cfg, bw, args.iterations, read_pattern=True))
+    table = [[r["gemm"], r["mean_tokens"], f"{r['read_pattern_ms']:.3f}", f"{r['read_pattern_roof_pct']:.1f}",
+              f"{r['ms']:.3f}", f"{r['roof_pct']:.1f}"] for r in rows]
+    print(f"flat streaming read: {bw:.0f} GB/s")
+    print(tabulate(table, headers=["gemm", "tokens/expert", "pattern read ms", "pattern % of flat", "GEMM ms",
+                                   "GEMM % of flat"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"script": "scripts/read_roofline.py", "argv": sys.argv[1:], "setup": setup,
+                       "read_roofline": roof, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The grouped GEMM over its tile space, like the study's tile table (tile, gemm, tokens, ms,
+GB/s, roof%): does a token tile below 128, impossible in CUTLASS, recover anything on the H200?
+
+By default one factor at a time around the heuristic's tile (token tile 8..128, N tile 64..256,
+K step 64..256, pipeline depth); `--full` takes the whole grid. A token tile smaller than an
+expert's tokens makes the kernel take several passes over that expert's weights: that cost is
+part of what the sweep measures. Tiles that cannot be built or launched are reported with the
+reason, never dropped.
+
+    python scripts/tile_sweep.py --json results/tile_sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+
+from tabulate import tabulate
+
+from lab.device_info import setup_info
+from lab.gemm_bench import GemmBench, log
+from lab.kernels import grouped_gemm as gg
+from lab.kernels.stream_read import measure_read_roofline
+from lab.problem import MoEProblem
+
+TAG = "tile_sweep"
+TOKEN_TILES = (8, 16, 32, 64, 128)
+N_TILES = {64: (4, 1), 128: (2, 4), 256: (4, 4)}  # rows per CTA -> (consumer warps, 16-row tiles per warp)
+K_STEPS = (64, 128, 256)
+STAGES = (2, 3, 4, 6)
+
+
+def candidates(base: gg.GemmConfig, full: bool) -> list[tuple[dict, object]]:
+    """(tile description, GemmConfig or the reason it cannot exist) for the sweep."""
+    def make(tokens, n_tile, k_step, stages):
+        desc = {"token_tile": tokens, "n_tile": n_tile, "k_step": k_step, "stages": stages}
+        if tokens // 8 not in gg.MAX_FRAGS_CHOICES:
+            return desc, f"token tile {tokens} not compiled (max {8 * gg.MAX_FRAGS_CHOICES[-1]})"
+        w, r = N_TILES[n_tile]
+        try:
+            return desc, gg.GemmConfig(w, r, k_step, stages, tokens // 8).validate()
+        except ValueError as exc:
+            return desc, str(exc)
+
+    base_n = base.block_n
+    if full:
+        grid = itertools.product(TOKEN_TILES, N_TILES, K_STEPS, STAGES)
+    else:
+        pts = {(base.token_tile, base_n, base.k_step, base.stages)}
+        pts |= {(t, base_n, base.k_step, base.stages) for t in TOKEN_TILES}
+        pts |= {(base.token_tile, n, base.k_step, base.stages) for n in N_TILES}
+        pts |= {(base.token_tile, base_n, k, base.stages) for k in K_STEPS}
+        pts |= {(base.token_tile, base_n, base.k_step, s) for s in STAGES}
+        grid = pts
+    # grouped by weight layout (N tile, K step): each layout is prepared once
+    return [make(*p) for p in sorted(grid, key=lambda t: (t[1], t[2], t[0], t[3]))]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mean-tokens", type=float, nargs="+", default=[2, 4, 8, 32])
+    ap.add_argument("--gemms", nargs="+", default=["w13", "w2"], choices=["w13", "w2"])
+    ap.add_argument("--experts", type=int, default=288)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--intermediate", type=int, default=2048)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--iterations", type=int, default=5)
+    ap.add_argument("--full", action="store_true", help="the whole grid, not one factor at a time")
+    ap.add_argument("--json", help="write everything here")
+    args = ap.parse_args(argv)
+
+    problem = MoEProblem(args.experts, args.hidden, args.intermediate, args.top_k).validate()
+    setup = setup_info()
+    roof = measure_read_roofline(iterations=max(5, args.iterations))
+    bw = roof["gbps"]
+    log(TAG, f"read roofline {bw:.0f} GB/s")
+    bench = GemmBench(problem, args.seed, TAG)
+    rows = []
+    for mean in args.mean_tokens:
+        for gemm in args.gemms:
+            case = bench.case(gemm, mean)
+            base = gg.heuristic(case.n, case.k, case.counts)
+            cands = candidates(base, args.full)
+            for i, (desc, cfg) in enumerate(cands):
+                row = {"gemm": gemm, "mean_tokens": mean, **desc}
+                if not isinstance(cfg, gg.GemmConfig):
+                    row["error"] = cfg
+                else:
+                    log(TAG, f"{gemm} mean {mean}: {i + 1}/{len(cands)} {cfg}")
+                    try:
+                        row.update(bench.measure(case, cfg.validate(case.n, case.k), bw, args.iterations,
+                                                 read_pattern=False))
+                    except Exception as exc:  # compile or launch failure: reported in the table
+                        row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                if "error" in row:
+                    log(TAG, f"{gemm} mean {mean}: {desc}: {row['error']}")
+                rows.append(row)
+    table = [[r["gemm"], r["mean_tokens"], r["token_tile"], r["n_tile"], r["k_step"], r["stages"],
+              f"{r['ms']:.3f}" if "ms" in r else "-", f"{r['gbps']:.0f}" if "gbps" in r else "-",
+              f"{r['roof_pct']:.1f}" if "roof_pct" in r else r.get("error", "")[:60]] for r in rows]
+    print(f"read roofline: {bw:.0f} GB/s")
+    print(tabulate(table, headers=["gemm", "tokens/expert", "token tile", "N tile", "K step", "stages", "ms",
+                                   "GB/s", "roof% (or why not)"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"script": "scripts/tile_sweep.py", "argv": sys.argv[1:], "setup": setup,
+                       "read_roofline": roof, "rows": rows}, f, indent=1)
+    return 1 if any(r.get("unwritten") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""The study scripts' arithmetic, without a GPU: tile candidates, chunk timelines, waves."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lab.kernels import grouped_gemm as gg
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_tile_sweep_varies_one_factor_at_a_time_and_reports_what_cannot_exist():
+    ts = load("tile_sweep")
+    base = gg.GemmConfig(4, 4, 128, 4, 2)
+    cands = ts.candidates(base, full=False)
+    descs = [d for d, _ in cands]
+    assert len(descs) == len({tuple(d.values()) for d in descs})  # no point twice
+    for d, cfg in cands:  # every point differs from the base in at most one factor
+        diffs = (d["token_tile"] != 16) + (d["n_tile"] != 256) + (d["k_step"] != 128) + (d["stages"] != 4)
+        assert diffs <= 1
+        if isinstance(cfg, gg.GemmConfig):
+            assert (cfg.token_tile, cfg.block_n, cfg.k_step, cfg.stages) == tuple(d.values())
+    why = dict((d["token_tile"], c) for d, c in cands if d["n_tile"] == 256 and d["k_step"] == 128 and d["stages"] == 4)
+    assert isinstance(why[128], str) and "not compiled" in why[128]
+    full = ts.candidates(base, full=True)
+    assert len(full) == len(ts.TOKEN_TILES) * len(ts.N_TILES) * len(ts.K_STEPS) * len(ts.STAGES)
+    layouts = [(d["n_tile"], d["k_step"]) for d, _ in full]
+    assert layouts == sorted(layouts)  # grouped by layout: each prepared once
+
+
+def test_chunk_timeline_gaps_and_idle():
+    cs = load("chunk_study")
+    spans = [  # chunk 0 on one stream, chunk 1 on the other
+        {"stage": "w13", "start_ms": 0.0, "stop_ms": 1.0}, {"stage": "act", "start_ms": 1.0, "stop_ms": 1.1},
+        {"stage": "w2", "start_ms": 1.1, "stop_ms": 1.6}, {"stage": "out", "start_ms": 1.6, "stop_ms": 1.7},
+        {"stage": "w13", "start_ms": 1.25, "stop_ms": 2.2}, {"stage": "act", "start_ms": 2.2, "stop_ms": 2.3},
+        {"stage": "w2", "start_ms": 2.5, "stop_ms": 3.0}, {"stage": "out", "start_ms": 3.0, "stop_ms": 3.1},
+    ]
+    tl = cs.timeline(spans)
+    assert tl["w13_gaps"] == [pytest.approx(0.25)]
+    assert tl["idle_ms"] == pytest.approx(0.2)  # 2.3 .. 2.5: nothing runs
+    assert tl["span_ms"] == pytest.approx(3.1)
+
+
+def test_chunk_waves():
+    cs = load("chunk_study")
+    counts = np.array([1, 0, 3, 5, 0, 2])
+    cfg = gg.GemmConfig(4, 4, 128, 4, 1)  # 256 rows per unit
+    w = cs.waves(counts, [(0, 3), (3, 6)], cfg, 1024, ctas=4)
+    assert w == [2 * 4 / 4, 2 * 4 / 4]
