@@ -4,7 +4,8 @@ scheduling?
 For each k it reports the layer time (the captured graph, as run_layer times it), each chunk's
 w13 units against the CTAs resident on the SMs (wave quantisation: how full the last wave is),
 and, from one directly launched run with events around every stage, the idle time of the w13
-weight stream between chunks and the time no stage was running at all. k = 1 is `separate`.
+weight stream between chunks and the time no stage was running at all. k = 1 is the unchunked
+layer: `cuda-graph` for the time, `separate` for the timeline.
 
     python scripts/chunk_study.py --json results/chunk_study.json
 """
@@ -94,7 +95,8 @@ def main(argv=None) -> int:
         fn = jit.kernel(gg.SOURCE, cfg.expression, cfg.launch_smem(problem.experts))
         roof_ms = roofline_ms(layer_bytes(problem, routing.counts, active=True).total, gbps)
         for k in args.k:
-            graphed, direct = (make("separate"), make("separate")) if k == 1 else (Chunked(k), Chunked(k, graph=False))
+            # k = 1: the unchunked layer, captured like chunked-k is (cuda-graph), launched directly (separate)
+            graphed, direct = (make("cuda-graph"), make("separate")) if k == 1 else (Chunked(k), Chunked(k, graph=False))
             runner.prepare(graphed, layer)
             t = runner.time(graphed, layer, iterations=args.iterations, warmup=3)
             runner.prepare(direct, layer)
