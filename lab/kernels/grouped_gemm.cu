@@ -9,16 +9,20 @@
 // Operand swap: weight rows fill the M side of mma.m16n8k16 and tokens its 8-wide N side, so a
 // handful of tokens wastes at most 7 columns of an 8-wide fragment instead of 120 rows of 128.
 //
-// CTA = W consumer warps + 1 producer warp + 1 activation-decoder warp; a unit of work is one
-// (expert, block of BN = W*R*16 weight rows).
+// CTA = W consumer warps + 1 producer warp + DW activation-decoder warps (2 for token tiles of
+// 32 or more); a unit of work is one (expert, block of BN = W*R*16 weight rows).
 //   producer: per stage, one cp.async.bulk of the stage's prepared weights (evict-first),
 //             plus cp.async of the stage's raw NVFP4 activation rows (L2 resident), all
 //             completing on the stage's `full` mbarrier; STAGES deep.
-//   decoder:  one warp turns the stage's raw activations into fp16 B fragments, then arrives on
-//             `full` (weights' bytes + decoder done = stage ready).
-//   consumers: each warp streams its R row tiles: 16-byte LDS of codes,
-//             bit decode, e4m3 scale via cvt and one HMUL2 per pair, mma into fp32 registers.
+//   decoders: turn the stage's raw activations into fp16 B operands (mma.sync fragments, or
+//             wgmma core matrices), then arrive on `full` (weights' bytes + decoders = ready).
+//   consumers: each warp streams its R row tiles: 16-byte LDS of codes, bit decode, e4m3
+//             scale via cvt and one HMUL2 per pair, then mma.sync m16n8k16 per 8-token fragment
+//             (MMA = 0) or one wgmma m64n(8F)k16 per warpgroup and row-tile index (MMA = 1).
+//             The fragment count F is dispatched once per stage to a compile-time body.
 //             Each consumer thread arrives on `empty` when done with the stage.
+//   Unit ring: the producer publishes each claimed unit in a small shared ring; consumers and
+//   decoders read it at the unit's first stage, through that stage's barriers.
 //   Experts with more than 8*FMAX tokens take several passes over their weights.
 //   Persistent: the grid is sized to the resident CTAs; each CTA claims units (expert with tokens,
 //   row block) from a device counter, and its pipeline runs on across unit boundaries.
@@ -235,7 +239,8 @@ __device__ __forceinline__ uint32_t raw_byte_to_f16x2(uint32_t b) {
 }
 
 // MMA: 0 = mma.sync m16n8k16 per 8-token fragment; 1 = wgmma m64n(8F)k16 per warpgroup (tokens as
-// N, B from shared memory in core matrices); 2 = wgmma with LBO/SBO exchanged (layout probe).
+// N, B from shared memory in core matrices: LBO = next core matrix along K, SBO = along N; the
+// exchanged descriptor was measured wrong on the H200).
 template <int W, int R, int BK, int STAGES, int FMAX, int MMA>
 struct Config {
   static constexpr int DW = FMAX >= 4 ? 2 : 1;  // activation-decoder warps
@@ -310,8 +315,7 @@ __device__ __forceinline__ void stage_math(float (&acc)[R][FMAX][4], const uint8
         // One wgmma per 64-row group per k16 step. Step j's group runs while step j+1 decodes:
         // wait_group 1 retires step j-1, and the empty asm below keeps step j-1's A registers
         // allocated until then (the hardware reads them asynchronously).
-        const uint64_t desc = MMA == 1 ? smem_desc(xf_addr + j * FMAX * 256, 128, 256)
-                                       : smem_desc(xf_addr + j * FMAX * 256, 256, 128);
+        const uint64_t desc = smem_desc(xf_addr + j * FMAX * 256, 128, 256);
         wgmma_fence();
 #pragma unroll
         for (int r = 0; r < R; ++r) Wgmma<F, FMAX>::run(acc[r], a[r][0], a[r][1], a[r][2], a[r][3], desc);
@@ -355,6 +359,7 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
 #define LAB_P(name) (p ? name##1 : name##0)
   using C = Config<W, R, BK, STAGES, FMAX, MMA>;
   static_assert(MMA == 0 || W % 4 == 0, "wgmma needs whole warpgroups of consumers");
+  static_assert(MMA == 0 || MMA == 1, "MMA: 0 = mma.sync, 1 = wgmma");
   extern __shared__ __align__(128) uint8_t smem[];
 
   const int NB0 = N0 / C::BN, NB1 = N1 / C::BN;

@@ -288,7 +288,7 @@ class GemmConfig:
         return self.stages * self.warps * self.row_tiles * (self.k_step // ATOM_K) * ATOM_BYTES
 
     def validate(self, n: int | None = None, k: int | None = None) -> "GemmConfig":
-        if self.mma not in (0, 1, 2) or (self.mma and self.warps % 4):
+        if self.mma not in (0, 1) or (self.mma and self.warps % 4):
             raise ValueError(f"mma must be 0 (mma.sync) or 1 (wgmma, warps a multiple of 4), got {self.mma} "
                              f"with {self.warps} warps")
         if self.k_step not in (64, 128, 256):
