@@ -9,6 +9,8 @@ and pipeline reading its bytes with no math). Scripts compose these; none hides 
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -24,6 +26,31 @@ from lab.timing import time_cuda
 
 def log(tag: str, msg: str) -> None:
     print(f"[{tag} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def study_parser(doc: str, means: list[float], iterations: int) -> argparse.ArgumentParser:
+    """The arguments every study script takes: means, problem size, seed, iterations, --json."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mean-tokens", type=float, nargs="+", default=means)
+    ap.add_argument("--experts", type=int, default=288)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--intermediate", type=int, default=2048)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--iterations", type=int, default=iterations)
+    ap.add_argument("--json", help="write everything here")
+    return ap
+
+
+def problem_of(args) -> MoEProblem:
+    return MoEProblem(args.experts, args.hidden, args.intermediate, args.top_k).validate()
+
+
+def write_json(path: str | None, script: str, **fields) -> None:
+    """The JSON a study script leaves: its name and arguments, then its fields."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"script": script, "argv": sys.argv[1:], **fields}, f, indent=1)
 
 
 @dataclass

@@ -17,7 +17,6 @@ and prints one table (gemm, tokens, ms, GB/s, % of roofline, % of same-pattern r
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import numpy as np
@@ -25,10 +24,9 @@ from tabulate import tabulate
 
 from lab import nvfp4
 from lab.device_info import setup_info
-from lab.gemm_bench import GemmBench, log
+from lab.gemm_bench import GemmBench, log, problem_of, study_parser, write_json
 from lab.kernels import grouped_gemm as gg
 from lab.kernels.stream_read import measure_read_roofline
-from lab.problem import MoEProblem
 from lab.timing import time_cuda
 
 TAG = "bench_gemm"
@@ -42,24 +40,16 @@ def parse_config(text: str) -> tuple[int, ...]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mean-tokens", type=float, nargs="+", default=[2, 4, 8, 32])
-    ap.add_argument("--experts", type=int, default=288)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--intermediate", type=int, default=2048)
-    ap.add_argument("--top-k", type=int, default=8)
+    ap = study_parser(__doc__, [2, 4, 8, 32], 20)
     ap.add_argument("--skew", type=float, default=0.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--check-experts", type=int, default=16, help="experts checked against float64 (0: none)")
     ap.add_argument("--no-cublas", action="store_true")
     ap.add_argument("--config", type=parse_config, action="append", default=[],
                     help="override the tile: warps,row_tiles,k_step,stages[,mma] (token tile from the heuristic; "
                          "mma 0 = mma.sync, 1 = wgmma); repeat to time several tiles in one run")
-    ap.add_argument("--json", help="write everything here")
     args = ap.parse_args(argv)
 
-    problem = MoEProblem(args.experts, args.hidden, args.intermediate, args.top_k).validate()
+    problem = problem_of(args)
     setup = setup_info()
     log(TAG, f"setup: {setup}")
     log(TAG, "read roofline (flat streaming read of 4.077 GB)")
@@ -103,10 +93,8 @@ def main(argv=None) -> int:
                                    "% same-pattern read", "read-pattern ms", "cublas-fp16 ms"]))
     for c in checks:
         print(f"check {c['gemm']} mean {c['mean']}: rel Frobenius {c['rel_frobenius']:.2e} on {len(c['experts'])} experts")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"script": "scripts/bench_gemm.py", "argv": sys.argv[1:], "setup": setup,
-                       "read_roofline": roof, "rows": rows_out, "checks": checks}, f, indent=1)
+    write_json(args.json, "scripts/bench_gemm.py", setup=setup,
+               read_roofline=roof, rows=rows_out, checks=checks)
     bad = any(c["rel_frobenius"] > 1e-5 for c in checks) or any(r["unwritten"] for r in rows_out)
     return 1 if bad else 0
 

@@ -12,19 +12,17 @@ layer: `cuda-graph` for the time, `separate` for the timeline.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 import numpy as np
 from tabulate import tabulate
 
 from lab.device_info import setup_info
-from lab.gemm_bench import log
+from lab.gemm_bench import log, problem_of, study_parser, write_json
 from lab.kernels import grouped_gemm as gg
 from lab.kernels import jit
 from lab.kernels.stream_read import measure_read_roofline
-from lab.problem import MoEProblem, make_routing, random_activations, random_weights, tokens_for_mean
+from lab.problem import make_routing, random_activations, random_weights, tokens_for_mean
 from lab.roofline import layer_bytes, roofline_ms
 
 TAG = "chunk_study"
@@ -54,16 +52,8 @@ def timeline(spans: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = study_parser(__doc__, [8, 32], 10)
     ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    ap.add_argument("--mean-tokens", type=float, nargs="+", default=[8, 32])
-    ap.add_argument("--experts", type=int, default=288)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--intermediate", type=int, default=2048)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--iterations", type=int, default=10)
-    ap.add_argument("--json", help="write everything here")
     args = ap.parse_args(argv)
     if any(k < 1 for k in args.k):
         ap.error("--k: every k must be >= 1")
@@ -75,7 +65,7 @@ def main(argv=None) -> int:
     from lab.variants.chunked import Chunked, chunk_bounds
 
     cp = require_gpu("chunk_study")
-    problem = MoEProblem(args.experts, args.hidden, args.intermediate, args.top_k).validate()
+    problem = problem_of(args)
     setup = setup_info()
     log(TAG, "weights")
     dweights = upload_weights(random_weights(problem, seed=args.seed))
@@ -118,10 +108,8 @@ def main(argv=None) -> int:
     print(tabulate(table, headers=["tokens/expert", "k", "ms (graph)", "roof%", "w13 waves/chunk",
                                    "last-wave fill", "w13 gaps ms (direct)", "idle ms (direct)",
                                    "span ms (direct)"]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"script": "scripts/chunk_study.py", "argv": sys.argv[1:], "setup": setup,
-                       "read_roofline": roof, "rows": rows}, f, indent=1)
+    write_json(args.json, "scripts/chunk_study.py", setup=setup,
+               read_roofline=roof, rows=rows)
     return 0
 
 

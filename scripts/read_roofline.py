@@ -7,34 +7,23 @@ and the roofline the mainloop or the access pattern?
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 from tabulate import tabulate
 
 from lab.device_info import setup_info
-from lab.gemm_bench import GemmBench, log
+from lab.gemm_bench import GemmBench, log, problem_of, study_parser, write_json
 from lab.kernels import grouped_gemm as gg
 from lab.kernels.stream_read import measure_read_roofline
-from lab.problem import MoEProblem
 
 TAG = "read_roofline"
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mean-tokens", type=float, nargs="+", default=[2, 4, 8, 32])
-    ap.add_argument("--experts", type=int, default=288)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--intermediate", type=int, default=2048)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--iterations", type=int, default=10)
-    ap.add_argument("--json", help="write everything here")
+    ap = study_parser(__doc__, [2, 4, 8, 32], 10)
     args = ap.parse_args(argv)
 
-    problem = MoEProblem(args.experts, args.hidden, args.intermediate, args.top_k).validate()
+    problem = problem_of(args)
     setup = setup_info()
     roof = measure_read_roofline(iterations=args.iterations)
     bw = roof["gbps"]
@@ -51,10 +40,8 @@ def main(argv=None) -> int:
     print(f"flat streaming read: {bw:.0f} GB/s")
     print(tabulate(table, headers=["gemm", "tokens/expert", "pattern read ms", "pattern % of flat", "GEMM ms",
                                    "GEMM % of flat"]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"script": "scripts/read_roofline.py", "argv": sys.argv[1:], "setup": setup,
-                       "read_roofline": roof, "rows": rows}, f, indent=1)
+    write_json(args.json, "scripts/read_roofline.py", setup=setup,
+               read_roofline=roof, rows=rows)
     return 0
 
 

@@ -12,18 +12,15 @@ reason, never dropped.
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import sys
 
 from tabulate import tabulate
 
 from lab.device_info import setup_info
-from lab.gemm_bench import GemmBench, log
+from lab.gemm_bench import GemmBench, log, problem_of, study_parser, write_json
 from lab.kernels import grouped_gemm as gg
 from lab.kernels.stream_read import measure_read_roofline
-from lab.problem import MoEProblem
 
 TAG = "tile_sweep"
 TOKEN_TILES = (8, 16, 32, 64, 128)
@@ -59,20 +56,12 @@ def candidates(base: gg.GemmConfig, full: bool) -> list[tuple[dict, object]]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mean-tokens", type=float, nargs="+", default=[2, 4, 8, 32])
+    ap = study_parser(__doc__, [2, 4, 8, 32], 5)
     ap.add_argument("--gemms", nargs="+", default=["w13", "w2"], choices=["w13", "w2"])
-    ap.add_argument("--experts", type=int, default=288)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--intermediate", type=int, default=2048)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--iterations", type=int, default=5)
     ap.add_argument("--full", action="store_true", help="the whole grid, not one factor at a time")
-    ap.add_argument("--json", help="write everything here")
     args = ap.parse_args(argv)
 
-    problem = MoEProblem(args.experts, args.hidden, args.intermediate, args.top_k).validate()
+    problem = problem_of(args)
     setup = setup_info()
     roof = measure_read_roofline(iterations=max(5, args.iterations))
     bw = roof["gbps"]
@@ -104,10 +93,8 @@ def main(argv=None) -> int:
     print(f"read roofline: {bw:.0f} GB/s")
     print(tabulate(table, headers=["gemm", "tokens/expert", "token tile", "N tile", "K step", "stages", "ms",
                                    "GB/s", "roof% (or why not)"]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"script": "scripts/tile_sweep.py", "argv": sys.argv[1:], "setup": setup,
-                       "read_roofline": roof, "rows": rows}, f, indent=1)
+    write_json(args.json, "scripts/tile_sweep.py", setup=setup,
+               read_roofline=roof, rows=rows)
     return 1 if any(r.get("unwritten") for r in rows) else 0
 
 

@@ -57,3 +57,21 @@ def test_chunk_waves():
     cfg = gg.GemmConfig(4, 4, 128, 4, 1)  # 256 rows per unit
     w = cs.waves(counts, [(0, 3), (3, 6)], cfg, 1024, ctas=4)
     assert w == [2 * 4 / 4, 2 * 4 / 4]
+
+
+def test_study_arguments_and_json(tmp_path):
+    import json
+
+    from lab.gemm_bench import problem_of, study_parser, write_json
+
+    args = study_parser("doc", [8, 32], 7).parse_args(["--experts", "16", "--hidden", "512", "--json",
+                                                       str(tmp_path / "r.json")])
+    assert args.mean_tokens == [8, 32] and args.iterations == 7
+    p = problem_of(args)
+    assert (p.experts, p.hidden, p.intermediate) == (16, 512, 2048)
+    write_json(args.json, "scripts/x.py", rows=[{"ms": 1.5}])
+    d = json.loads((tmp_path / "r.json").read_text())
+    assert d["script"] == "scripts/x.py" and d["rows"] == [{"ms": 1.5}] and "argv" in d
+    write_json(None, "scripts/x.py", rows=[])  # no --json: nothing written, no error
+    with pytest.raises(ValueError):
+        problem_of(study_parser("doc", [8], 1).parse_args(["--hidden", "100"]))

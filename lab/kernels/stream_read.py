@@ -35,5 +35,4 @@ def measure_read_roofline(nbytes: int = 4_077_000_000, iterations: int = 20, see
     sink = cp.zeros(1, dtype=cp.uint32)
     t: Timing = time_cuda(lambda: stream_read(buf, sink), iterations=iterations, warmup=3)
     gbps = buf.nbytes / (t.median_ms * 1e-3) / 1e9
-    del buf
     return {"bytes": int(n16 * 16), "gbps": gbps, "timing": t.as_dict()}
