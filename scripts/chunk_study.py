@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     cp.get_default_memory_pool().free_all_blocks()
     gbps = roof["gbps"]
     log(TAG, f"read roofline {gbps:.0f} GB/s")
-    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    sms = jit.sm_count()
     rows = []
     for i, mean in enumerate(args.mean_tokens):
         routing = make_routing(tokens_for_mean(mean, problem.experts, problem.top_k), problem.experts,

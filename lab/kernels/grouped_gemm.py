@@ -436,8 +436,7 @@ def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool) -> None:
     smem = cfg.launch_smem(experts)
     fn = jit.kernel(SOURCE, cfg.expression_for(read_only), smem)
     units = sum(pr[0].experts * (pr[0].n // cfg.block_n) for pr in problems)
-    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    grid = (min(units, sms * resident_ctas(cfg, experts, fn.num_regs)),)
+    grid = (min(units, jit.sm_count() * resident_ctas(cfg, experts, fn.num_regs)),)
     args = []
     for prep, x_packed, x_scales, offsets, alpha, out in problems:
         args += [prep.data, x_packed, x_scales, offsets, alpha, out,

@@ -45,6 +45,21 @@ def kernel(name: str, expression: str, smem_bytes: int = 0):
     return fn
 
 
+def sm_count() -> int:
+    """Multiprocessors of the current device, looked up once per device (launchers size
+    persistent grids with it on every launch; CuPy's `attributes` queries them all each time)."""
+    import cupy as cp
+
+    return _sm_count(cp.cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_id: int) -> int:
+    import cupy as cp
+
+    return int(cp.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
+
+
 @dataclass(frozen=True)
 class PtxasInfo:
     expression: str

@@ -21,7 +21,7 @@ def stream_read(buf, sink, stream=None) -> None:
     if buf.nbytes % 16 or not buf.flags.c_contiguous:
         raise ValueError(f"buf: need a C-contiguous array of a multiple of 16 bytes, got {buf.nbytes}")
     fn = jit.kernel(SOURCE, f"lab_read::stream_read<{UNROLL}>")
-    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    sms = jit.sm_count()
     stream = stream if stream is not None else cp.cuda.get_current_stream()
     with stream:
         fn((sms * BLOCKS_PER_SM,), (THREADS,), (buf, np.uint64(buf.nbytes // 16), sink))

@@ -20,7 +20,6 @@ neither allocate nor synchronize, so they can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-import functools
 
 import numpy as np
 
@@ -126,13 +125,6 @@ def _grid(rows: int, k: int) -> tuple[int, int]:
     return (rows, blocks)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_id: int) -> int:
-    import cupy as cp
-
-    return cp.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"]
-
-
 def _stream(stream):
     import cupy as cp
 
@@ -194,10 +186,8 @@ def to_bf16(x, out, counter, stream=None) -> None:
     if x.size == 0:
         return
     _require_device(x=x, out=out, counter=counter)
-    import cupy as cp
-
     fn = jit.kernel(SOURCE, "lab_act::to_bf16")
     n4 = x.size // 4
-    blocks = max(1, min(_sm_count(cp.cuda.Device().id) * BF16_BLOCKS_PER_SM, -(-n4 // 256)))
+    blocks = max(1, min(jit.sm_count() * BF16_BLOCKS_PER_SM, -(-n4 // 256)))
     with _stream(stream):
         fn((blocks,), (256,), (x, out, np.uint64(n4), counter))
