@@ -2,20 +2,62 @@
 number read from the files (nothing typed in). `scripts/report.py` is the command line.
 
     inputs  run_layer.json (layer table, stages, setup)   bench_gemm*.json (GEMM rows)
-    output  docs/findings-h200.md (+ PNG charts beside it when matplotlib is installed)
+            read_roofline.json, chunk_study.json, tile_sweep.json (each optional: when one is
+            missing the page names the script that writes it)
+    output  docs/findings-h200.md (+ layer-h200.png, tile-sweep-h200.png beside it when
+            matplotlib is installed: the `plot` extra)
+
+The only constants are the thresholds a verdict turns on, each with its reason below.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from tabulate import tabulate
 
 VALID = ("baseline", "match")
+# A time difference under this is called no difference: medians of the same variant moved
+# 0.7-1.5% between two runs on the H200 (results/run_layer*.json, separate and cuda-graph).
+NOISE_PCT = 1.0
+# A cause "dominates" a loss when it accounts for at least this share; between 1 - DOMINANT
+# and DOMINANT the verdict says both.
+DOMINANT = 0.6
+# In the layer chart, a variant slower than this many roofline times at every mean (cuBLAS
+# fp16: 50x) is listed under the chart instead of flattening every other bar.
+CHART_MAX_ROOFLINES = 3.0
+FUSED = ("fused-layer", "fused-swiglu")
+RUN_ALL = ("python scripts/run_layer.py --variants separate cuda-graph fused-swiglu fused-layer fold-b "
+           "one-launch-2G --json results/run_layer.json")
+# study -> the script that writes results/<study>.json
+STUDIES = {"read_roofline": "scripts/read_roofline.py", "chunk_study": "scripts/chunk_study.py",
+           "tile_sweep": "scripts/tile_sweep.py"}
 
 
 def _fmt(v, nd=3):
     return "-" if v is None else f"{v:.{nd}f}"
+
+
+def _us(ms: float) -> str:
+    return f"{1000 * ms:.1f} us"
+
+
+def _versus(ms: float, ref_ms: float, ref: str) -> str:
+    """'12.0 us (1.0%) under cuda-graph's 1.200 ms' (or 'over')."""
+    d = ms - ref_ms
+    return f"{_us(abs(d))} ({100 * abs(d) / ref_ms:.1f}%) {'under' if d < 0 else 'over'} {ref}'s {ref_ms:.3f} ms"
+
+
+def missing(study: str) -> str:
+    """What the page says in place of a study whose JSON is not there."""
+    return (f"Not measured: `results/{study}.json` is missing; `python {STUDIES[study]} --json "
+            f"results/{study}.json` writes it (on the GPU).")
+
+
+# ---------------------------------------------------------------------------------------------
+# layer runs (run_layer.json)
+# ---------------------------------------------------------------------------------------------
 
 
 def layer_means(layer_json: dict) -> list[str]:
@@ -31,6 +73,211 @@ def layer_table(rows: list[dict], means: list[str]) -> str:
     return tabulate(body, head, tablefmt="github")
 
 
+def _row(rows, name):
+    return next((r for r in rows if r["variant"] == name), None)
+
+
+def _ms(rows, name, mean):
+    r = _row(rows, name)
+    return None if r is None else r.get(f"ms@{mean}")
+
+
+def _valid(r: dict) -> bool:
+    """Timed, and its output is what it promises (separate's checks passed, or bitwise equal)."""
+    return r["expect"] in VALID and r.get("correct", r["expect"]) in VALID
+
+
+def _valid_ms(rows, name, mean):
+    r = _row(rows, name)
+    return r.get(f"ms@{mean}") if r is not None and _valid(r) else None
+
+
+def _layer_error(row: dict, mean: str):
+    """The layer's relative error against float64 at `mean` from the row's checks: `rel` for
+    approx variants, `layer_rel` for separate; None when not checked."""
+    for c in row.get("checks", []):
+        if float(c.get("mean", "nan")) == float(mean):
+            v = c.get("rel", c.get("layer_rel"))
+            if v is not None:
+                return v
+    return None
+
+
+def _not_valid_note(rows, names, mean) -> list[str]:
+    out = []
+    for n in names:
+        r = _row(rows, n)
+        if r is not None and not _valid(r):
+            t = r.get(f"ms@{mean}")
+            out.append(f"{n} at mean {mean} is not counted: {'not timed' if t is None else f'{t:.3f} ms'}, "
+                       f"correct: '{r['correct']}'.")
+    return out
+
+
+def fusion_verdicts(rows: list[dict], mean: str) -> list[str]:
+    """Is fusion worth anything on the H200: the fused variants against the captured layer
+    (cuda-graph) and separate, and the share of the one-launch ceiling they collect."""
+    sep, graph = _valid_ms(rows, "separate", mean), _valid_ms(rows, "cuda-graph", mean)
+    ceil = _ms(rows, "one-launch-2G", mean)
+    out = _not_valid_note(rows, FUSED, mean)
+    fused = [(n, _valid_ms(rows, n, mean)) for n in FUSED]
+    fused = [(n, t) for n, t in fused if t is not None]
+    if ceil is not None:
+        valid = [(r[f"ms@{mean}"], r["variant"]) for r in rows if _valid(r) and r.get(f"ms@{mean}") is not None]
+        if valid:
+            best_ms, best = min(valid)
+            out.append(f"The one-launch-2G ceiling at mean {mean} ({ceil:.3f} ms) is {100 * (best_ms - ceil) / best_ms:.1f}% "
+                       f"under the best valid variant ({best}, {best_ms:.3f} ms): the most any single-kernel layer "
+                       f"could collect with these mainloops.")
+    if not fused:
+        out.append(f"fused-swiglu and fused-layer were not measured in this run (`{RUN_ALL}` measures them).")
+        return out
+    for n, t in fused:
+        parts = [f"{n} at mean {mean}: {t:.3f} ms"]
+        if graph is not None:
+            parts.append(_versus(t, graph, "cuda-graph"))
+        if sep is not None:
+            parts.append(_versus(t, sep, "separate"))
+        s = ", ".join(parts)
+        if graph is not None and ceil is not None and graph > ceil:
+            s += f"; it collects {100 * (graph - t) / (graph - ceil):.0f}% of the {_us(graph - ceil)} the ceiling allows"
+        out.append(s + ".")
+    ref, ref_name = (graph, "cuda-graph") if graph is not None else (sep, "separate")
+    if ref is not None:
+        best_t, best_n = min((t, n) for n, t in fused)
+        gain = 100 * (ref - best_t) / ref
+        if gain > NOISE_PCT:
+            out.append(f"Verdict at mean {mean}: fusion is worth {_us(ref - best_t)} ({gain:.1f}%) over {ref_name}, "
+                       f"with {best_n}.")
+        else:
+            out.append(f"Verdict at mean {mean}: fusion is worth nothing measurable: the best fused variant ({best_n}, "
+                       f"{best_t:.3f} ms) is {gain:+.1f}% against {ref_name}, inside the {NOISE_PCT:g}% noise.")
+    return out
+
+
+def graph_verdicts(rows: list[dict], mean: str) -> list[str]:
+    """Does a CUDA graph collect it: cuda-graph against separate, beside what fusion adds."""
+    sep, graph = _valid_ms(rows, "separate", mean), _valid_ms(rows, "cuda-graph", mean)
+    if sep is None or graph is None:
+        return ["separate and cuda-graph are not both timed and valid in this run."
+                if _row(rows, "separate") is None or _row(rows, "cuda-graph") is None else
+                f"At mean {mean} separate and cuda-graph are not both timed and valid."]
+    gain = 100 * (sep - graph) / sep
+    s = f"CUDA graph at mean {mean}: {_us(sep - graph)} ({gain:.1f}%) off separate's {sep:.3f} ms"
+    if gain > NOISE_PCT:
+        s += ": the graph collects the launch overhead"
+    else:
+        s += f": nothing measurable (under {NOISE_PCT:g}%), so launches cost little here"
+    fused = [(t, n) for n in FUSED if (t := _valid_ms(rows, n, mean)) is not None]
+    if fused:
+        t, n = min(fused)
+        s += f"; {n} adds {_us(graph - t)} on top of the graph"
+    return [s + "."]
+
+
+def swiglu_verdicts(rows: list[dict], stages: list[dict], mean: str, stage_mean: str | None) -> list[str]:
+    """What the SwiGLU epilogue is worth: fused-swiglu against cuda-graph, against the act stage."""
+    act = next((s for s in stages if s["stage"] == "act"), None)
+    total = next((s for s in stages if s["stage"].startswith("separate")), None)
+    fs, graph = _valid_ms(rows, "fused-swiglu", mean), _valid_ms(rows, "cuda-graph", mean)
+    act_txt = ""
+    if act and total and (stage_mean is None or stage_mean == mean):
+        act_txt = f"the act stage (SwiGLU + quantize) is {act['ms']:.3f} ms, {100 * act['ms'] / total['ms']:.1f}% of separate's layer"
+    if fs is None or graph is None:
+        out = ["The SwiGLU epilogue (fused-swiglu against cuda-graph) was not measured in this run."]
+        if act_txt:
+            out.append(f"At mean {mean} {act_txt}: the most an epilogue saves in launch and stage time (it also "
+                       f"removes the fp32 h round trip).")
+        return out
+    saved = graph - fs
+    s = f"SwiGLU epilogue at mean {mean}: fused-swiglu is {_versus(fs, graph, 'cuda-graph')}"
+    if act_txt:
+        s += f"; {act_txt}, so the epilogue saves {100 * saved / act['ms']:.0f}% of the stage's time"
+        s += " (over 100%: the h round trip it removes counts too)" if saved > act["ms"] else ""
+    return [s + "."]
+
+
+def fold_verdicts(rows: list[dict], mean: str) -> list[str]:
+    """What option (a) costs against (b): fold-b (one w13 alpha, the gate/up ratio folded into
+    the e4m3 scales) against fused-swiglu (option (a) with the same epilogue) or cuda-graph."""
+    fb = _row(rows, "fold-b")
+    t = None if fb is None else fb.get(f"ms@{mean}")
+    if fb is None:
+        return [f"fold-b (option (b)) was not measured in this run (`{RUN_ALL}` measures it)."]
+    if t is None:
+        return [f"At mean {mean} fold-b (option (b)) was not timed: '{fb['correct']}'."]
+    ref_name = next((n for n in ("fused-swiglu", "cuda-graph") if _valid_ms(rows, n, mean) is not None), None)
+    s = f"Option (b) at mean {mean}: fold-b {t:.3f} ms"
+    if ref_name is not None:
+        ref = _valid_ms(rows, ref_name, mean)
+        s += f", {_versus(t, ref, ref_name)} (option (a))"
+    err_b = _layer_error(fb, mean)
+    sep = _row(rows, "separate")
+    err_a = None if sep is None else _layer_error(sep, mean)
+    if err_b is not None:
+        s += f"; its layer error against float64 is {err_b:.2e}"
+        if err_a:
+            s += f", {err_b / err_a:.0f}x separate's {err_a:.2e} (option (a))"
+    else:
+        s += f"; its error: '{fb['correct']}'"
+    if ref_name is not None:
+        ref = _valid_ms(rows, ref_name, mean)
+        gain = 100 * (ref - t) / ref
+        s += (f". Verdict: option (a) costs {_us(ref - t)} ({gain:.1f}%) against (b)" if gain > NOISE_PCT else
+              f". Verdict: option (a) costs nothing measurable against (b) ({gain:+.1f}%, inside {NOISE_PCT:g}%)")
+    return [s + "."]
+
+
+def layer_verdicts(rows: list[dict], stages: list[dict], means: list[str],
+                   stage_mean: str | None = None) -> dict[str, list[str]]:
+    """Question -> sentences, from one run's figures (every comparison is against the same
+    measured roofline). ``stage_mean``: the mean the stage table was timed at (None: unknown)."""
+    q: dict[str, list[str]] = {"Is fusion worth anything on the H200?": [],
+                               "Does a CUDA graph collect it?": [],
+                               "What is the SwiGLU epilogue worth?": [],
+                               "What does option (a) cost against (b)?": [],
+                               "Chunking": [], "Best valid variant": []}
+    for m in means:
+        q["Is fusion worth anything on the H200?"] += fusion_verdicts(rows, m)
+        q["Does a CUDA graph collect it?"] += graph_verdicts(rows, m)
+        q["What is the SwiGLU epilogue worth?"] += swiglu_verdicts(rows, stages, m, stage_mean)
+        q["What does option (a) cost against (b)?"] += fold_verdicts(rows, m)
+        sep = _valid_ms(rows, "separate", m)
+        chunks = sorted((int(r["variant"].split("-")[1]), r[f"ms@{m}"]) for r in rows
+                        if r["variant"].startswith("chunked-") and _valid(r) and r.get(f"ms@{m}") is not None)
+        if chunks and sep is not None:
+            trend = ", ".join(f"k={k} {100 * (ms - sep) / sep:+.1f}%" for k, ms in chunks)
+            q["Chunking"].append(f"Chunking at mean {m} against separate: {trend} (tail effect or launch and "
+                                 f"scheduling: the chunk study below).")
+        valid = [(r[f"ms@{m}"], r["variant"]) for r in rows if _valid(r) and r.get(f"ms@{m}") is not None]
+        if valid:
+            best_ms, best = min(valid)
+            best_roof = _row(rows, best)[f"roof%@{m}"]
+            q["Best valid variant"].append(f"Best valid variant at mean {m}: {best}, {best_ms:.3f} ms, "
+                                           f"{best_roof:.1f}% of the read roofline measured in the same run.")
+    return {k: list(dict.fromkeys(v)) for k, v in q.items() if v}  # run-wide sentences once
+
+
+def _stage_mean(run: dict) -> str | None:
+    """The mean the stage table was timed at: the one where separate's layer time is the stage
+    table's 'separate (one run)' (run_layer times both in the same run), else --stage-mean."""
+    total = next((s for s in run.get("stages", []) if s["stage"].startswith("separate")), None)
+    sep = _row(run.get("layer", []), "separate")
+    if total and sep:
+        for m in layer_means(run):
+            if sep.get(f"ms@{m}") == total["ms"]:
+                return m
+    argv = [str(a) for a in run.get("argv", [])]
+    if "--stage-mean" in argv[:-1]:
+        return f"{float(argv[argv.index('--stage-mean') + 1]):g}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# grouped GEMM (bench_gemm.json)
+# ---------------------------------------------------------------------------------------------
+
+
 def gemm_table(rows: list[dict]) -> str:
     head = ["gemm", "tokens/expert", "tile W,R,BK,S,F,mma", "ms", "% roofline", "read-pattern % roofline",
             "cuBLAS fp16 ms"]
@@ -43,46 +290,8 @@ def gemm_table(rows: list[dict]) -> str:
     return tabulate(body, head, tablefmt="github")
 
 
-def _ms(rows, name, mean):
-    r = next((r for r in rows if r["variant"] == name), None)
-    return None if r is None else r.get(f"ms@{mean}")
-
-
-def verdicts(rows: list[dict], stages: list[dict], gemm_rows: list[dict], means: list[str]) -> list[str]:
-    """One sentence per question, from the figures alone; `rows` come from one run, so every
-    comparison is between times taken against the same measured roofline."""
+def gemm_verdicts(gemm_rows: list[dict]) -> list[str]:
     out = []
-    for m in means:
-        valid = [(r[f"ms@{m}"], r["variant"]) for r in rows
-                 if r["expect"] in VALID and r.get(f"ms@{m}") is not None]
-        if not valid:
-            continue
-        best_ms, best = min(valid)
-        best_roof = next(r[f"roof%@{m}"] for r in rows if r["variant"] == best)
-        ceil = _ms(rows, "one-launch-2G", m)
-        if ceil is not None:
-            out.append(f"Fusion at mean {m}: the one-launch ceiling ({ceil:.3f} ms) is "
-                       f"{100 * (best_ms - ceil) / best_ms:.1f}% under the best valid variant "
-                       f"({best}, {best_ms:.3f} ms): the most any single-kernel layer could collect "
-                       f"with these mainloops.")
-        sep, graph = _ms(rows, "separate", m), _ms(rows, "cuda-graph", m)
-        if sep is not None and graph is not None:
-            out.append(f"CUDA graph at mean {m}: {1000 * (sep - graph):.1f} us "
-                       f"({100 * (sep - graph) / sep:.1f}%) off separate's {sep:.3f} ms.")
-        chunks = sorted((int(r["variant"].split("-")[1]), r[f"ms@{m}"]) for r in rows
-                        if r["variant"].startswith("chunked-") and r.get(f"ms@{m}") is not None)
-        if chunks and sep is not None:
-            trend = ", ".join(f"k={k} {100 * (ms - sep) / sep:+.1f}%" for k, ms in chunks)
-            out.append(f"Chunking at mean {m} against separate: {trend}. (Whether a loss is tail "
-                       f"effect or launch and scheduling is not measured in this run.)")
-        out.append(f"Best valid variant at mean {m}: {best}, {best_ms:.3f} ms, {best_roof:.1f}% of the "
-                   f"read roofline measured in the same run.")
-    act = next((s for s in stages if s["stage"] == "act"), None)
-    total = next((s for s in stages if s["stage"].startswith("separate")), None)
-    if act and total:
-        out.append(f"SwiGLU + quantize is {act['ms']:.3f} ms, {100 * act['ms'] / total['ms']:.1f}% of separate's "
-                   f"layer: the most a SwiGLU epilogue saves in launch and stage time (it also removes "
-                   f"the fp32 h round trip).")
     for r in gemm_rows:
         if r.get("read_pattern_roof_pct") is not None:
             out.append(f"{r['gemm']} at mean {r['mean_tokens']:g}: the GEMM's own access pattern read with no "
@@ -91,59 +300,374 @@ def verdicts(rows: list[dict], stages: list[dict], gemm_rows: list[dict], means:
     tiles = sorted({r["config"]["max_frags"] * 8 for r in gemm_rows})
     if tiles:
         out.append(f"Token tiles measured: {', '.join(map(str, tiles))} tokens (all below CUTLASS's "
-                   f"minimum of 128); a 128-token tile is not in these runs.")
+                   f"minimum of 128); the tile sweep below says whether one of 128 does better.")
     return out
 
 
-def render(layer_runs: list[dict], gemm_runs: list[dict], out_md: Path, charts: bool = True) -> str:
-    """Write the findings page (and charts when matplotlib is there); returns the markdown."""
+def verdicts(rows: list[dict], stages: list[dict], gemm_rows: list[dict], means: list[str]) -> list[str]:
+    """Every layer and GEMM verdict as one flat list of sentences."""
+    return [s for v in layer_verdicts(rows, stages, means).values() for s in v] + gemm_verdicts(gemm_rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# read roofline (read_roofline.json): mainloop or access pattern?
+# ---------------------------------------------------------------------------------------------
+
+
+def read_roofline_table(rows: list[dict]) -> str:
+    body = [[r["gemm"], f"{r['mean_tokens']:g}", _fmt(r["read_pattern_ms"]), _fmt(r["read_pattern_roof_pct"], 1),
+             _fmt(r["ms"]), _fmt(r["roof_pct"], 1)] for r in rows]
+    return tabulate(body, ["gemm", "tokens/expert", "pattern read ms", "pattern % of flat", "GEMM ms",
+                           "GEMM % of flat"], tablefmt="github", disable_numparse=True)
+
+
+def split_gap(r: dict) -> dict:
+    """The GEMM's time over the roofline, split: the part its access pattern alone already
+    takes (pattern read time over the roofline) and the rest, the mainloop (GEMM over the
+    pattern read). A pattern read slower than the GEMM puts the whole gap on the pattern."""
+    roof = r["ms"] * r["roof_pct"] / 100  # the required bytes at the flat read
+    gap = max(0.0, r["ms"] - roof)
+    mainloop = min(gap, max(0.0, r["ms"] - r["read_pattern_ms"]))
+    share = mainloop / gap if gap else 0.0
+    cause = "mainloop" if share >= DOMINANT else "access pattern" if share <= 1 - DOMINANT else "both"
+    return {"roof_ms": roof, "gap_ms": gap, "mainloop_ms": mainloop, "pattern_ms": gap - mainloop,
+            "mainloop_share": share, "cause": cause}
+
+
+def read_roofline_verdicts(rows: list[dict]) -> list[str]:
+    """Per mean: is the gap between the GEMM and the roofline the mainloop or the access pattern?"""
+    out = []
+    for m in dict.fromkeys(r["mean_tokens"] for r in rows):
+        parts, causes = [], []
+        for r in (r for r in rows if r["mean_tokens"] == m):
+            s = split_gap(r)
+            causes.append(s["cause"])
+            head = (f"{r['gemm']} takes {r['ms']:.3f} ms ({r['roof_pct']:.1f}% of flat) against "
+                    f"{r['read_pattern_ms']:.3f} ms for its access pattern read alone ({r['read_pattern_roof_pct']:.1f}%)")
+            if r["read_pattern_ms"] >= r["ms"]:
+                parts.append(f"{head}: the GEMM hides its math entirely, so all {_us(s['gap_ms'])} over the "
+                             f"roofline is the access pattern")
+            else:
+                parts.append(f"{head}: of its {_us(s['gap_ms'])} over the roofline, {_us(s['mainloop_ms'])} "
+                             f"({100 * s['mainloop_share']:.0f}%) is the mainloop")
+        cause = causes[0] if len(set(causes)) == 1 else "mixed (" + ", ".join(causes) + ")"
+        out.append(f"Mean {m:g}: {cause}. " + "; ".join(parts) + ".")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# chunk study (chunk_study.json): tail effect or launch and scheduling?
+# ---------------------------------------------------------------------------------------------
+
+
+def _mean(xs) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def chunk_table(rows: list[dict]) -> str:
+    body = [[f"{r['mean_tokens']:g}", r["k"], _fmt(r["ms"]), _fmt(r["roof_pct"], 1), f"{_mean(r['w13_waves']):.2f}",
+             f"{_mean(r['last_wave_fill']):.2f}", _fmt(r["w13_gap_ms"]), _fmt(r["idle_ms"]), _fmt(r["span_ms"])]
+            for r in rows]
+    return tabulate(body, ["tokens/expert", "k", "ms (graph)", "roof%", "w13 waves/chunk", "last-wave fill",
+                           "w13 gaps ms (direct)", "idle ms (direct)", "span ms (direct)"], tablefmt="github",
+                    disable_numparse=True)
+
+
+def chunk_cause(base: dict, r: dict) -> dict:
+    """Chunk count k against k = 1: the loss (graph time), the extra time the w13 weight
+    stream sits idle between chunks (direct run), and the wave slots the last waves leave
+    empty. The part of the loss the gaps explain is launch and scheduling; the rest is put
+    on the tail (wave quantisation)."""
+    loss = r["ms"] - base["ms"]
+    gaps = r["w13_gap_ms"] - base["w13_gap_ms"]
+    empty = sum(math.ceil(w) - w for w in r["w13_waves"])
+    empty_base = sum(math.ceil(w) - w for w in base["w13_waves"])
+    if 100 * loss / base["ms"] <= NOISE_PCT:
+        return {"loss_ms": loss, "gaps_ms": gaps, "empty_waves": empty, "empty_waves_k1": empty_base,
+                "gap_share": None, "cause": "no loss"}
+    share = min(1.0, max(0.0, gaps) / loss)
+    cause = ("launch and scheduling" if share >= DOMINANT else "tail effect" if share <= 1 - DOMINANT else "both")
+    return {"loss_ms": loss, "gaps_ms": gaps, "empty_waves": empty, "empty_waves_k1": empty_base,
+            "gap_share": share, "cause": cause}
+
+
+def chunk_verdicts(rows: list[dict]) -> list[str]:
+    out = []
+    for m in dict.fromkeys(r["mean_tokens"] for r in rows):
+        mine = sorted((r for r in rows if r["mean_tokens"] == m), key=lambda r: r["k"])
+        base = next((r for r in mine if r["k"] == 1), None)
+        if base is None:
+            out.append(f"Mean {m:g}: no k = 1 row to compare with.")
+            continue
+        parts, causes = [], []
+        for r in mine:
+            if r["k"] == 1:
+                continue
+            c = chunk_cause(base, r)
+            pct = 100 * c["loss_ms"] / base["ms"]
+            if c["cause"] == "no loss":
+                parts.append(f"k={r['k']} {pct:+.1f}% (no loss)")
+                continue
+            causes.append(c["cause"])
+            cover = ("covering the loss" if c["gap_share"] >= 1 else f"{100 * c['gap_share']:.0f}% of the loss")
+            parts.append(f"k={r['k']} {pct:+.1f}% ({_us(c['loss_ms'])}): the w13 stream idles {_us(c['gaps_ms'])} "
+                         f"more between chunks, {cover}; last waves "
+                         f"{100 * _mean(r['last_wave_fill']):.0f}% full, {c['empty_waves']:.1f} empty wave slots "
+                         f"against {c['empty_waves_k1']:.1f} at k=1 -> {c['cause']}")
+        if not causes:
+            verdict = "chunking loses nothing measurable"
+        else:
+            counts = {c: causes.count(c) for c in dict.fromkeys(causes)}
+            top = max(counts.values())
+            leaders = [c for c, n in counts.items() if n == top]
+            verdict = leaders[0] if len(leaders) == 1 else "both"
+            verdict = f"where chunking loses, it is {verdict}" + ("" if verdict != "both" else
+                                                                  " (tail effect and launch and scheduling)")
+        out.append(f"Mean {m:g} (k=1 {base['ms']:.3f} ms): {verdict}. " + "; ".join(parts) + ".")
+    out.append("Gaps come from the directly launched run with events around every stage, times from the "
+               "captured graph; gaps that exceed the loss mean the graph hides part of them.")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# tile sweep (tile_sweep.json): does a token tile below 128 recover anything?
+# ---------------------------------------------------------------------------------------------
+
+
+def _tile(r: dict) -> str:
+    return f"{r['token_tile']},{r['n_tile']},{r['k_step']},{r['stages']}"
+
+
+def tile_tables(rows: list[dict]) -> tuple[str, str]:
+    """(measured tiles table, failed tiles table)."""
+    groups = list(dict.fromkeys((r["gemm"], r["mean_tokens"]) for r in rows))
+    rows = sorted(rows, key=lambda r: (groups.index((r["gemm"], r["mean_tokens"])), r["token_tile"], r["n_tile"],
+                                       r["k_step"], r["stages"]))
+    ok = [r for r in rows if "ms" in r]
+    bad = [r for r in rows if "ms" not in r]
+    t1 = tabulate([[_tile(r), r["gemm"], f"{r['mean_tokens']:g}", _fmt(r["ms"]), f"{r['gbps']:.0f}",
+                    _fmt(r["roof_pct"], 1)] for r in ok],
+                  ["tile (tokens,N,K,stages)", "gemm", "tokens/expert", "ms", "GB/s", "roof%"], tablefmt="github",
+                  disable_numparse=True)
+    t2 = tabulate([[_tile(r), r["gemm"], f"{r['mean_tokens']:g}", r.get("error", "?")] for r in bad],
+                  ["tile (tokens,N,K,stages)", "gemm", "tokens/expert", "why not"], tablefmt="github",
+                  disable_numparse=True)
+    return t1, t2
+
+
+def tile_verdicts(rows: list[dict]) -> list[str]:
+    out = []
+    for gemm, m in dict.fromkeys((r["gemm"], r["mean_tokens"]) for r in rows):
+        mine = [r for r in rows if r["gemm"] == gemm and r["mean_tokens"] == m]
+        ok = [r for r in mine if "ms" in r]
+        sub = [r for r in ok if r["token_tile"] < 128]
+        t128 = [r for r in ok if r["token_tile"] == 128]
+        head = f"{gemm} at mean {m:g}"
+        if not sub:
+            out.append(f"{head}: no token tile below 128 ran.")
+            continue
+        best = min(sub, key=lambda r: r["ms"])
+        best_txt = f"the best tile below 128 tokens ({_tile(best)}) takes {best['ms']:.3f} ms ({best['roof_pct']:.1f}%)"
+        if t128:
+            b128 = min(t128, key=lambda r: r["ms"])
+            gain = 100 * (b128["ms"] - best["ms"]) / b128["ms"]
+            verdict = (f"yes, {gain:.1f}% ({_us(b128['ms'] - best['ms'])})" if gain > NOISE_PCT else
+                       f"no ({gain:+.1f}%, inside {NOISE_PCT:g}%)" if gain >= -NOISE_PCT else
+                       f"no, 128 tokens is {-gain:.1f}% faster")
+            out.append(f"{head}: {verdict}: {best_txt} against {b128['ms']:.3f} ms ({b128['roof_pct']:.1f}%) for "
+                       f"the best 128-token tile ({_tile(b128)}).")
+            continue
+        why = list(dict.fromkeys(r.get("error", "?") for r in mine if r["token_tile"] == 128))
+        largest = max(r["token_tile"] for r in sub)
+        lg = min((r for r in sub if r["token_tile"] == largest), key=lambda r: r["ms"])
+        reason = f"unsupported here ({'; '.join(why)})" if why else "not in this sweep"
+        s = f"{head}: a 128-token tile is {reason}, so there is no 128 to recover anything against; {best_txt}"
+        if lg is not best:
+            s += (f", {100 * (lg['ms'] - best['ms']) / lg['ms']:.1f}% under the largest that ran "
+                  f"({_tile(lg)}, {lg['ms']:.3f} ms)")
+        else:
+            s += ", and is the largest token tile that ran"
+        out.append(s + ".")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the page
+# ---------------------------------------------------------------------------------------------
+
+
+def _source(run: dict) -> str:
+    return "`" + " ".join([run.get("script", "?"), *map(str, run.get("argv", []))]) + "`"
+
+
+def render(layer_runs: list[dict], gemm_runs: list[dict], out_md: Path, charts: bool = True,
+           read_roofline: dict | None = None, chunk_study: dict | None = None,
+           tile_sweep: dict | None = None) -> str:
+    """Write the findings page (and charts when matplotlib is there); returns the markdown.
+    A study passed as None is reported as not measured, naming the script that measures it."""
     if not layer_runs:
         raise ValueError("render: need at least one run_layer JSON")
+    out_md.parent.mkdir(parents=True, exist_ok=True)  # the charts go beside the page
     base = layer_runs[0]
     gemm_rows = [r for run in gemm_runs for r in run["rows"]]
     setup = base.get("setup", {})
     parts = ["# Findings on the H200", "",
-             "Generated by `scripts/report.py` from the JSON under `results/`; every figure comes "
-             "from those files, and every comparison is between figures of one run.", "",
+             ("Generated by `scripts/report.py` from the JSON under `results/`; every figure comes "
+             "from those files, and every comparison is between figures of one run."), "",
              "## Setup", "", tabulate([[k, v] for k, v in setup.items()], ["", ""], tablefmt="github"), ""]
     for i, run in enumerate(layer_runs, 1):
         means = layer_means(run)
-        parts += [f"## Layer, run {i} (`{run.get('script', '?')} {' '.join(map(str, run.get('argv', [])))}`)", "",
+        parts += [f"## Layer, run {i} ({_source(run)})", "",
                   f"Flat streaming read in this run: {run['read_roofline']['gbps']:.0f} GB/s.", "",
                   layer_table(run["layer"], means), ""]
         if run.get("stages"):
-            parts += ["Stages of separate:", "",
+            sm = _stage_mean(run)
+            parts += [f"Stages of separate{'' if sm is None else f' at mean {sm}'}:", "",
                       tabulate([[s["stage"], _fmt(s["ms"]), _fmt(s.get("pct_of_layer"), 1),
                                  _fmt(s.get("roof_pct"), 1)] for s in run["stages"]],
                                ["stage", "ms", "% of layer", "roof%"], tablefmt="github"), ""]
         parts += ["Verdicts from this run:", ""]
-        parts += [f"- {v}" for v in verdicts(run["layer"], run.get("stages", []), [], means)] + [""]
+        for question, sentences in layer_verdicts(run["layer"], run.get("stages", []), means,
+                                                  _stage_mean(run)).items():
+            parts += [f"**{question}**", ""] + [f"- {s}" for s in sentences] + [""]
+    if charts:
+        parts += [_layer_chart(layer_runs, out_md.parent), ""]
     if gemm_rows:
         parts += ["## Grouped GEMM", "", gemm_table(gemm_rows), "", "Verdicts:", ""]
-        parts += [f"- {v}" for v in verdicts([], [], gemm_rows, [])]
-    if charts:
-        parts += ["", _charts(base["layer"], layer_means(base), out_md.parent)]
-    text = "\n".join(parts) + "\n"
-    out_md.parent.mkdir(parents=True, exist_ok=True)
+        parts += [f"- {v}" for v in gemm_verdicts(gemm_rows)] + [""]
+
+    parts += ["## Read roofline: is the GEMM's gap to the roofline the mainloop or the access pattern?", ""]
+    if read_roofline is None:
+        parts += [missing("read_roofline"), ""]
+    else:
+        parts += [(f"From {_source(read_roofline)}; flat read {read_roofline['read_roofline']['gbps']:.0f} GB/s. "
+                  f"The pattern read is the GEMM's grid and pipeline reading exactly its bytes with no decode "
+                  f"or MMA."), "", read_roofline_table(read_roofline["rows"]), "", "Verdicts:", ""]
+        parts += [f"- {v}" for v in read_roofline_verdicts(read_roofline["rows"])] + [""]
+
+    parts += ["## Chunk study: does chunking lose time through the tail or through launch and scheduling?", ""]
+    if chunk_study is None:
+        parts += [missing("chunk_study"), ""]
+    else:
+        parts += [f"From {_source(chunk_study)}; flat read {chunk_study['read_roofline']['gbps']:.0f} GB/s.", "",
+                  chunk_table(chunk_study["rows"]), "", "Verdicts:", ""]
+        parts += [f"- {v}" for v in chunk_verdicts(chunk_study["rows"])] + [""]
+
+    parts += ["## Tile sweep: does a token tile below 128 recover anything?", ""]
+    if tile_sweep is None:
+        parts += [missing("tile_sweep"), ""]
+    else:
+        ok, bad = tile_tables(tile_sweep["rows"])
+        parts += [f"From {_source(tile_sweep)}; flat read {tile_sweep['read_roofline']['gbps']:.0f} GB/s.", "",
+                  ok, "", "Tiles that could not run:", "", bad, "", "Verdicts:", ""]
+        parts += [f"- {v}" for v in tile_verdicts(tile_sweep["rows"])] + [""]
+        if charts:
+            parts += [_tile_chart(tile_sweep["rows"], out_md.parent), ""]
+    text = "\n".join(parts).rstrip("\n") + "\n"
     out_md.write_text(text)
     return text
 
 
-def _charts(rows, means, folder: Path) -> str:
+# ---------------------------------------------------------------------------------------------
+# charts (matplotlib, imported only here)
+# ---------------------------------------------------------------------------------------------
+
+LAYER_PNG = "layer-h200.png"
+TILE_PNG = "tile-sweep-h200.png"
+
+
+def _pyplot():
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "(Charts: matplotlib is not installed; `pip install -e '.[plot]'` adds them.)"
-    timed = [r for r in rows if r["expect"] != "approx" and r.get(f"ms@{means[0]}") is not None]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.bar([r["variant"] for r in timed], [r[f"roof%@{means[0]}"] for r in timed], color="tab:blue")
-    ax.axhline(100, color="k", lw=1)
-    ax.set_ylabel(f"% of read roofline @{means[0]}")
-    ax.tick_params(axis="x", rotation=30)
+        return None
+    return plt
+
+
+NO_MPL = "(Charts: matplotlib is not installed; `pip install -e '.[plot]'` adds them.)"
+
+
+def _layer_chart(layer_runs: list[dict], folder: Path) -> str:
+    """Bars: each variant's ms at each mean, one panel per run; the read roofline's time for
+    the layer's bytes as a line over each mean's bars."""
+    plt = _pyplot()
+    if plt is None:
+        return NO_MPL
+    fig, axes = plt.subplots(1, len(layer_runs), figsize=(6.5 * len(layer_runs), 4), squeeze=False)
+    left_out = []
+    for i, (run, ax) in enumerate(zip(layer_runs, axes[0]), 1):
+        means = layer_means(run)
+        shown = []
+        for r in run["layer"]:
+            times = [r.get(f"ms@{m}") for m in means]
+            if all(t is None for t in times):
+                continue
+            roofs = [r.get(f"roofline_ms@{m}") for m in means]
+            if all(t is None or (rf and t > CHART_MAX_ROOFLINES * rf) for t, rf in zip(times, roofs)):
+                left_out.append(f"{r['variant']} (run {i}: " + ", ".join(
+                    f"{t:.1f} ms at mean {m}" for t, m in zip(times, means) if t is not None) + ")")
+                continue
+            shown.append(r)
+        width = 0.8 / max(1, len(shown))
+        for j, r in enumerate(shown):
+            xs = [k + (j - (len(shown) - 1) / 2) * width for k in range(len(means))]
+            ys = [r.get(f"ms@{m}") or 0.0 for m in means]
+            ax.bar(xs, ys, width, label=f"{r['variant']}" + (" (ceiling)" if r["expect"] == "ceiling" else ""),
+                   hatch="//" if r["expect"] not in VALID else None)
+        for k, m in enumerate(means):
+            rf = next((r.get(f"roofline_ms@{m}") for r in run["layer"] if r.get(f"roofline_ms@{m}")), None)
+            if rf:
+                ax.hlines(rf, k - 0.45, k + 0.45, colors="k", linewidth=1.5,
+                          label="read roofline" if k == 0 else None)
+        ax.set_xticks(range(len(means)), [f"mean {m}" for m in means])
+        ax.set_ylabel("layer ms")
+        ax.set_title(f"run {i}: {run.get('read_roofline', {}).get('gbps', 0):.0f} GB/s flat read", fontsize=9)
+        ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(folder / "variants-roofline.png", dpi=120)
+    fig.savefig(folder / LAYER_PNG, dpi=110)
     plt.close(fig)
-    return "![variants against the roofline](variants-roofline.png)"
+    note = f"\n\nNot drawn (over {CHART_MAX_ROOFLINES:g}x the roofline): {'; '.join(left_out)}." if left_out else ""
+    return f"![layer variants against the read roofline]({LAYER_PNG}){note}"
+
+
+def tile_grid(rows: list[dict]) -> tuple[list[str], list[int], list[list[float | None]]]:
+    """(row labels 'gemm @mean', token tiles, best roof% per cell or None where none ran)."""
+    labels = list(dict.fromkeys((r["gemm"], r["mean_tokens"]) for r in rows))
+    tiles = sorted({r["token_tile"] for r in rows})
+    grid = []
+    for g, m in labels:
+        line = []
+        for t in tiles:
+            vals = [r["roof_pct"] for r in rows if (r["gemm"], r["mean_tokens"], r["token_tile"]) == (g, m, t)
+                    and "roof_pct" in r]
+            line.append(max(vals) if vals else None)
+        grid.append(line)
+    return [f"{g} @{m:g}" for g, m in labels], tiles, grid
+
+
+def _tile_chart(rows: list[dict], folder: Path) -> str:
+    plt = _pyplot()
+    if plt is None:
+        return NO_MPL
+    import numpy as np
+
+    labels, tiles, grid = tile_grid(rows)
+    data = np.array([[np.nan if v is None else v for v in line] for line in grid], dtype=float)
+    fig, ax = plt.subplots(figsize=(1.2 * len(tiles) + 2.5, 0.45 * len(labels) + 1.5))
+    im = ax.imshow(np.ma.masked_invalid(data), cmap="viridis", aspect="auto", vmin=0, vmax=100)
+    for i in range(len(labels)):
+        for j in range(len(tiles)):
+            v = data[i, j]
+            ax.text(j, i, "x" if np.isnan(v) else f"{v:.0f}", ha="center", va="center", fontsize=8,
+                    color="k" if np.isnan(v) or v > 60 else "w")
+    ax.set_xticks(range(len(tiles)), [str(t) for t in tiles])
+    ax.set_yticks(range(len(labels)), labels)
+    ax.set_xlabel("token tile (best roof% over N tile, K step, stages; x: none ran)")
+    fig.colorbar(im, ax=ax, label="% of flat read")
+    fig.tight_layout()
+    fig.savefig(folder / TILE_PNG, dpi=110)
+    plt.close(fig)
+    return f"![tile sweep: best roof% per token tile]({TILE_PNG})"

@@ -1,23 +1,39 @@
-"""The findings page renders from JSON alone, and its verdicts are arithmetic on those figures."""
+"""The findings page renders from JSON alone, and its verdicts are arithmetic on those figures:
+change a figure and the verdict changes with it."""
 
+import importlib.util
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from lab import report
 
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
-def layer_run(sep=1.0, graph=0.99, chunk2=1.02, ceiling=0.95):
-    def row(name, expect, ms, correct):
-        return {"variant": name, "expect": expect, "correct": correct,
-                "ms@8": ms, "roof%@8": None if ms is None else 80.0 / ms}
+
+def layer_run(sep=1.0, graph=0.99, chunk2=1.02, ceiling=0.95, fused=None, fold_b=None, fold_err=2e-3,
+              fused_correct="match"):
+    """A run_layer JSON at mean 8. fused: {'fused-swiglu': ms, 'fused-layer': ms}; fold_b: ms."""
+    def row(name, expect, ms, correct, checks=()):
+        return {"variant": name, "expect": expect, "correct": correct, "checks": list(checks),
+                "ms@8": ms, "roof%@8": None if ms is None else 80.0 / ms, "roofline_ms@8": 0.8}
+    rows = [row("separate", "baseline", sep, "baseline", [{"mean": 8.0, "ok": True, "layer_rel": 4e-7}]),
+            row("cuda-graph", "match", graph, "match"), row("chunked-2", "match", chunk2, "match")]
+    for name, ms in (fused or {}).items():
+        rows.append(row(name, "match", ms, fused_correct))
+    if fold_b is not None:
+        rows.append(row("fold-b", "approx", fold_b, f"approx ({fold_err:.1e})",
+                        [{"mean": 8.0, "ok": True, "rel": fold_err}]))
+    rows += [row("one-launch-2G", "ceiling", ceiling, "invalid, ceiling"),
+             row("cublas-fp16", "approx", 40.0, "approx (9e-03)")]
     return {"script": "scripts/run_layer.py", "argv": ["--iterations", "3"],
             "setup": {"gpu": "NVIDIA H200", "sms": 132},
             "read_roofline": {"gbps": 4500.0},
-            "layer": [row("separate", "baseline", sep, "baseline"), row("cuda-graph", "match", graph, "match"),
-                      row("chunked-2", "match", chunk2, "match"),
-                      row("one-launch-2G", "ceiling", ceiling, "invalid, ceiling"),
-                      row("cublas-fp16", "approx", 40.0, "approx (9e-03)")],
+            "layer": rows,
             "stages": [{"stage": "act", "ms": 0.02, "pct_of_layer": 2.0, "roof_pct": 30.0},
                        {"stage": "separate (one run)", "ms": sep, "pct_of_layer": 100.0}]}
 
@@ -27,45 +43,251 @@ GEMM = {"rows": [{"gemm": "w13", "mean_tokens": 8.0, "ms": 0.8, "roof_pct": 76.5
                                                 "max_frags": 2, "mma": 0}}]}
 
 
+def read_roofline_json(pattern_ms_8=0.70, ms_8=0.78):
+    """read_roofline.py rows at means 2 (GEMM faster than its pattern read) and 8."""
+    def row(gemm, mean, ms, roof_pct, pattern_ms):
+        return {"gemm": gemm, "mean_tokens": mean, "ms": ms, "roof_pct": roof_pct, "read_pattern_ms": pattern_ms,
+                "read_pattern_roof_pct": roof_pct * ms / pattern_ms, "pattern_pct": 100 * pattern_ms / ms}
+    roof_8 = 0.60  # ms at the flat read
+    return {"script": "scripts/read_roofline.py", "argv": [], "read_roofline": {"gbps": 4500.0},
+            "rows": [row("w13", 2, 0.60, 90.0, 0.65), row("w2", 2, 0.30, 88.0, 0.33),
+                     row("w13", 8, ms_8, 100 * roof_8 / ms_8, pattern_ms_8),
+                     row("w2", 8, ms_8 / 2, 100 * roof_8 / ms_8, pattern_ms_8 / 2)]}
+
+
+def chunk_json(gaps_per_k=0.05, loss_per_k=0.03):
+    """chunk_study.py rows at mean 8 for k = 1, 2, 4: each k adds loss_per_k ms and gaps_per_k ms."""
+    rows = []
+    for i, k in enumerate((1, 2, 4)):
+        waves = [17.45 / k] * k
+        rows.append({"mean_tokens": 8, "k": k, "ms": 1.2 + i * loss_per_k, "ms_min": 1.19, "ms_max": 1.3,
+                     "roof_pct": 75.0, "w13_waves": waves, "last_wave_fill": [w % 1 for w in waves],
+                     "w13_gap_ms": i * gaps_per_k, "w13_gaps": [], "idle_ms": 0.004, "span_ms": 1.25})
+    return {"script": "scripts/chunk_study.py", "argv": [], "read_roofline": {"gbps": 4500.0}, "rows": rows}
+
+
+def tile_json():
+    return json.loads((FIXTURES / "tile_sweep.json").read_text())
+
+
+def render(tmp_path, *layer, **kw):
+    kw.setdefault("charts", False)
+    return report.render(list(layer) or [layer_run()], kw.pop("gemm", [GEMM]), tmp_path / "findings.md", **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# layer runs
+# ---------------------------------------------------------------------------------------------
+
+
 def test_report_renders_tables_and_verdicts(tmp_path):
-    text = report.render([layer_run()], [GEMM], tmp_path / "findings.md", charts=False)
+    text = render(tmp_path)
     assert (tmp_path / "findings.md").read_text() == text
     assert "| separate " in text and "4500 GB/s" in text and "4,4,128,4,2,0" in text
     # graph: 1.0 - 0.99 ms = 10 us = 1.0%; ceiling 0.95 vs best valid (graph, 0.99): 4.0%
-    assert "CUDA graph at mean 8: 10.0 us (1.0%)" in text
+    assert "CUDA graph at mean 8: 10.0 us (1.0%) off separate's 1.000 ms" in text
     assert "4.0% under the best valid variant (cuda-graph, 0.990 ms)" in text
     assert "k=2 +2.0%" in text
     assert "2.0% of separate's layer" in text
     assert "reaches 81.0% of the flat read; the GEMM 76.5%" in text
     assert "Token tiles measured: 16 tokens" in text
+    assert "Stages of separate at mean 8" in text  # found from separate's time = the stage table's
 
 
 def test_verdicts_follow_the_numbers(tmp_path):
     """Swap which variant is fastest: the verdicts change with the data, not with the code."""
-    text = report.render([layer_run(sep=0.9, graph=1.1, chunk2=1.0, ceiling=None)], [], tmp_path / "f.md",
-                         charts=False)
+    text = render(tmp_path, layer_run(sep=0.9, graph=1.1, chunk2=1.0, ceiling=None), gemm=[])
     assert "Best valid variant at mean 8: separate, 0.900 ms" in text
     assert "-200.0 us" in text  # the graph made it slower in this made-up run
-    assert "one-launch ceiling" not in text  # no ceiling timed, no fusion verdict
+    assert "one-launch-2G ceiling" not in text  # no ceiling timed, no ceiling sentence
+
+
+def test_fused_variants_not_measured_say_so(tmp_path):
+    text = render(tmp_path)
+    assert "fused-swiglu and fused-layer were not measured in this run" in text
+    assert "fold-b (option (b)) was not measured in this run" in text
+    assert "The SwiGLU epilogue (fused-swiglu against cuda-graph) was not measured" in text
+    assert text.count("fused-swiglu and fused-layer were not measured") == 1  # once per run, not per mean
+
+
+def test_fusion_verdicts_from_the_fused_rows(tmp_path):
+    # graph 0.99, ceiling 0.95: the ceiling allows 40 us; fused-layer at 0.97 collects 20 us of it
+    text = render(tmp_path, layer_run(fused={"fused-swiglu": 0.98, "fused-layer": 0.97}, fold_b=0.975))
+    assert "fused-layer at mean 8: 0.970 ms, 20.0 us (2.0%) under cuda-graph's 0.990 ms" in text
+    assert "it collects 50% of the 40.0 us the ceiling allows" in text
+    assert "fusion is worth 20.0 us (2.0%) over cuda-graph, with fused-layer" in text
+    assert "fused-layer adds 20.0 us on top of the graph" in text
+    # SwiGLU epilogue: 0.99 - 0.98 = 10 us against an act stage of 0.02 ms: 50%
+    assert "fused-swiglu is 10.0 us (1.0%) under cuda-graph's 0.990 ms" in text
+    assert "the epilogue saves 50% of the stage's time" in text
+    # option (b): 0.975 vs fused-swiglu 0.98: 5 us, 0.5% -> inside the noise; error 2e-3 vs 4e-7
+    assert "fold-b 0.975 ms, 5.0 us (0.5%) under fused-swiglu's 0.980 ms" in text
+    assert "2.00e-03, 5000x separate's 4.00e-07" in text
+    assert "option (a) costs nothing measurable against (b)" in text
+
+
+def test_fusion_verdicts_change_with_the_numbers(tmp_path):
+    text = render(tmp_path, layer_run(fused={"fused-swiglu": 1.0, "fused-layer": 0.995}, fold_b=0.95))
+    assert "fusion is worth nothing measurable" in text  # best fused 0.995 vs graph 0.99
+    assert "fused-swiglu is 10.0 us (1.0%) over cuda-graph's 0.990 ms" in text
+    assert "option (a) costs 50.0 us (5.0%) against (b)" in text  # fold-b 0.95 vs fused-swiglu 1.0
+
+
+def test_a_mismatching_fused_variant_is_not_counted(tmp_path):
+    text = render(tmp_path, layer_run(fused={"fused-layer": 0.5}, fused_correct="MISMATCH"))
+    assert "fused-layer at mean 8 is not counted: 0.500 ms, correct: 'MISMATCH'" in text
+    assert "Best valid variant at mean 8: cuda-graph" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# studies
+# ---------------------------------------------------------------------------------------------
+
+
+def test_missing_studies_name_their_scripts(tmp_path):
+    text = render(tmp_path)
+    for study, script in report.STUDIES.items():
+        assert f"`results/{study}.json` is missing; `python {script} --json results/{study}.json`" in text
+
+
+def test_read_roofline_mainloop_or_access_pattern(tmp_path):
+    text = render(tmp_path, read_roofline=read_roofline_json())
+    assert "| w13    | 2               | 0.650             | 83.1" in text
+    # mean 2: the pattern read (0.65) is slower than the GEMM (0.60): all of the gap is the pattern
+    assert "Mean 2: access pattern." in text
+    # mean 8: GEMM 0.78, pattern 0.70, roofline 0.60: 80 of 180 us is the mainloop (44%): both
+    assert "Mean 8: both." in text and "80.0 us (44%) is the mainloop" in text
+    text = render(tmp_path, read_roofline=read_roofline_json(pattern_ms_8=0.62))  # 160 of 180 us
+    assert "Mean 8: mainloop." in text and "160.0 us (89%) is the mainloop" in text
+
+
+def test_split_gap_arithmetic():
+    s = report.split_gap({"ms": 1.0, "roof_pct": 50.0, "read_pattern_ms": 0.6})
+    assert s["roof_ms"] == pytest.approx(0.5) and s["mainloop_ms"] == pytest.approx(0.4)
+    assert s["pattern_ms"] == pytest.approx(0.1) and s["cause"] == "mainloop"
+    s = report.split_gap({"ms": 1.0, "roof_pct": 50.0, "read_pattern_ms": 1.2})
+    assert s["mainloop_ms"] == 0.0 and s["cause"] == "access pattern"
+
+
+def test_chunk_study_tail_or_launch(tmp_path):
+    # each k: 30 us lost, 50 us more w13 gaps -> the gaps cover it: launch and scheduling
+    text = render(tmp_path, chunk_study=chunk_json())
+    assert "| 8               | 4   | 1.260        |" in text
+    assert "Mean 8 (k=1 1.200 ms): where chunking loses, it is launch and scheduling." in text
+    assert "covering the loss" in text
+    # no gaps: the loss is not launch and scheduling: the tail
+    text = render(tmp_path, chunk_study=chunk_json(gaps_per_k=0.0))
+    assert "where chunking loses, it is tail effect" in text and "0% of the loss" in text
+    # losses inside the noise: nothing to explain
+    text = render(tmp_path, chunk_study=chunk_json(loss_per_k=0.001))
+    assert "chunking loses nothing measurable" in text
+
+
+def test_chunk_cause_counts_empty_wave_slots():
+    rows = chunk_json()["rows"]
+    c = report.chunk_cause(rows[0], rows[2])  # k=4: 4 chunks of 4.36 waves, 0.64 empty each
+    assert c["empty_waves"] == pytest.approx(4 * (5 - 17.45 / 4))
+    assert c["empty_waves_k1"] == pytest.approx(18 - 17.45)
+    assert c["loss_ms"] == pytest.approx(0.06) and c["gaps_ms"] == pytest.approx(0.10)
+
+
+def test_tile_sweep_fixture_has_the_structure_tile_sweep_writes():
+    """The fixture's tile points are the ones scripts/tile_sweep.py sweeps around the heuristic's
+    tiles at means 8 and 32, and each row holds what it writes: a measurement or a reason.
+    (Which tiles fail, and why, is the kernel's business: not pinned here.)"""
+    from lab.kernels import grouped_gemm as gg
+
+    spec = importlib.util.spec_from_file_location("tile_sweep", ROOT / "scripts/tile_sweep.py")
+    ts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ts)
+    d = tile_json()
+    assert {"script", "argv", "setup", "read_roofline", "rows"} <= d.keys()
+    assert d["script"] == "scripts/tile_sweep.py"
+    bases = {8: gg.GemmConfig(4, 4, 128, 4, 2), 32: gg.GemmConfig(8, 2, 128, 4, 8)}
+    for mean, base in bases.items():
+        mine = [r for r in d["rows"] if r["mean_tokens"] == mean]
+        want = [tuple(desc.values()) for desc, _ in ts.candidates(base, full=False)]
+        assert want == [(r["token_tile"], r["n_tile"], r["k_step"], r["stages"]) for r in mine]
+        for r in mine:
+            if "error" in r:
+                assert isinstance(r["error"], str) and r["error"] and "ms" not in r
+            else:
+                assert {"config", "ms", "ms_min", "ms_max", "gbps", "roof_pct", "unwritten", "bytes"} <= r.keys()
+                assert 8 * r["config"]["max_frags"] == r["token_tile"]
+
+
+def test_tile_sweep_128_unsupported_quotes_the_reason(tmp_path):
+    text = render(tmp_path, tile_sweep=tile_json())
+    assert "| 128,256,128,4              | w13    | 8               | token tile 128 not compiled (max 64)" in text
+    assert ("w13 at mean 8: a 128-token tile is unsupported here (token tile 128 not compiled (max 64)), so "
+            "there is no 128 to recover anything against") in text
+    assert "the best tile below 128 tokens (64,256,128,4) takes 0.773 ms (83.0%), and is the largest" in text
+
+
+@pytest.mark.parametrize("ms128, verdict", [
+    (0.800, "w13 at mean 32: yes, 3.3% (26.5 us)"),  # 128 slower than the best sub-128 tile (0.7735 ms)
+    (0.700, "w13 at mean 32: no, 128 tokens is 10.5% faster"),  # 128 faster
+    (0.775, "w13 at mean 32: no (+0.2%, inside 1%)"),  # a tie
+])
+def test_tile_sweep_verdict_against_a_measured_128(tmp_path, ms128, verdict):
+    d = tile_json()
+    for r in d["rows"]:
+        if r["token_tile"] == 128 and r["mean_tokens"] == 32:
+            r.pop("error")
+            r.update({"ms": ms128, "gbps": 3000.0, "roof_pct": 70.0})
+    text = render(tmp_path, tile_sweep=d)
+    assert verdict in text
+
+
+# ---------------------------------------------------------------------------------------------
+# charts and the script
+# ---------------------------------------------------------------------------------------------
+
+
+def test_charts_written_and_linked(tmp_path):
+    pytest.importorskip("matplotlib", reason="charts need matplotlib (the plot extra)")
+    text = render(tmp_path, charts=True, tile_sweep=tile_json())
+    for png in (report.LAYER_PNG, report.TILE_PNG):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG" and f"]({png})" in text
+    assert "Not drawn (over 3x the roofline): cublas-fp16 (run 1: 40.0 ms at mean 8)" in text
+
+
+def test_charts_without_matplotlib_still_render(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    text = render(tmp_path, charts=True, tile_sweep=tile_json())
+    assert "matplotlib is not installed" in text and "| separate " in text
+    assert not (tmp_path / report.LAYER_PNG).exists()
+
+
+def test_tile_grid_best_per_token_tile():
+    labels, tiles, grid = report.tile_grid(tile_json()["rows"])
+    assert labels == ["w13 @8", "w13 @32"] and tiles == [8, 16, 32, 64, 128]
+    assert grid[0][4] is None and grid[1][3] == pytest.approx(83.0, abs=0.05)
+
+
+def run_script(*args):
+    return subprocess.run([sys.executable, str(ROOT / "scripts/report.py"), *map(str, args)],
+                          check=False, capture_output=True, text=True, cwd=ROOT)
 
 
 def test_report_script_reads_files_and_names_a_bad_one(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
     (tmp_path / "layer.json").write_text(json.dumps(layer_run()))
     (tmp_path / "gemm.json").write_text(json.dumps(GEMM))
+    (tmp_path / "chunk.json").write_text(json.dumps(chunk_json()))
     out = tmp_path / "docs" / "f.md"
-    ok = subprocess.run([sys.executable, str(root / "scripts/report.py"), "--layer", str(tmp_path / "layer.json"),
-                         "--gemm", str(tmp_path / "gemm.json"), "--out", str(out), "--no-charts"],
-                        capture_output=True, text=True, cwd=root)
+    ok = run_script("--layer", tmp_path / "layer.json", "--gemm", tmp_path / "gemm.json", "--out", out,
+                    "--no-charts", "--chunk-study", tmp_path / "chunk.json",
+                    "--read-roofline", tmp_path / "absent.json", "--tile-sweep", FIXTURES / "tile_sweep.json")
     assert ok.returncode == 0, ok.stderr
-    assert "CUDA graph at mean 8" in out.read_text()
-    bad = subprocess.run([sys.executable, str(root / "scripts/report.py"), "--layer", str(tmp_path / "nope.json")],
-                         capture_output=True, text=True, cwd=root)
+    text = out.read_text()
+    assert "CUDA graph at mean 8" in text and "Mean 8 (k=1 1.200 ms)" in text and "w13 at mean 32" in text
+    assert "`results/read_roofline.json` is missing" in text and "absent.json not found" in ok.stderr
+    bad = run_script("--layer", tmp_path / "nope.json")
     assert bad.returncode == 2 and "nope.json" in bad.stderr
+    (tmp_path / "broken.json").write_text("{")
+    bad = run_script("--layer", tmp_path / "layer.json", "--gemm", "--out", out, "--chunk-study",
+                     tmp_path / "broken.json")
+    assert bad.returncode == 2 and "broken.json" in bad.stderr
 
 
 def test_report_needs_a_layer_run(tmp_path):
