@@ -233,9 +233,12 @@ class Layer:
                     self.a_scales[r0:r1], self.out[r0:r1], self.out_bf16[r0:r1])
 
     def poison(self, stream) -> None:
-        """Fill h and out with NaN and out_bf16 with 0xFFFF, so a row nobody writes shows up."""
+        """Fill h and out with NaN, out_bf16 with 0xFFFF and a_q's scales with 0xFF (an e4m3 NaN,
+        so w2 turns any a_q block nobody wrote into NaN), so a row nobody writes shows up."""
         with stream:
             self.h.fill(np.nan)
+            self.a_packed.fill(0xFF)
+            self.a_scales.fill(0xFF)
             self.out.fill(np.nan)
             self.out_bf16.fill(0xFFFF)
 

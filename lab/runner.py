@@ -172,6 +172,12 @@ class Runner:
     def capturing(self) -> bool:
         return self._capturing
 
+    @property
+    def timing_stages(self) -> bool:
+        """True inside time_stages / stage_spans: a graph variant may launch directly then, so
+        that its stages get their own events."""
+        return self._stage_log is not None and not self._capturing
+
     # ---------------------------------------------------------------- running
 
     @contextlib.contextmanager

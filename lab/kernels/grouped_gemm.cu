@@ -41,7 +41,10 @@
 // Decoded weights are v * s * 2^-14 (exact in fp16, subnormals included); the epilogue multiplies
 // the fp32 accumulator by 2^14 (exact) and then by alpha.
 
-// No headers: NVRTC compiles this as is; fp16 arithmetic goes through inline PTX.
+// No system headers: NVRTC compiles this as is (jit.source() inlines nvfp4_act.cuh); fp16
+// arithmetic goes through inline PTX.
+#include "nvfp4_act.cuh"
+
 namespace lab_gemm {
 
 typedef unsigned char uint8_t;
@@ -343,9 +346,78 @@ __device__ __forceinline__ void stage_math(float (&acc)[R][FMAX][4], const uint8
   }
 }
 
+// FUSE bit 0: problem 0's epilogue is SwiGLU + NVFP4 quantize instead of the fp32 store. Its
+// weights are w13 laid out so that each BN-row block holds BN/2 gate rows and the matching BN/2
+// up rows (prepare_weights(..., pair_gate_up=True)); with R even, tile r*W + warp (r < R/2) is
+// gate and tile (r + R/2)*W + warp the up rows of the same columns, so one thread holds gate
+// and up of the same (column, token) and SwiGLU needs no exchange. A 16-column block along I
+// is one 16-row tile: its amax is three shuffles across the 8 row groups of a token, and lane
+// g = 0 writes the block's 8 bytes of codes and its scale byte. The arithmetic is the
+// activation kernels' (nvfp4_act.cuh) applied to h = (acc * 2^14) * alpha, the value the plain
+// epilogue stores, so the result equals the separate kernels' bit for bit.
+// Returns the number of non-finite SwiGLU values among this thread's valid tokens.
+template <int W, int R, int FMAX>
+__device__ __forceinline__ uint32_t swiglu_epilogue(const float (&acc)[R][FMAX][4], int frags, int tok0, int count,
+                                                    int row0, int col_block, int I, int warp, int lane,
+                                                    float alpha, float gate_global, float up_global, float act_global,
+                                                    uint8_t* __restrict__ a_packed, uint8_t* __restrict__ a_scales) {
+  static_assert(R % 2 == 0, "the fused SwiGLU epilogue pairs row tiles r and r + R/2");
+  const int g = lane >> 2, t4 = lane & 3;
+  const float six_g = __fmul_rn(6.0f, act_global);
+  uint32_t bad = 0;
+#pragma unroll
+  for (int rr = 0; rr < R / 2; ++rr) {
+    const int col0 = col_block + (rr * W + warp) * 16;  // this tile's first column along I
+#pragma unroll
+    for (int f = 0; f < FMAX; ++f) {
+      if (f >= frags) continue;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {  // token 2*t4 + hh of the fragment: acc[.][f][hh], [2 + hh]
+        const int tok = tok0 + f * 8 + 2 * t4 + hh;
+        const bool valid = tok < count;
+        const float a_lo = lab_act::swiglu((acc[rr][f][hh] * 16384.f) * alpha,
+                                           (acc[rr + R / 2][f][hh] * 16384.f) * alpha, gate_global, up_global);
+        const float a_hi = lab_act::swiglu((acc[rr][f][2 + hh] * 16384.f) * alpha,
+                                           (acc[rr + R / 2][f][2 + hh] * 16384.f) * alpha, gate_global, up_global);
+        if (valid) bad += !lab_act::finite(a_lo) + !lab_act::finite(a_hi);
+        float amax = fmaxf(fabsf(a_lo), fabsf(a_hi));  // columns g and g + 8 of the block
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 8));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 16));
+        float denom;
+        const uint32_t code = lab_act::block_scale(amax, act_global, six_g, denom);
+        const uint32_t mine = lab_act::quantize_element(a_lo, denom) | (lab_act::quantize_element(a_hi, denom) << 4);
+        const uint32_t nbr = __shfl_xor_sync(0xffffffffu, mine, 4);  // columns g^1 and (g^1) + 8
+        // even g: the bytes of columns (g, g+1) and (g+8, g+9), placed at byte g/2 of the two words
+        uint32_t lo = (g & 1) ? 0u : ((mine & 0xfu) | ((nbr & 0xfu) << 4)) << (8 * (g >> 1));
+        uint32_t hi = (g & 1) ? 0u : ((mine >> 4) | (nbr & 0xf0u)) << (8 * (g >> 1));
+        lo |= __shfl_xor_sync(0xffffffffu, lo, 8);
+        hi |= __shfl_xor_sync(0xffffffffu, hi, 8);
+        lo |= __shfl_xor_sync(0xffffffffu, lo, 16);
+        hi |= __shfl_xor_sync(0xffffffffu, hi, 16);
+        if (g == 0 && valid) {
+          const size_t row = (size_t)(row0 + tok);
+          *reinterpret_cast<uint2*>(a_packed + row * (I / 2) + col0 / 2) = make_uint2(lo, hi);
+          a_scales[row * (I / 16) + col0 / 16] = (uint8_t)code;
+        }
+      }
+    }
+  }
+  return bad;
+}
+
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void red_release_add(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 // READ_ONLY = true runs the same grid, pipeline and copies but skips decode, MMA and stores:
 // the achievable read rate of exactly this access pattern.
-template <int W, int R, int BK, int STAGES, int FMAX, int MMA, bool READ_ONLY = false>
+template <int W, int R, int BK, int STAGES, int FMAX, int MMA, bool READ_ONLY = false, int FUSE = 0>
 __global__ void __launch_bounds__(Config<W, R, BK, STAGES, FMAX, MMA>::THREADS, 1)
 grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single problem) the same
     const uint8_t* __restrict__ wprep0, const uint8_t* __restrict__ xq0, const uint8_t* __restrict__ xs0,
@@ -354,12 +426,22 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
     const uint8_t* __restrict__ wprep1, const uint8_t* __restrict__ xq1, const uint8_t* __restrict__ xs1,
     const int* __restrict__ offsets1, const float* __restrict__ alpha1, float* __restrict__ out1,
     int N1, int K1, int num_experts1,
-    int* __restrict__ sched) {  // [next unit, CTAs done]: zero before the launch, zero after
+    int* __restrict__ sched,  // [next unit, CTAs done]: zero before the launch, zero after
+    // FUSE bit 0 (problem 0 = w13 paired gate/up, N0 = 2I): SwiGLU with these per-expert globals,
+    // quantized with act_global into a_packed (T, I/2) / a_scales (T, I/16); out0 is not written.
+    const float* __restrict__ gate_global, const float* __restrict__ up_global, float act_global,
+    uint8_t* __restrict__ a_packed, uint8_t* __restrict__ a_scales,
+    // FUSE bit 1 (problem 1 = w2 of the same experts): a unit of expert e starts reading its
+    // activations once ready[e] counts every (w13 block, pass, warp) of e; problem 1's output
+    // also as bf16 bits into out1_bf16 when not null (out1 may then be null).
+    int* __restrict__ ready, unsigned short* __restrict__ out1_bf16,
+    unsigned int* __restrict__ nonfinite) {  // SwiGLU values or bf16 outputs that are not finite
   // A unit of problem p reads that problem's arguments: kernel parameters selected, not copied.
 #define LAB_P(name) (p ? name##1 : name##0)
   using C = Config<W, R, BK, STAGES, FMAX, MMA>;
   static_assert(MMA == 0 || W % 4 == 0, "wgmma needs whole warpgroups of consumers");
   static_assert(MMA == 0 || MMA == 1, "MMA: 0 = mma.sync, 1 = wgmma");
+  static_assert(!(READ_ONLY && FUSE), "the read-only pattern has no epilogue to fuse");
   extern __shared__ __align__(128) uint8_t smem[];
 
   const int NB0 = N0 / C::BN, NB1 = N1 / C::BN;
@@ -473,6 +555,15 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
                       full0 + 8 * s, pol);
           }
         }
+        if constexpr ((FUSE & 2) != 0) {
+          // The weights of this stage are already on their way; the activations are a_q, which
+          // expert e's w13 units write. Every lane acquires, so its own copies see them.
+          if (p == 1 && ui == 0 && !done) {
+            const int passes0 = (offsets0[e + 1] - offsets0[e] + C::TOKENS - 1) / C::TOKENS;
+            const int target = NB0 * W * passes0;
+            while (load_acquire(ready + e) < target) __nanosleep(64);
+          }
+        }
         const int tok0 = pass * C::TOKENS;
         const int ntok = min(C::TOKENS, count - tok0);
         constexpr int QCHUNKS = BK / 32;  // 16-byte pieces of one row's codes in this chunk
@@ -491,15 +582,7 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
       }
       if (done) break;
     }
-    // The last CTA to finish leaves the counter at zero for the next launch (or graph replay).
-    if (lane == 0) {
-      __threadfence();
-      if (atomicAdd(&sched[1], 1) == (int)gridDim.x - 1) {
-        atomicExch(&sched[0], 0);
-        atomicExch(&sched[1], 0);
-      }
-    }
-    return;
+    goto finish;
   }
 
   if (warp > W) {
@@ -517,7 +600,7 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
         ++useq;
         if (u < 0) {
           mbar_arrive(full0 + 8 * s);
-          break;
+          goto finish;
         }
         const Unit un = unit_of(u);
         const int p = un.p;
@@ -568,16 +651,16 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
       }
       if (++ui == iters) ui = 0;
     }
-    return;
   }
 
-  // ---------------- consumer warps ----------------
+  {  // ---------------- consumer warps ----------------
   const int g = lane >> 2;
   const int t4 = lane & 3;
   float acc[R][FMAX][4];
-  int nb = 0, row0 = 0, count = 0, iters = 0, ui = 0, kchunks = 1, N = 0;
+  int nb = 0, row0 = 0, count = 0, iters = 0, ui = 0, kchunks = 1, N = 0, unit_p = 0, unit_e = 0;
   float out_scale = 0.f;
   float* out = out0;
+  uint32_t bad = 0;  // non-finite values this thread produced (FUSE)
   for (int it = 0, useq = 0;; ++it) {
     const int s = it % STAGES;
     const uint32_t phase = (it / STAGES) & 1;
@@ -589,6 +672,8 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
       const Unit un = unit_of(u);
       const int p = un.p, e = un.e;
       const int* offsets = LAB_P(offsets);
+      unit_p = p;
+      unit_e = e;
       nb = un.nb;
       row0 = offsets[e];
       count = offsets[e + 1] - row0;
@@ -632,8 +717,24 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
     }
     mbar_arrive(empty0 + 8 * s);
 
+    if constexpr ((FUSE & 1) != 0) {
+      if (kc == kchunks - 1 && unit_p == 0) {
+        bad += swiglu_epilogue<W, R, FMAX>(acc, frags, tok0, count, row0, nb * (C::BN / 2), N0 / 2, warp, lane,
+                                           out_scale, gate_global[unit_e], up_global[unit_e], act_global,
+                                           a_packed, a_scales);
+        if constexpr ((FUSE & 2) != 0) {
+          // Publish this warp's part of expert e's a_q: every lane's stores, then one release.
+          __threadfence();
+          __syncwarp();
+          if (lane == 0) red_release_add(ready + unit_e, 1);
+        }
+        if (++ui == iters) ui = 0;
+        continue;
+      }
+    }
     if (kc == kchunks - 1) {
       // Epilogue: D rows are weight rows (output columns), D columns are tokens.
+      unsigned short* out_b = (FUSE & 2) && unit_p == 1 ? out1_bf16 : nullptr;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const int n = (nb * (W * R) + r * W + warp) * 16 + g;
@@ -641,21 +742,51 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
         for (int f = 0; f < FMAX; ++f) {
           if (f < frags) {
             const int tok = tok0 + f * 8 + 2 * t4;
-            if (tok < count) {
-              float* o = out + (size_t)(row0 + tok) * N + n;
-              o[0] = (acc[r][f][0] * 16384.f) * out_scale;
-              o[8] = (acc[r][f][2] * 16384.f) * out_scale;
-            }
-            if (tok + 1 < count) {
-              float* o = out + (size_t)(row0 + tok + 1) * N + n;
-              o[0] = (acc[r][f][1] * 16384.f) * out_scale;
-              o[8] = (acc[r][f][3] * 16384.f) * out_scale;
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {  // tokens tok and tok + 1
+              if (tok + hh < count) {
+                const size_t at = (size_t)(row0 + tok + hh) * N + n;
+                const float v0 = (acc[r][f][hh] * 16384.f) * out_scale;
+                const float v1 = (acc[r][f][2 + hh] * 16384.f) * out_scale;
+                if (out != nullptr) {
+                  out[at] = v0;
+                  out[at + 8] = v1;
+                }
+                if constexpr ((FUSE & 2) != 0) {
+                  if (out_b != nullptr) {
+                    const uint32_t b0 = lab_act::bf16_bits(v0), b1 = lab_act::bf16_bits(v1);
+                    out_b[at] = (unsigned short)b0;
+                    out_b[at + 8] = (unsigned short)b1;
+                    bad += lab_act::bf16_nonfinite(b0) + lab_act::bf16_nonfinite(b1);
+                  }
+                }
+              }
             }
           }
         }
       }
     }
     if (++ui == iters) ui = 0;
+  }
+  if constexpr (FUSE != 0) {
+    if (bad) atomicAdd(nonfinite, bad);
+  }
+  }
+
+finish:
+  // The last CTA to finish leaves the unit counter (and the readiness counters) at zero for the
+  // next launch or graph replay: every thread of every CTA is past its last use of them.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(&sched[1], 1) == (int)gridDim.x - 1) {
+      atomicExch(&sched[0], 0);
+      atomicExch(&sched[1], 0);
+      if constexpr ((FUSE & 2) != 0) {
+        for (int e = 0; e < num_experts0; ++e) ready[e] = 0;
+        __threadfence();
+      }
+    }
   }
 #undef LAB_P
 }

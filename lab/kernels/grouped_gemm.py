@@ -130,10 +130,35 @@ class PreparedWeights:
     k: int
     block_rows: int
     k_step: int
+    pair_gate_up: bool = False  # rows reordered by pair_gate_up_rows (the fused SwiGLU epilogue)
 
     def experts_slice(self, e0: int, e1: int) -> "PreparedWeights":
         """A view of experts e0..e1-1 (no copy)."""
-        return PreparedWeights(self.data[e0:e1], e1 - e0, self.n, self.k, self.block_rows, self.k_step)
+        return PreparedWeights(self.data[e0:e1], e1 - e0, self.n, self.k, self.block_rows, self.k_step,
+                               self.pair_gate_up)
+
+
+def pair_gate_up_rows(a, block_rows: int, xp=np):
+    """w13 rows [gate (I rows); up (I rows)] -> each block of `block_rows` rows holds gate rows
+    c..c+block_rows/2 then up rows c..c+block_rows/2 (c = block * block_rows/2), so that the CTA
+    computing a block has both halves of the same SwiGLU columns. `a` is (E, 2I, ...)."""
+    e, n2 = a.shape[:2]
+    half = block_rows // 2
+    if n2 % 2 or block_rows % 32 or (n2 // 2) % half:
+        raise ValueError(f"pair_gate_up: 2I={n2} rows must split into gate and up halves that are multiples "
+                         f"of block_rows/2={half} (block_rows a multiple of 32)")
+    rest = a.shape[2:]
+    v = a.reshape((e, 2, n2 // 2 // half, half) + rest)
+    return xp.ascontiguousarray(v.swapaxes(1, 2)).reshape((e, n2) + rest)
+
+
+def unpair_gate_up_rows(a, block_rows: int, xp=np):
+    """Inverse of pair_gate_up_rows."""
+    e, n2 = a.shape[:2]
+    half = block_rows // 2
+    rest = a.shape[2:]
+    v = a.reshape((e, n2 // 2 // half, 2, half) + rest)
+    return xp.ascontiguousarray(v.swapaxes(1, 2)).reshape((e, n2) + rest)
 
 
 def default_layout(n: int, k: int) -> tuple[int, int]:
@@ -162,11 +187,13 @@ def check_weight_shapes(packed, scales) -> tuple[int, int, int]:
 
 
 def prepare_weights(packed, scales, xp=np, layout: tuple[int, int] | None = None,
-                    chunk_experts: int = 8) -> PreparedWeights:
+                    chunk_experts: int = 8, pair_gate_up: bool = False) -> PreparedWeights:
     """Lay (E, N, K) NVFP4 weights out as the kernel's atoms; NumPy or CuPy (`xp`), same result.
 
     `layout` = (block_rows, k_step), default `default_layout(N, K)`; atoms are ordered
     [expert][row block][k chunk][16-row tile in block][k atom in chunk].
+    `pair_gate_up`: w13 (N = 2I) for the fused SwiGLU epilogue: rows first reordered by
+    `pair_gate_up_rows`, so each row block holds matching gate and up columns.
 
     Atom (expert e, row tile nt, k atom ka) = 576 bytes: lane L = 4g + t gets 16 bytes, word j
     (k16 step j) being the encoded bytes [W(g, 2t..), W(g+8, 2t..), W(g, 2t+8..), W(g+8, 2t+8..)]
@@ -178,6 +205,8 @@ def prepare_weights(packed, scales, xp=np, layout: tuple[int, int] | None = None
         raise ValueError(f"layout (block_rows={block_rows}, k_step={k_step}) must divide N={n}, K={k} "
                          f"in units of {ATOM_ROWS} rows and {ATOM_K} k")
     nt, ka = n // ATOM_ROWS, k // ATOM_K
+    if pair_gate_up:
+        packed, scales = (pair_gate_up_rows(xp.asarray(a), block_rows, xp) for a in (packed, scales))
     tables = xp.asarray(ENCODE_TABLES)
     atoms = xp.empty((chunk_experts, nt, ka, ATOM_BYTES), dtype=xp.uint8)
     nb, kc, tiles, katoms = n // block_rows, k // k_step, block_rows // ATOM_ROWS, k_step // ATOM_K
@@ -195,7 +224,7 @@ def prepare_weights(packed, scales, xp=np, layout: tuple[int, int] | None = None
         s = xp.asarray(scales[e0:e1]).reshape(m, nt, 2, 8, ka, 4)
         atoms[:m, :, :, ATOM_CODE_BYTES:] = s.transpose(0, 1, 4, 3, 5, 2).reshape(m, nt, ka, 64)
         out[e0:e1] = atoms[:m].reshape(m, nb, tiles, kc, katoms, ATOM_BYTES).transpose(0, 1, 3, 2, 4, 5)
-    return PreparedWeights(out, e, n, k, block_rows, k_step)
+    return PreparedWeights(out, e, n, k, block_rows, k_step, pair_gate_up)
 
 
 def unprepare_weights(prep: PreparedWeights) -> tuple[np.ndarray, np.ndarray]:
@@ -211,6 +240,8 @@ def unprepare_weights(prep: PreparedWeights) -> tuple[np.ndarray, np.ndarray]:
     packed = b.transpose(0, 1, 7, 3, 2, 5, 6, 4).reshape(e, n, k // 2)
     s = data[..., ATOM_CODE_BYTES:].reshape(e, nt, ka, 8, 4, 2)  # [.., g, j, h]
     scales = s.transpose(0, 1, 5, 3, 2, 4).reshape(e, n, k // 16)
+    if prep.pair_gate_up:
+        packed, scales = (unpair_gate_up_rows(a, prep.block_rows) for a in (packed, scales))
     return np.ascontiguousarray(packed), np.ascontiguousarray(scales)
 
 
@@ -261,9 +292,10 @@ class GemmConfig:
     def expression(self) -> str:
         return self.expression_for(read_only=False)
 
-    def expression_for(self, read_only: bool) -> str:
+    def expression_for(self, read_only: bool, fuse: int = 0) -> str:
+        """The kernel instantiation; `fuse`: 0 plain, FUSE_SWIGLU, or FUSE_LAYER."""
         return (f"lab_gemm::grouped_gemm_nvfp4<{self.warps}, {self.row_tiles}, {self.k_step}, "
-                f"{self.stages}, {self.max_frags}, {self.mma}, {'true' if read_only else 'false'}>")
+                f"{self.stages}, {self.max_frags}, {self.mma}, {'true' if read_only else 'false'}, {fuse}>")
 
     @property
     def smem_bytes(self) -> int:
@@ -355,11 +387,17 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None) -> 
     return cfg.validate(n, k)
 
 
+FUSE_SWIGLU = 1  # problem 0 (w13, gate/up paired) ends in SwiGLU + quantize
+FUSE_LAYER = 3  # ... and problem 1 (w2) waits per expert for it, writing bf16 output
+
 SHIPPED_CONFIGS = tuple(
     GemmConfig(w, r, ks, st, f, mma)
     for (w, r, ks, st, mma) in ((4, 4, 128, 4, 0), (8, 2, 128, 4, 0), (8, 2, 128, 3, 0), (4, 2, 128, 6, 0),
                                 (8, 2, 256, 2, 0), (8, 2, 64, 8, 0), (4, 4, 128, 4, 1), (8, 2, 128, 4, 1))
     for f in MAX_FRAGS_CHOICES)
+# The fused instantiations run the heuristic's tiles (both have an even number of row tiles).
+SHIPPED_FUSED = tuple((GemmConfig(w, r, 128, 4, f), fuse) for (w, r) in ((4, 4), (8, 2))
+                      for f in MAX_FRAGS_CHOICES for fuse in (FUSE_SWIGLU, FUSE_LAYER))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,7 +405,7 @@ SHIPPED_CONFIGS = tuple(
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_activation(x_packed, x_scales, offsets, alpha, out, prep: PreparedWeights):
+def _check_activation(x_packed, x_scales, offsets, alpha, out, prep: PreparedWeights, optional_out=False):
     import cupy as cp
 
     t = x_packed.shape[0] if x_packed.ndim == 2 else -1
@@ -379,8 +417,11 @@ def _check_activation(x_packed, x_scales, offsets, alpha, out, prep: PreparedWei
         raise ValueError(f"offsets: expected ({prep.experts + 1},) int32, got {offsets.shape} {offsets.dtype}")
     if alpha.shape != (prep.experts,) or alpha.dtype != cp.float32:
         raise ValueError(f"alpha: expected ({prep.experts},) float32, got {alpha.shape} {alpha.dtype}")
-    if out.shape != (t, prep.n) or out.dtype != cp.float32:
-        raise ValueError(f"out: expected ({t}, {prep.n}) float32, got {out.shape} {out.dtype}")
+    if out is None and optional_out:
+        out = x_packed  # nothing to check: the fused epilogue writes elsewhere
+    elif out is None or out.shape != (t, prep.n) or out.dtype != cp.float32:
+        got = None if out is None else (out.shape, out.dtype)
+        raise ValueError(f"out: expected ({t}, {prep.n}) float32, got {got}")
     for name, a in (("x_packed", x_packed), ("x_scales", x_scales), ("out", out)):
         if not a.flags.c_contiguous:
             raise ValueError(f"{name}: must be C-contiguous")
@@ -416,47 +457,139 @@ def grouped_gemm_pair(first: tuple, second: tuple, cfg: GemmConfig, stream=None)
     _launch([first, second], cfg, stream, False)
 
 
-def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool) -> None:
+@dataclass
+class Fusion:
+    """What the fused instantiations add to a launch (see grouped_gemm.cu, FUSE).
+
+    swiglu (problem 0 is w13 prepared with pair_gate_up=True): per-expert gate/up globals (E,)
+    float32, the w2 input global, and the NVFP4 output a_packed (T, I/2) / a_scales (T, I/16).
+    layer: problem 1 is w2 on a_packed / a_scales and waits per expert; out_bf16 (T, H) uint16
+    receives its output (its fp32 `out` may be None). counter (1,) uint32 counts non-finite
+    SwiGLU values and bf16 outputs."""
+
+    gate_global: object
+    up_global: object
+    act_global: float
+    a_packed: object
+    a_scales: object
+    counter: object
+    out_bf16: object = None  # layer only
+
+    @property
+    def fuse(self) -> int:
+        return FUSE_LAYER if self.out_bf16 is not None else FUSE_SWIGLU
+
+
+def _check_fusion(fz: Fusion, w13: PreparedWeights, rows: int, cfg: GemmConfig, w2=None) -> None:
     import cupy as cp
 
-    for prep, x_packed, x_scales, offsets, alpha, out in problems:
-        _check_activation(x_packed, x_scales, offsets, alpha, out, prep)
+    from lab.kernels import swiglu_quant as sq
+
+    if not w13.pair_gate_up:
+        raise ValueError("w13: the fused SwiGLU epilogue needs weights prepared with pair_gate_up=True")
+    if cfg.row_tiles % 2:
+        raise ValueError(f"cfg: the fused SwiGLU epilogue pairs row tiles, row_tiles must be even, got {cfg.row_tiles}")
+    i = w13.n // 2
+    e = w13.experts
+    for name, a, shape, dtype in (("gate_global", fz.gate_global, (e,), cp.float32),
+                                  ("up_global", fz.up_global, (e,), cp.float32),
+                                  ("a_packed", fz.a_packed, (rows, i // 2), cp.uint8),
+                                  ("a_scales", fz.a_scales, (rows, i // 16), cp.uint8),
+                                  ("counter", fz.counter, (1,), cp.uint32)):
+        if tuple(a.shape) != shape or a.dtype != dtype or not a.flags.c_contiguous:
+            raise ValueError(f"{name}: expected C-contiguous {shape} {cp.dtype(dtype).name}, got {tuple(a.shape)} {a.dtype}")
+    sq.check_global("act_global", fz.act_global)
+    if w2 is not None:
+        if (w2.experts, w2.k) != (e, i):
+            raise ValueError(f"w2: expected {e} experts with K = I = {i} to follow w13, got {w2.experts} and K={w2.k}")
+        if fz.out_bf16 is None or tuple(fz.out_bf16.shape) != (rows, w2.n) or fz.out_bf16.dtype != cp.uint16:
+            got = None if fz.out_bf16 is None else (tuple(fz.out_bf16.shape), fz.out_bf16.dtype)
+            raise ValueError(f"out_bf16: expected ({rows}, {w2.n}) uint16, got {got}")
+        # ready[e] counts (w13 block, pass, warp) triples; the largest count must fit an int32
+        most = (w13.n // cfg.block_n) * cfg.warps * -(-rows // cfg.token_tile)
+        if most >= 2 ** 31:
+            raise ValueError(f"fused layer: {most} readiness signals per expert do not fit the int32 counters")
+
+
+def swiglu_gemm(w13: PreparedWeights, x_packed, x_scales, offsets, alpha, fusion: Fusion, cfg: GemmConfig,
+                stream=None) -> None:
+    """The w13 grouped GEMM with SwiGLU + NVFP4 quantize as its epilogue: h never reaches memory;
+    writes fusion.a_packed / a_scales exactly as swiglu_quant.swiglu_quant would from h."""
+    _check_fusion(fusion, w13, x_packed.shape[0] if x_packed.ndim == 2 else -1, cfg)
+    if fusion.out_bf16 is not None:
+        raise ValueError("swiglu_gemm: out_bf16 belongs to fused_layer")
+    _launch([(w13, x_packed, x_scales, offsets, alpha, None)], cfg, stream, False, fusion)
+
+
+def fused_layer(w13: PreparedWeights, x_packed, x_scales, offsets, w13_alpha, w2: PreparedWeights, w2_alpha,
+                fusion: Fusion, cfg: GemmConfig, stream=None, out=None) -> None:
+    """The whole layer in one persistent launch: w13 units with the SwiGLU epilogue, then w2
+    units on its a_q, each w2 expert starting once its w13 units are written (per-expert
+    counters, release/acquire). Output: fusion.out_bf16, and `out` (fp32) when given."""
+    rows = x_packed.shape[0] if x_packed.ndim == 2 else -1
+    _check_fusion(fusion, w13, rows, cfg, w2)
+    _launch([(w13, x_packed, x_scales, offsets, w13_alpha, None),
+             (w2, fusion.a_packed, fusion.a_scales, offsets, w2_alpha, out)], cfg, stream, False, fusion)
+
+
+def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fusion | None = None) -> None:
+    import cupy as cp
+
+    for pi, (prep, x_packed, x_scales, offsets, alpha, out) in enumerate(problems):
+        fused_out = fusion is not None and (pi == 0 or fusion.fuse == FUSE_LAYER)
+        _check_activation(x_packed, x_scales, offsets, alpha, out, prep, optional_out=fused_out)
         cfg.validate(prep.n, prep.k)
         if (cfg.block_n, cfg.k_step) != (prep.block_rows, prep.k_step):
             raise ValueError(f"cfg: block {cfg.block_n} x k_step {cfg.k_step} does not match the weights' "
                              f"layout ({prep.block_rows}, {prep.k_step}); prepare with layout=(block_n, k_step)")
-    problems = [pr for pr in problems if pr[1].shape[0] and pr[0].experts]
-    if not problems:
+    if fusion is not None and fusion.fuse == FUSE_LAYER and problems[0][3] is not problems[1][3]:
+        raise ValueError("fused layer: w13 and w2 must share one offsets array")
+    keep = [pr for pr in problems if pr[1].shape[0] and pr[0].experts]
+    if not keep:
         return
+    if fusion is not None and len(keep) != len(problems):
+        return  # no rows: nothing to compute, and the fused problems come as a whole
+    problems = keep
     if len(problems) == 1:  # problem 1 of the kernel: no experts
         prep, x_packed, x_scales, offsets, alpha, out = problems[0]
         problems.append((PreparedWeights(prep.data, 0, prep.n, prep.k, prep.block_rows, prep.k_step),
                          x_packed, x_scales, offsets, alpha, out))
     experts = sum(pr[0].experts for pr in problems)
     smem = cfg.launch_smem(experts)
-    fn = jit.kernel(SOURCE, cfg.expression_for(read_only), smem)
+    fuse = 0 if fusion is None else fusion.fuse
+    fn = jit.kernel(SOURCE, cfg.expression_for(read_only, fuse), smem)
     units = sum(pr[0].experts * (pr[0].n // cfg.block_n) for pr in problems)
     grid = (min(units, jit.sm_count() * resident_ctas(cfg, experts, fn.num_regs)),)
     args = []
     for prep, x_packed, x_scales, offsets, alpha, out in problems:
-        args += [prep.data, x_packed, x_scales, offsets, alpha, out,
+        args += [prep.data, x_packed, x_scales, offsets, alpha, _NULL if out is None else out,
                  np.int32(prep.n), np.int32(prep.k), np.int32(prep.experts)]
     stream = stream if stream is not None else cp.cuda.get_current_stream()
+    first_out = problems[0][5] if fusion is None else fusion.a_packed
+    second_out = problems[1][5] if problems[1][5] is not None else fusion.out_bf16
     with stream:
-        args.append(_scheduler_state(cp, problems[0][5], problems[0][3], problems[1][5]))
+        sched, ready = _scheduler_state(cp, first_out, problems[0][3], second_out, problems[0][0].experts)
+        args.append(sched)
+        if fusion is None:
+            args += [_NULL, _NULL, np.float32(1.0), _NULL, _NULL, _NULL, _NULL, _NULL]
+        else:
+            args += [fusion.gate_global, fusion.up_global, np.float32(fusion.act_global), fusion.a_packed,
+                     fusion.a_scales, ready if fuse == FUSE_LAYER else _NULL,
+                     _NULL if fusion.out_bf16 is None else fusion.out_bf16, fusion.counter]
         fn(grid, (cfg.threads,), tuple(args), shared_mem=smem)
 
 
+_NULL = np.uint64(0)  # a null pointer argument
 _SCHED: dict = {}
 
 
-def _scheduler_state(cp, out, offsets, out1):
-    """The kernel's unit counter, one per (output, offsets) pair: launches that may run at the same
-    time (chunks on two streams) write different outputs, so they never share a counter. The
-    kernel leaves it at zero, so graph replays need no reset. Allocated on first use, which the
-    runner does before any capture."""
-    key = (cp.cuda.Device().id, out.data.ptr, offsets.data.ptr, out1.data.ptr)
-    buf = _SCHED.get(key)
-    if buf is None:
-        buf = _SCHED[key] = cp.zeros(2, dtype=cp.int32)
-    return buf
+def _scheduler_state(cp, out, offsets, out1, experts0: int):
+    """The kernel's unit counter and per-expert readiness counters, one set per (output, offsets)
+    pair: launches that may run at the same time (chunks on two streams) write different
+    outputs, so they never share counters. The kernel leaves them at zero, so graph replays
+    need no reset. Allocated on first use, which the runner does before any capture."""
+    key = (cp.cuda.Device().id, out.data.ptr, offsets.data.ptr, None if out1 is None else out1.data.ptr, experts0)
+    state = _SCHED.get(key)
+    if state is None:
+        state = _SCHED[key] = (cp.zeros(2, dtype=cp.int32), cp.zeros(max(1, experts0), dtype=cp.int32))
+    return state

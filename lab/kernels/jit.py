@@ -24,9 +24,17 @@ KERNEL_DIR = Path(__file__).resolve().parent
 ARCH_OPTIONS = ("-arch=sm_90a", "-std=c++17")
 
 
-def source(name: str) -> str:
-    """The text of `lab/kernels/<name>`."""
-    return (KERNEL_DIR / name).read_text()
+_INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.M)
+
+
+def source(name: str, _seen: frozenset = frozenset()) -> str:
+    """The text of `lab/kernels/<name>`, with `#include "x.cuh"` of files beside it inlined (once
+    each): NVRTC gets one string, and CuPy's cache key (the string) changes when a header does."""
+    if name in _seen:
+        return ""
+    seen = _seen | {name}
+    text = (KERNEL_DIR / name).read_text()
+    return _INCLUDE.sub(lambda m: source(m.group(1), seen).replace("#pragma once", ""), text)
 
 
 @functools.lru_cache(maxsize=None)

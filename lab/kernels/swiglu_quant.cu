@@ -1,12 +1,7 @@
 // Activation kernels of the MoE layer: NVFP4 quantize of rows (the input quantizer, optionally
 // gathering token rows), SwiGLU + quantize (w13 output -> w2 input), and fp32 -> bf16 (the output).
 //
-// Quantization is lab/nvfp4.py's definition, bit for bit: every step is one IEEE float32
-// operation in the docstring's order (__fdiv_rn / __fmul_rn so no reciprocal or FMA creeps in):
-//   s_in  = block_amax / (6 * g)          then min(s_in, 448), RNE to e4m3 (cvt ... satfinite)
-//   denom = e4m3(s_in) * g                (decoded scale times global, rounded once)
-//   q     = x / denom, clip to [-6, 6], RNE to e2m1 by exact thresholds (ties to the even code)
-//   denom == 0 -> all 16 codes +0; otherwise the sign bit of q is kept (-0.0 -> nibble 8).
+// Quantization and SwiGLU arithmetic: nvfp4_act.cuh (shared with the GEMM's fused epilogue).
 //
 // Layout (plain row-major, what the grouped GEMM reads):
 //   packed (rows, K/2)  uint8  element 2j in the low nibble of byte j
@@ -22,45 +17,9 @@
 // overflow of g reaches) are counted into *nonfinite (one atomicAdd per thread that saw any);
 // their codes are meaningless and the caller must read the counter after a checked run.
 
+#include "nvfp4_act.cuh"
+
 namespace lab_act {
-
-typedef unsigned char uint8_t;
-typedef unsigned short uint16_t;
-typedef unsigned int uint32_t;
-typedef unsigned long long size_t;
-
-// ------------------------------------------------------------------------------ formats
-
-__device__ __forceinline__ bool finite(float v) { return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u; }
-
-// float32 >= 0 -> e4m3 bits, RNE, saturating at 448 (sm_89+ conversion).
-__device__ __forceinline__ uint32_t e4m3_encode(float s) {
-  uint16_t r;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(s));
-  return r & 0xffu;  // the second operand lands in the low byte
-}
-
-// e4m3 bits (sign 0, not NaN) -> float32, exactly: exponent field 0 is subnormal (m * 2^-9).
-__device__ __forceinline__ float e4m3_decode(uint32_t c) {
-  const uint32_t e = (c >> 3) & 0xfu, m = c & 0x7u;
-  return e == 0 ? __fmul_rn((float)m, 0.001953125f) : __uint_as_float(((e + 120u) << 23) | (m << 20));
-}
-
-// q in [-6, 6] -> e2m1 nibble. Grid {0, .5, 1, 1.5, 2, 3, 4, 6}: each midpoint rounds to the
-// even code, so the comparisons alternate > (tie goes down) and >= (tie goes up).
-__device__ __forceinline__ uint32_t e2m1_encode(float q) {
-  const float a = fabsf(q);
-  const uint32_t i = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) +
-                     (a > 5.0f);
-  return i | ((__float_as_uint(q) >> 28) & 0x8u);
-}
-
-// fp32 -> bf16 bits, RNE (overflow goes to Inf as in ml_dtypes); NaN -> quiet NaN, sign kept.
-__device__ __forceinline__ uint32_t bf16_bits(float v) {
-  const uint32_t u = __float_as_uint(v);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
-  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-}
 
 // ------------------------------------------------------------------------------ quantize
 
@@ -73,17 +32,11 @@ __device__ __forceinline__ void quantize4(const float (&v)[4], float g, float si
   float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
   amax = fmaxf(amax, __shfl_xor_sync(quad, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(quad, amax, 2));
-  const float s_in = fminf(__fdiv_rn(amax, six_g), 448.0f);
-  const uint32_t code = e4m3_encode(s_in);
-  const float denom = __fmul_rn(e4m3_decode(code), g);
+  float denom;
+  const uint32_t code = block_scale(amax, g, six_g, denom);
   uint32_t nib = 0;
-  if (denom != 0.0f) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float q = fminf(fmaxf(__fdiv_rn(v[i], denom), -6.0f), 6.0f);
-      nib |= e2m1_encode(q) << (4 * i);
-    }
-  }
+  for (int i = 0; i < 4; ++i) nib |= quantize_element(v[i], denom) << (4 * i);
   reinterpret_cast<uint16_t*>(packed_row)[c4] = (uint16_t)nib;
   if ((lane & 3u) == 0) scales_row[c4 >> 2] = (uint8_t)code;
 }
@@ -123,10 +76,7 @@ __global__ void quantize_rows(const T* __restrict__ x, const int* __restrict__ r
 // Row r belongs to expert e with offsets[e] <= r < offsets[e+1]: thread 0 of the block finds it
 // by binary search while the h loads are in flight (empty experts have offsets[e] ==
 // offsets[e+1] and are skipped by taking the last e with offsets[e] <= r).
-//   g = h_gate * gate_global[e]; u = h_up * up_global[e]; a = (g * sigmoid(g)) * u, with
-//   sigmoid(g) = 1 / (1 + t) for g >= 0 and t / (1 + t) below, t = expf(-|g|)
-// (as lab/reference.py writes it: t never overflows, so silu stays accurate for g << 0; CUDA's
-// expf is within 2 ulp, not the fast-math __expf).
+//   a = swiglu(h_gate, h_up, gate_global[e], up_global[e])   (nvfp4_act.cuh)
 // a is quantized with the static global g2 into packed (rows, I/2) / scales (rows, I/16); when
 // a_out is not null the fp32 a (rows, I) is written too (for checks).
 __global__ void swiglu_quant(const float* __restrict__ h, const int* __restrict__ offsets, int experts, int I,
@@ -157,11 +107,7 @@ __global__ void swiglu_quant(const float* __restrict__ h, const int* __restrict_
   uint32_t bad = 0;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float g = __fmul_rn(hg[i], gs);
-    const float u = __fmul_rn(hu[i], us);
-    const float e = expf(-fabsf(g));  // in (0, 1]: never overflows
-    const float sig = __fdiv_rn(g >= 0.0f ? 1.0f : e, __fadd_rn(1.0f, e));
-    a[i] = __fmul_rn(__fmul_rn(g, sig), u);
+    a[i] = swiglu(hg[i], hu[i], gs, us);
     bad += !finite(a[i]);  // NaN or Inf anywhere in h reaches a (0 * Inf is NaN)
   }
   if (a_out) *reinterpret_cast<float4*>(a_out + (size_t)r * I + 4 * c4) = make_float4(a[0], a[1], a[2], a[3]);
@@ -179,8 +125,7 @@ __global__ void to_bf16(const float* __restrict__ x, uint16_t* __restrict__ y, s
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (size_t)gridDim.x * blockDim.x) {
     const float4 v = reinterpret_cast<const float4*>(x)[i];
     const uint32_t b0 = bf16_bits(v.x), b1 = bf16_bits(v.y), b2 = bf16_bits(v.z), b3 = bf16_bits(v.w);
-    bad += ((b0 & 0x7f80u) == 0x7f80u) + ((b1 & 0x7f80u) == 0x7f80u) + ((b2 & 0x7f80u) == 0x7f80u) +
-           ((b3 & 0x7f80u) == 0x7f80u);
+    bad += bf16_nonfinite(b0) + bf16_nonfinite(b1) + bf16_nonfinite(b2) + bf16_nonfinite(b3);
     reinterpret_cast<uint2*>(y)[i] = make_uint2(b0 | (b1 << 16), b2 | (b3 << 16));
   }
   if (bad) atomicAdd(nonfinite, bad);

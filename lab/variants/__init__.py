@@ -4,21 +4,26 @@ Each variant has a ``name``, an ``expect`` saying what its output should be, ``p
 ``run``:
 
     baseline  separate                     the reference every other variant is compared with
-    match     cuda-graph, chunked-{2,4,8,16}   bitwise equal to separate's output
+    match     cuda-graph, chunked-{2,4,8,16}, fused-swiglu, fused-layer
+                                           bitwise equal to separate's output
     ceiling   one-launch-2G                numerically wrong by construction; timed as a bound
-    approx    cublas-fp16, cublas-fp16-experts   fp16 arithmetic; compared with float64
+    approx    fold-b                       option (b): gate/up ratio folded into e4m3 scales
+              cublas-fp16, cublas-fp16-experts   fp16 arithmetic; compared with float64
 """
 
 from __future__ import annotations
 
-from . import chunked, cublas_fp16, cuda_graph, one_launch_2g, separate
+from . import chunked, cublas_fp16, cuda_graph, fold_b, fused_layer, fused_swiglu, one_launch_2g, separate
 
 # name -> factory, in the order the layer table lists them
 REGISTRY = {
     separate.name: separate.Separate,
     cuda_graph.name: cuda_graph.CudaGraph,
     **{f"chunked-{k}": (lambda k=k: chunked.Chunked(k)) for k in chunked.CHUNKS},
+    fused_swiglu.name: fused_swiglu.FusedSwiglu,
+    fused_layer.name: fused_layer.FusedLayer,
     one_launch_2g.name: one_launch_2g.OneLaunch2G,
+    fold_b.name: fold_b.FoldB,
     cublas_fp16.name: cublas_fp16.CublasFp16,
     cublas_fp16.name_per_expert: lambda: cublas_fp16.CublasFp16(per_expert=True),
 }

@@ -1,0 +1,80 @@
+// NVFP4 activation arithmetic shared by the activation kernels (swiglu_quant.cu) and the grouped
+// GEMM's fused SwiGLU epilogue (grouped_gemm.cu): one definition, so that the fused and the
+// separate paths compute the same function bit for bit. jit.source() inlines this file where a
+// kernel source includes it (NVRTC gets one string; nvcc finds it beside the source).
+//
+// Quantization is lab/nvfp4.py's definition: every step is one IEEE float32 operation in the
+// docstring's order (__fdiv_rn / __fmul_rn so that no reciprocal or FMA creeps in):
+//   s_in  = block_amax / (6 * g)          then min(s_in, 448), RNE to e4m3 (cvt ... satfinite)
+//   denom = e4m3(s_in) * g                (decoded scale times global, rounded once)
+//   q     = x / denom, clip to [-6, 6], RNE to e2m1 by exact thresholds (ties to the even code)
+//   denom == 0 -> all 16 codes +0; otherwise the sign bit of q is kept (-0.0 -> nibble 8).
+#pragma once
+
+namespace lab_act {
+
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long size_t;
+
+__device__ __forceinline__ bool finite(float v) { return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u; }
+
+// float32 >= 0 -> e4m3 bits, RNE, saturating at 448 (sm_89+ conversion).
+__device__ __forceinline__ uint32_t e4m3_encode(float s) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(s));
+  return r & 0xffu;  // the second operand lands in the low byte
+}
+
+// e4m3 bits (sign 0, not NaN) -> float32, exactly: exponent field 0 is subnormal (m * 2^-9).
+__device__ __forceinline__ float e4m3_decode(uint32_t c) {
+  const uint32_t e = (c >> 3) & 0xfu, m = c & 0x7u;
+  return e == 0 ? __fmul_rn((float)m, 0.001953125f) : __uint_as_float(((e + 120u) << 23) | (m << 20));
+}
+
+// q in [-6, 6] -> e2m1 nibble. Grid {0, .5, 1, 1.5, 2, 3, 4, 6}: each midpoint rounds to the
+// even code, so the comparisons alternate > (tie goes down) and >= (tie goes up).
+__device__ __forceinline__ uint32_t e2m1_encode(float q) {
+  const float a = fabsf(q);
+  const uint32_t i = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) +
+                     (a > 5.0f);
+  return i | ((__float_as_uint(q) >> 28) & 0x8u);
+}
+
+// fp32 -> bf16 bits, RNE (overflow goes to Inf as in ml_dtypes); NaN -> quiet NaN, sign kept.
+__device__ __forceinline__ uint32_t bf16_bits(float v) {
+  const uint32_t u = __float_as_uint(v);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+__device__ __forceinline__ bool bf16_nonfinite(uint32_t b) { return (b & 0x7f80u) == 0x7f80u; }
+
+// A 16-element block's scale from its amax (the max of |x| over the block, NaN ignored):
+// returns the e4m3 code and sets denom = decoded scale * g. six_g = 6 * g rounded once.
+__device__ __forceinline__ uint32_t block_scale(float amax, float g, float six_g, float& denom) {
+  const float s_in = fminf(__fdiv_rn(amax, six_g), 448.0f);
+  const uint32_t code = e4m3_encode(s_in);
+  denom = __fmul_rn(e4m3_decode(code), g);
+  return code;
+}
+
+// One element's e2m1 nibble given its block's denom (denom == 0: +0).
+__device__ __forceinline__ uint32_t quantize_element(float v, float denom) {
+  if (denom == 0.0f) return 0u;
+  return e2m1_encode(fminf(fmaxf(__fdiv_rn(v, denom), -6.0f), 6.0f));
+}
+
+// SwiGLU of one column pair, option (a): each half times its own per-expert global, then
+//   a = (g * sigmoid(g)) * u,  sigmoid(g) = 1 / (1 + t) for g >= 0 and t / (1 + t) below,
+// t = expf(-|g|) (as lab/reference.py writes it: t never overflows, so silu stays accurate for
+// g << 0; CUDA's expf is within 2 ulp, not the fast-math __expf).
+__device__ __forceinline__ float swiglu(float h_gate, float h_up, float gate_global, float up_global) {
+  const float g = __fmul_rn(h_gate, gate_global);
+  const float u = __fmul_rn(h_up, up_global);
+  const float t = expf(-fabsf(g));  // in (0, 1]
+  const float sig = __fdiv_rn(g >= 0.0f ? 1.0f : t, __fadd_rn(1.0f, t));
+  return __fmul_rn(__fmul_rn(g, sig), u);
+}
+
+}  // namespace lab_act

@@ -1,0 +1,50 @@
+"""fused-layer: the whole layer as one persistent launch that keeps the w13 -> w2 dependency
+the one-launch-2G ceiling breaks.
+
+    [w13 units + SwiGLU + quantize epilogue (expert-major)] then [w2 units, bf16 epilogue]
+    one grid, one unit counter; a w2 unit of expert e reads a_q once ready[e] says every w13
+    unit of e has written it (release by the writers, acquire by the reader)
+
+It cannot deadlock: every w13 unit is handed out before any w2 unit, so a CTA waiting on
+ready[e] waits only on units that running CTAs own and finish without waiting (the kernel's
+header says more). Counters reset at the end of the launch, so the graph replays need no
+host work. Output: bf16 bits straight from the w2 epilogue (the fp32 `out` is not written).
+"""
+
+from __future__ import annotations
+
+from lab.kernels import grouped_gemm as gg
+
+from .fused_swiglu import fusion_for, paired_w13
+from .one_launch_2g import pair_config
+
+name = "fused-layer"
+expect = "match"
+
+
+class FusedLayer:
+    name = name
+    expect = expect
+    stages = ("layer",)
+    fp32_out = False  # the w2 epilogue writes bf16 only
+
+    def prepare(self, runner, layer) -> None:
+        part = layer.full
+        self.cfg = pair_config(layer.w13_cfg, layer.w2_cfg)
+        self.w13 = paired_w13(layer.weights)
+        self.fusion = fusion_for(runner, layer, part.gate_global, part.up_global, out_bf16=part.out_bf16)
+        self.run(runner, layer)  # compiles, and checks the launch's arguments once
+        self.graph = runner.capture(lambda: self._launch(runner, layer))
+
+    def _launch(self, runner, layer) -> None:
+        part = layer.full
+        with runner.stage("layer"):
+            gg.fused_layer(self.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, part.w2,
+                           part.w2_alpha, self.fusion, self.cfg, stream=runner.stream)
+
+    def run(self, runner, layer) -> None:
+        if getattr(self, "graph", None) is None or runner.timing_stages:
+            self._launch(runner, layer)
+        else:
+            with runner.stage("layer"):
+                runner.replay(self.graph)

@@ -1,0 +1,187 @@
+"""Fused kernels: the gate/up pairing of w13 on the CPU (and that every fused instantiation
+compiles without spills); on the GPU, the fused SwiGLU epilogue and the fused layer against the
+separate kernels, bit for bit, on Hypothesis-drawn problems, and their pre-launch checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lab.kernels import grouped_gemm as gg
+from lab.kernels import jit
+from test_grouped_gemm import counts_strategy, random_nvfp4
+
+# ------------------------------------------------------------------------------- CPU
+
+
+@settings(max_examples=30)
+@given(e=st.integers(1, 3), halves=st.integers(1, 4), block=st.sampled_from([64, 128, 256]),
+       ka=st.integers(1, 3), seed=st.integers(0, 2**31))
+def test_pairing_puts_gate_and_up_columns_in_one_block(e, halves, block, ka, seed):
+    rng = np.random.default_rng(seed)
+    i = halves * block // 2
+    packed, scales = random_nvfp4(rng, (e, 2 * i, 64 * ka))
+    paired = gg.pair_gate_up_rows(packed, block)
+    half = block // 2
+    for b in range(2 * i // block):
+        np.testing.assert_array_equal(paired[:, b * block:b * block + half], packed[:, b * half:(b + 1) * half])
+        np.testing.assert_array_equal(paired[:, b * block + half:(b + 1) * block],
+                                      packed[:, i + b * half:i + (b + 1) * half])
+    np.testing.assert_array_equal(gg.unpair_gate_up_rows(paired, block), packed)
+    prep = gg.prepare_weights(packed, scales, layout=(block, 64), pair_gate_up=True)
+    assert prep.pair_gate_up and prep.experts_slice(0, 1).pair_gate_up
+    p2, s2 = gg.unprepare_weights(prep)
+    np.testing.assert_array_equal(p2, packed)
+    np.testing.assert_array_equal(s2, scales)
+
+
+def test_pairing_rejects_halves_that_do_not_split():
+    with pytest.raises(ValueError, match="pair_gate_up"):
+        gg.pair_gate_up_rows(np.zeros((1, 192, 8), np.uint8), 256)  # I = 96 is not a multiple of 128
+
+
+@pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
+@pytest.mark.parametrize("cfg,fuse", gg.SHIPPED_FUSED, ids=lambda c: getattr(c, "expression", str(c))[22:])
+def test_fused_instantiations_compile_without_spills(cfg, fuse):
+    info = jit.ptxas_report(gg.SOURCE, cfg.expression_for(False, fuse))
+    assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
+    assert info.registers <= 65536 // cfg.threads, info
+
+
+# ------------------------------------------------------------------------------- GPU
+
+
+def _problem(cp, rng, counts, h, i):
+    """Device arrays of a small layer: NVFP4 input, w13 (plain and paired), w2, globals."""
+    from lab.kernels import swiglu_quant as sq
+
+    e = len(counts)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    rows = int(offsets[-1])
+    w13p, w13s = random_nvfp4(rng, (e, 2 * i, h), scale_codes=(20, 60))
+    w2p, w2s = random_nvfp4(rng, (e, h, i), scale_codes=(20, 60))
+    xq, xs = random_nvfp4(rng, (rows, h), scale_codes=(20, 60))
+    d = dict(
+        offsets=cp.asarray(offsets), offsets_host=offsets, rows=rows,
+        w13=gg.prepare_weights(w13p, w13s, xp=cp), w13_paired=gg.prepare_weights(w13p, w13s, xp=cp, pair_gate_up=True),
+        w2=gg.prepare_weights(w2p, w2s, xp=cp), xq=cp.asarray(xq), xs=cp.asarray(xs),
+        alpha13=cp.asarray(rng.uniform(0.5, 2, e).astype(np.float32) * np.float32(2.0**-6)),
+        alpha2=cp.asarray(rng.uniform(0.5, 2, e).astype(np.float32) * np.float32(2.0**-6)),
+        gate=cp.asarray(rng.uniform(0.2, 3, e).astype(np.float32)),
+        up=cp.asarray(rng.uniform(0.2, 3, e).astype(np.float32)),
+        act_global=float(np.float32(rng.uniform(0.05, 2) / 448)),
+        counter=cp.zeros(1, cp.uint32), sq=sq)
+    return d
+
+
+def _separate(cp, d, cfg13, cfg2):
+    """h, a_q and bf16 output through the separate kernels."""
+    sq = d["sq"]
+    rows, i, h = d["rows"], d["w13"].n // 2, d["w2"].n
+    hbuf = cp.full((rows, 2 * i), np.nan, cp.float32)
+    ap, as_ = cp.full((rows, i // 2), 0xFF, cp.uint8), cp.full((rows, i // 16), 0xFF, cp.uint8)
+    out = cp.full((rows, h), np.nan, cp.float32)
+    ob = cp.full((rows, h), 0xFFFF, cp.uint16)
+    gg.grouped_gemm(d["w13"], d["xq"], d["xs"], d["offsets"], d["alpha13"], hbuf, cfg13)
+    sq.swiglu_quant(hbuf, d["offsets"], d["gate"], d["up"], d["act_global"], ap, as_, d["counter"])
+    gg.grouped_gemm(d["w2"], ap, as_, d["offsets"], d["alpha2"], out, cfg2)
+    sq.to_bf16(out, ob, d["counter"])
+    return ap.get(), as_.get(), ob.get()
+
+
+def _fusion(cp, d, with_bf16):
+    rows, i, h = d["rows"], d["w13"].n // 2, d["w2"].n
+    ob = cp.full((rows, h), 0xFFFF, cp.uint16) if with_bf16 else None
+    return gg.Fusion(d["gate"], d["up"], d["act_global"], cp.full((rows, i // 2), 0xFF, cp.uint8),
+                     cp.full((rows, i // 16), 0xFF, cp.uint8), d["counter"], ob)
+
+
+@pytest.mark.gpu
+@settings(max_examples=25)
+@given(counts=counts_strategy(), h=st.sampled_from([256, 512]), i=st.sampled_from([128, 256, 384]),
+       seed=st.integers(0, 2**31))
+def test_fused_kernels_equal_the_separate_kernels_bitwise(counts, h, i, seed):
+    """swiglu_gemm's a_q and fused_layer's bf16 output against grouped_gemm + swiglu_quant +
+    grouped_gemm + to_bf16, on ragged counts (zeros, multi-pass experts) and drawn globals."""
+    from lab.gpu import require_gpu
+    from lab.variants.one_launch_2g import pair_config
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng(seed)
+    d = _problem(cp, rng, np.array(counts), h, i)
+    cfg13 = gg.heuristic(2 * i, h, np.array(counts))
+    cfg2 = gg.heuristic(h, i, np.array(counts))
+    want_p, want_s, want_bf16 = _separate(cp, d, cfg13, cfg2)
+    assert d["counter"].get()[0] == 0
+
+    fz = _fusion(cp, d, with_bf16=False)
+    gg.swiglu_gemm(d["w13_paired"], d["xq"], d["xs"], d["offsets"], d["alpha13"], fz, cfg13)
+    np.testing.assert_array_equal(fz.a_scales.get(), want_s)
+    np.testing.assert_array_equal(fz.a_packed.get(), want_p)
+
+    cfg = pair_config(cfg13, cfg2)
+    for _ in range(2):  # the second launch runs on counters the first one reset
+        fz = _fusion(cp, d, with_bf16=True)
+        gg.fused_layer(d["w13_paired"], d["xq"], d["xs"], d["offsets"], d["alpha13"], d["w2"], d["alpha2"], fz, cfg)
+        np.testing.assert_array_equal(fz.out_bf16.get(), want_bf16)
+        np.testing.assert_array_equal(fz.a_packed.get(), want_p)
+    assert d["counter"].get()[0] == 0
+    for sched, ready in gg._SCHED.values():
+        assert not sched.get().any() and not ready.get().any(), "counters not reset by the launch"
+
+
+@pytest.mark.gpu
+def test_fused_layer_on_a_fixed_small_problem():
+    """One deterministic case (empty, single-fragment and multi-pass experts): what
+    compute-sanitizer runs (memcheck, racecheck, synccheck)."""
+    test_fused_kernels_equal_the_separate_kernels_bitwise.hypothesis.inner_test(
+        counts=[0, 3, 70, 9, 0, 16], h=256, i=256, seed=7)
+
+
+@pytest.mark.gpu
+def test_fused_epilogue_counts_non_finite_values():
+    """A huge alpha overflows h: the SwiGLU values are Inf or NaN and the counter says so."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng(5)
+    d = _problem(cp, rng, np.array([9, 0, 17]), 256, 128)
+    d["alpha13"].fill(np.float32(3e38))
+    fz = _fusion(cp, d, with_bf16=False)
+    gg.swiglu_gemm(d["w13_paired"], d["xq"], d["xs"], d["offsets"], d["alpha13"], fz,
+                   gg.heuristic(256, 256, np.array([9, 0, 17])))
+    assert d["counter"].get()[0] > 0
+
+
+@pytest.mark.gpu
+def test_fused_launches_reject_bad_arguments_before_launch():
+    from lab.gpu import require_gpu
+    from lab.variants.one_launch_2g import pair_config
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng(1)
+    counts = np.array([3, 5])
+    d = _problem(cp, rng, counts, 256, 128)
+    cfg = gg.heuristic(256, 256, counts)
+    fz = _fusion(cp, d, with_bf16=False)
+    with pytest.raises(ValueError, match="pair_gate_up=True"):
+        gg.swiglu_gemm(d["w13"], d["xq"], d["xs"], d["offsets"], d["alpha13"], fz, cfg)
+    with pytest.raises(ValueError, match="row_tiles must be even"):
+        gg.swiglu_gemm(d["w13_paired"], d["xq"], d["xs"], d["offsets"], d["alpha13"], fz,
+                       gg.GemmConfig(16, 1, 128, 4, 1))
+    bad = gg.Fusion(d["gate"], d["up"], d["act_global"], fz.a_packed[:, :-1], fz.a_scales, d["counter"])
+    with pytest.raises(ValueError, match="a_packed"):
+        gg.swiglu_gemm(d["w13_paired"], d["xq"], d["xs"], d["offsets"], d["alpha13"], bad, cfg)
+    bad = gg.Fusion(d["gate"], d["up"], float("nan"), fz.a_packed, fz.a_scales, d["counter"])
+    with pytest.raises(ValueError, match="act_global"):
+        gg.swiglu_gemm(d["w13_paired"], d["xq"], d["xs"], d["offsets"], d["alpha13"], bad, cfg)
+    cfgp = pair_config(cfg, gg.heuristic(256, 128, counts))
+    with pytest.raises(ValueError, match="out_bf16"):
+        gg.fused_layer(d["w13_paired"], d["xq"], d["xs"], d["offsets"], d["alpha13"], d["w2"], d["alpha2"], fz, cfgp)
+    fz2 = _fusion(cp, d, with_bf16=True)
+    with pytest.raises(ValueError, match="share one offsets"):
+        gg._launch([(d["w13_paired"], d["xq"], d["xs"], d["offsets"], d["alpha13"], None),
+                    (d["w2"], fz2.a_packed, fz2.a_scales, d["offsets"].copy(), d["alpha2"], None)],
+                   cfgp, None, False, fz2)
