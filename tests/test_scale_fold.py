@@ -1,11 +1,23 @@
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-
-from lab.scale_fold import FINITE_POSITIVE_CODES, fold_scales, fold_stats, probe
 from oracles import e4m3_from_bits
+
+from lab.problem import MoEProblem, make_routing, random_activations, random_weights
+from lab.scale_fold import (
+    FINITE_POSITIVE_CODES,
+    fold_scales,
+    fold_stats,
+    fold_weights,
+    gate_scale_stats,
+    gate_up_ratio,
+    layer_effect,
+    probe,
+)
 
 valid_codes = hnp.arrays(np.uint8, st.tuples(st.integers(1, 4), st.integers(1, 40)), elements=st.integers(0, 0x7E))
 ratios = st.floats(0.01, 100.0)
@@ -79,7 +91,7 @@ def test_per_expert_ratios():
     scales = np.full((2, 3, 4), 0x7E, np.uint8)
     s = fold_stats(scales, np.array([1.0, 2.0]))
     assert s["codes"] == 24 and s["saturated"] == 12
-    folded, sat = fold_scales(scales, np.array([1.0, 2.0])[:, None, None])
+    _folded, sat = fold_scales(scales, np.array([1.0, 2.0])[:, None, None])
     assert sat[1].all() and not sat[0].any()
 
 
@@ -115,7 +127,140 @@ def test_probe_script_writes_json(tmp_path):
     out = tmp_path / "fold.json"
     res = subprocess.run([sys.executable, str(root / "scripts/scale_fold_probe.py"), "--ratio", "1.2308",
                           "--checkpoint", str(ckpt), "--json", str(out)], check=True, capture_output=True, text=True)
-    assert "mean_rel_err" in res.stdout and "checkpoint gate" in res.stdout
+    assert "mean_rel_err" in res.stdout and "checkpoint gate" in res.stdout and "synthetic" not in res.stdout
     data = json.loads(out.read_text())
     assert data["ratio"] == 1.2308 and len(data["rows"]) == 6
     assert data["rows"][0]["saturated"] == 3 and data["checkpoint"]["experts"] == 3
+    # the checkpoint's own gate scales, each expert at its own ratio, and the layer on its experts
+    assert data["gate_scales"]["codes"] == 3 * 64 * 128 // 16 and data["layer"]["rows"] > 0
+    assert [e["expert"] for e in data["experts"]] == data["layer"]["experts"]
+    assert 0 < data["layer"]["out_b"] < 1 and data["layer"]["out_a_bf16"] < 1e-2
+
+
+def test_probe_script_without_a_checkpoint_says_synthetic(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "fold.json"
+    res = subprocess.run([sys.executable, str(root / "scripts/scale_fold_probe.py"), "--experts", "4", "--hidden",
+                          "256", "--intermediate", "128", "--sample-experts", "2", "--json", str(out)],
+                         check=True, capture_output=True, text=True)
+    assert "no --checkpoint: synthetic weights" in res.stdout and "synthetic gate" in res.stdout
+    data = json.loads(out.read_text())
+    assert data["checkpoint"] is None and data["source"]["kind"] == "synthetic"
+    assert len(data["layer"]["experts"]) == 2 and len(data["experts"]) == 2
+    res = subprocess.run([sys.executable, str(root / "scripts/scale_fold_probe.py"), "--experts", "4", "--hidden",
+                          "256", "--intermediate", "128", "--sample-experts", "0"],
+                         check=True, capture_output=True, text=True)
+    assert "Layer output" not in res.stdout  # --sample-experts 0 skips the layer
+
+
+# ---------------------------------------------------------------------------------------------
+# a whole layer: option (b) against option (a)
+# ---------------------------------------------------------------------------------------------
+
+SMALL = MoEProblem(4, 256, 128, 4)
+
+
+def weights_with_ratio(ratio, max_code=0x7E, seed=0):
+    """Synthetic weights whose every expert has up_global = gate_global / ratio exactly (ratio a
+    power of two, or 1) and block scales capped at code max_code."""
+    w = random_weights(SMALL, seed=seed)
+    up = (w.gate_global / np.float32(ratio)).astype(np.float32)
+    return replace(w, up_global=up, w13_scales=np.minimum(w.w13_scales, np.uint8(max_code)))
+
+
+def batch(w, seed=0):
+    routing = make_routing(16, w.experts, SMALL.top_k, seed=seed)
+    return random_activations(routing.tokens, w.hidden, seed=seed), routing
+
+
+def test_fold_weights_is_option_b():
+    w = random_weights(SMALL)
+    wb, sat = fold_weights(w)
+    i = w.intermediate
+    r = gate_up_ratio(w)
+    np.testing.assert_array_equal(r, w.gate_global.astype(np.float32) / w.up_global.astype(np.float32))
+    np.testing.assert_array_equal(wb.gate_global, w.up_global)  # one global per expert for w13
+    np.testing.assert_array_equal(wb.w13_scales[:, i:], w.w13_scales[:, i:])  # the up half is untouched
+    folded, s = fold_scales(w.w13_scales[:, :i], r[:, None, None])
+    np.testing.assert_array_equal(wb.w13_scales[:, :i], folded)
+    np.testing.assert_array_equal(sat, s)
+    assert w.w13_scales is not wb.w13_scales and w.w13_packed is wb.w13_packed  # scales copied, codes shared
+
+
+def test_ratio_one_gives_exactly_zero_error():
+    w = weights_with_ratio(1.0)
+    total, _per = gate_scale_stats(w)
+    assert total["mean_rel_err"] == 0 and total["inexact"] == 0 and total["saturated"] == 0
+    x, routing = batch(w)
+    eff = layer_effect(w, x, routing, range(w.experts))
+    assert eff["out_b"] == 0 and eff["a_b"] == 0 and eff["a_q_codes_changed"] == 0
+    assert eff["out_b_bf16"] == eff["out_a_bf16"] > 0  # the bf16 output rounds both the same
+    assert all(e["gate_rel"] == 0 for e in eff["per_expert"])
+
+
+@settings(deadline=None)
+@given(valid_codes, st.sampled_from([1.0, 2.0, 4.0, 8.0, 64.0]))
+def test_power_of_two_ratio_is_exact_unless_saturating(bits, r):
+    """s * 2**n is an e4m3 value whenever it is at most 448 (subnormals move up into the normals
+    without losing a bit), so only saturated codes carry an error."""
+    folded, sat = fold_scales(bits, r)
+    exact = e4m3_from_bits(bits) * r
+    np.testing.assert_array_equal(e4m3_from_bits(folded)[~sat], exact[~sat])
+    st_ = fold_stats(bits, r)
+    assert st_["inexact"] == st_["saturated"] == int(sat[bits > 0].sum())
+
+
+def test_power_of_two_below_one_loses_subnormal_bits():
+    """The other direction is not exact: 2**-9 / 2 flushes to zero, 3 * 2**-9 / 2 rounds."""
+    s = fold_stats(np.array([0x01, 0x03, 0x38], np.uint8), 0.5)
+    assert s["flushed_to_zero"] == 1 and s["inexact"] == 2 and s["saturated"] == 0
+
+
+def test_power_of_two_ratio_layer_error_only_from_saturation():
+    w = weights_with_ratio(2.0, max_code=0x6F)  # scales <= 120: x2 never reaches 448
+    x, routing = batch(w)
+    eff = layer_effect(w, x, routing, range(w.experts))
+    assert eff["out_b"] == 0 and all(e["gate_rel"] == 0 for e in eff["per_expert"])
+    w = weights_with_ratio(2.0)  # all codes: the top ones saturate
+    eff = layer_effect(w, x, routing, range(w.experts))
+    assert eff["out_b"] > 0
+    for e in eff["per_expert"]:
+        assert e["gate_rel"] > 0 and e["gate_rel_unsaturated"] == 0 and 0 < e["saturated_energy"] < 1
+
+
+def test_non_trivial_ratio_error_grows_from_zero():
+    """At the study's 1.2308 every scale re-rounds: scale errors within half an e4m3 step (6.25%)
+    except at saturation, and an output error that ratio 1 does not have."""
+    w = random_weights(MoEProblem(4, 256, 128, 4, gate_up_ratio=1.2308))
+    x, routing = batch(w)
+    total, per = gate_scale_stats(w)
+    assert total["inexact"] > 0.9 * total["codes"] and 0.01 < total["mean_rel_err"] < 0.0625
+    assert sum(p["codes"] for p in per) == total["codes"]
+    assert sum(p["saturated"] for p in per) == total["saturated"] > 0
+    eff = layer_effect(w, x, routing, [0, 1])
+    assert eff["rows"] == int(routing.counts[:2].sum())
+    assert eff["out_b"] > eff["out_a_bf16"] > 0  # the fold costs more than the bf16 output rounding
+    for e in eff["per_expert"]:
+        assert 0 < e["gate_rel_unsaturated"] < 0.0625 * 1.01 and e["gate_rel"] > e["gate_rel_unsaturated"]
+    eff1 = layer_effect(weights_with_ratio(1.0), x, routing, [0, 1])
+    assert eff1["out_b"] == 0 < eff["out_b"]
+
+
+def test_sample_experts_takes_experts_with_rows():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "probe", Path(__file__).resolve().parents[1] / "scripts/scale_fold_probe.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    counts = np.array([0, 3, 0, 1, 5, 2])
+    assert mod.sample_experts(counts, 8, 0) == [1, 3, 4, 5]
+    picked = mod.sample_experts(counts, 2, 0)
+    assert len(picked) == 2 and picked == sorted(picked) and all(counts[e] > 0 for e in picked)
+    assert picked == mod.sample_experts(counts, 2, 0)  # seeded
