@@ -140,7 +140,8 @@ def fusion_verdicts(rows: list[dict], mean: str) -> list[str]:
             parts.append(_versus(t, sep, "separate"))
         s = ", ".join(parts)
         if graph is not None and ceil is not None and graph > ceil:
-            s += f"; it collects {100 * (graph - t) / (graph - ceil):.0f}% of the {_us(graph - ceil)} the ceiling allows"
+            s += (f"; it collects {100 * (graph - t) / (graph - ceil):.0f}% of the {_us(graph - ceil)} the ceiling "
+                  f"allows" if t < graph else f"; of the {_us(graph - ceil)} the ceiling allows it collects none")
         out.append(s + ".")
     ref, ref_name = (graph, "cuda-graph") if graph is not None else (sep, "separate")
     if ref is not None:
@@ -149,9 +150,12 @@ def fusion_verdicts(rows: list[dict], mean: str) -> list[str]:
         if gain > NOISE_PCT:
             out.append(f"Verdict at mean {mean}: fusion is worth {_us(ref - best_t)} ({gain:.1f}%) over {ref_name}, "
                        f"with {best_n}.")
-        else:
+        elif gain >= -NOISE_PCT:
             out.append(f"Verdict at mean {mean}: fusion is worth nothing measurable: the best fused variant ({best_n}, "
                        f"{best_t:.3f} ms) is {gain:+.1f}% against {ref_name}, inside the {NOISE_PCT:g}% noise.")
+        else:
+            out.append(f"Verdict at mean {mean}: fusion is worth nothing; it costs: the best fused variant ({best_n}, "
+                       f"{best_t:.3f} ms) is {_us(best_t - ref)} ({-gain:.1f}%) slower than {ref_name}.")
     return out
 
 
@@ -166,12 +170,15 @@ def graph_verdicts(rows: list[dict], mean: str) -> list[str]:
     s = f"CUDA graph at mean {mean}: {_us(sep - graph)} ({gain:.1f}%) off separate's {sep:.3f} ms"
     if gain > NOISE_PCT:
         s += ": the graph collects the launch overhead"
+    elif gain >= -NOISE_PCT:
+        s += f": nothing measurable (within {NOISE_PCT:g}%), so launches cost little here"
     else:
-        s += f": nothing measurable (under {NOISE_PCT:g}%), so launches cost little here"
+        s += f": the graph is slower here, by more than the {NOISE_PCT:g}% noise"
     fused = [(t, n) for n in FUSED if (t := _valid_ms(rows, n, mean)) is not None]
     if fused:
         t, n = min(fused)
-        s += f"; {n} adds {_us(graph - t)} on top of the graph"
+        s += (f"; {n} adds {_us(graph - t)} on top of the graph" if t < graph else
+              f"; the best fused variant ({n}) is {_us(t - graph)} slower than the graph")
     return [s + "."]
 
 
@@ -191,9 +198,12 @@ def swiglu_verdicts(rows: list[dict], stages: list[dict], mean: str, stage_mean:
         return out
     saved = graph - fs
     s = f"SwiGLU epilogue at mean {mean}: fused-swiglu is {_versus(fs, graph, 'cuda-graph')}"
-    if act_txt:
+    if act_txt and saved > 0:
         s += f"; {act_txt}, so the epilogue saves {100 * saved / act['ms']:.0f}% of the stage's time"
         s += " (over 100%: the h round trip it removes counts too)" if saved > act["ms"] else ""
+    elif act_txt:
+        s += (f"; {act_txt}: the epilogue saves nothing, it costs {saved / -act['ms']:.1f}x the stage it "
+              f"replaces")
     return [s + "."]
 
 
@@ -216,8 +226,8 @@ def fold_verdicts(rows: list[dict], mean: str) -> list[str]:
     err_a = None if sep is None else _layer_error(sep, mean)
     if err_b is not None:
         s += f"; its layer error against float64 is {err_b:.2e}"
-        if err_a:
-            s += f", {err_b / err_a:.0f}x separate's {err_a:.2e} (option (a))"
+        if err_a is not None:
+            s += f" (separate's, option (a): {err_a:.2e})"
     else:
         s += f"; its error: '{fb['correct']}'"
     if ref_name is not None:

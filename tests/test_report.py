@@ -122,7 +122,7 @@ def test_fusion_verdicts_from_the_fused_rows(tmp_path):
     assert "the epilogue saves 50% of the stage's time" in text
     # option (b): 0.975 vs fused-swiglu 0.98: 5 us, 0.5% -> inside the noise; error 2e-3 vs 4e-7
     assert "fold-b 0.975 ms, 5.0 us (0.5%) under fused-swiglu's 0.980 ms" in text
-    assert "2.00e-03, 5000x separate's 4.00e-07" in text
+    assert "its layer error against float64 is 2.00e-03 (separate's, option (a): 4.00e-07)" in text
     assert "option (a) costs nothing measurable against (b)" in text
 
 
@@ -130,7 +130,18 @@ def test_fusion_verdicts_change_with_the_numbers(tmp_path):
     text = render(tmp_path, layer_run(fused={"fused-swiglu": 1.0, "fused-layer": 0.995}, fold_b=0.95))
     assert "fusion is worth nothing measurable" in text  # best fused 0.995 vs graph 0.99
     assert "fused-swiglu is 10.0 us (1.0%) over cuda-graph's 0.990 ms" in text
+    assert "the epilogue saves nothing, it costs 0.5x the stage it replaces" in text
+    assert "of the 40.0 us the ceiling allows it collects none" in text
     assert "option (a) costs 50.0 us (5.0%) against (b)" in text  # fold-b 0.95 vs fused-swiglu 1.0
+
+
+def test_fusion_that_costs_time_says_so(tmp_path):
+    """Fused variants 10% slower than the graph (as the first fused kernels were): a loss, not noise."""
+    text = render(tmp_path, layer_run(sep=1.0, graph=1.02, fused={"fused-swiglu": 1.122, "fused-layer": 1.15}))
+    assert ("fusion is worth nothing; it costs: the best fused variant (fused-swiglu, 1.122 ms) is 102.0 us "
+            "(10.0%) slower than cuda-graph") in text
+    assert "the graph is slower here, by more than the 1% noise" in text
+    assert "the best fused variant (fused-swiglu) is 102.0 us slower than the graph" in text
 
 
 def test_a_mismatching_fused_variant_is_not_counted(tmp_path):
