@@ -37,17 +37,32 @@ def test_pairing_puts_gate_and_up_columns_in_one_block(e, halves, block, ka, see
     np.testing.assert_array_equal(s2, scales)
 
 
+def test_fused_config_adds_the_epilogue_warps_and_fits_shared_memory():
+    for f in gg.MAX_FRAGS_CHOICES:
+        plain = gg.GemmConfig(*((4, 4) if f <= 2 else (8, 2)), 128, 4, f)
+        fused = gg.fused_config(plain, gg.FUSE_LAYER)
+        assert fused.threads % 128 == 0 and fused.threads > plain.threads and fused.expression.endswith(", 3>")
+        assert fused.smem_bytes > plain.smem_bytes and fused.smem_bytes + 4096 <= gg.SMEM_LIMIT
+        assert fused.stages == 4
+    with pytest.raises(ValueError, match="fuse must be"):
+        gg.GemmConfig(fuse=2).validate()
+
+
 def test_pairing_rejects_halves_that_do_not_split():
     with pytest.raises(ValueError, match="pair_gate_up"):
         gg.pair_gate_up_rows(np.zeros((1, 192, 8), np.uint8), 256)  # I = 96 is not a multiple of 128
 
 
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
-@pytest.mark.parametrize("cfg,fuse", gg.SHIPPED_FUSED, ids=lambda c: getattr(c, "expression", str(c))[22:])
-def test_fused_instantiations_compile_without_spills(cfg, fuse):
-    info = jit.ptxas_report(gg.SOURCE, cfg.expression_for(False, fuse))
+@pytest.mark.parametrize("cfg", gg.SHIPPED_FUSED, ids=lambda c: c.expression.split("<")[1][:-1])
+def test_fused_instantiations_compile_without_spills(cfg):
+    info = jit.ptxas_report(gg.SOURCE, cfg.expression)
     assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
     assert info.registers <= 65536 // cfg.threads, info
+    plain = gg.GemmConfig(cfg.warps, cfg.row_tiles, cfg.k_step, cfg.stages, cfg.max_frags)
+    # the fused kernel keeps as many CTAs per SM as the plain one
+    plain_regs = jit.ptxas_report(gg.SOURCE, plain.expression).registers
+    assert gg.resident_ctas(cfg, 288, info.registers) == gg.resident_ctas(plain, 288, plain_regs)
 
 
 # ------------------------------------------------------------------------------- GPU
@@ -168,9 +183,6 @@ def test_fused_launches_reject_bad_arguments_before_launch():
     fz = _fusion(cp, d, with_bf16=False)
     with pytest.raises(ValueError, match="pair_gate_up=True"):
         gg.swiglu_gemm(d["w13"], d["xq"], d["xs"], d["offsets"], d["alpha13"], fz, cfg)
-    with pytest.raises(ValueError, match="row_tiles must be even"):
-        gg.swiglu_gemm(d["w13_paired"], d["xq"], d["xs"], d["offsets"], d["alpha13"], fz,
-                       gg.GemmConfig(16, 1, 128, 4, 1))
     bad = gg.Fusion(d["gate"], d["up"], d["act_global"], fz.a_packed[:, :-1], fz.a_scales, d["counter"])
     with pytest.raises(ValueError, match="a_packed"):
         gg.swiglu_gemm(d["w13_paired"], d["xq"], d["xs"], d["offsets"], d["alpha13"], bad, cfg)

@@ -265,16 +265,31 @@ def test_chunked_launched_directly_is_bitwise_equal_to_separate(gpu_case):
 
 
 @pytest.mark.gpu
-def test_fold_b_is_close_to_float64(gpu_case):
-    """Option (b) re-rounds the gate half's block scales: approximate, but not far off."""
+def test_fold_b_computes_option_b(gpu_case):
+    """fold-b equals the float64 layer on the folded weights (gate scales re-rounded, one global
+    per expert) and differs from option (a)'s layer by the folding error."""
+    import dataclasses
+
+    from lab import scale_fold
+
     runner, layer, _, res = gpu_case
     v = make("fold-b")
     runner.prepare(v, layer)
     runner.checked_run(v, layer)
     rows = checks.expert_rows(layer.offsets_host, res["experts"])
-    ref = reference.layer(checks._host_x(layer), layer.routing, layer.weights.host, experts=res["experts"])
-    err = checks.approx_error(layer, ref["out"], rows)
-    assert 0 < err < 5e-2, err  # the folded scales differ from option (a)'s, so never exactly 0
+    host = layer.weights.host
+    i = layer.problem.intermediate
+    scales = host.w13_scales.copy()
+    ratio = (host.gate_global.astype(np.float32) / host.up_global.astype(np.float32))[:, None, None]
+    scales[:, :i], _ = scale_fold.fold_scales(host.w13_scales[:, :i], ratio)
+    folded = dataclasses.replace(host, w13_scales=scales, gate_global=host.up_global.copy())
+    x = checks._host_x(layer)
+    ref_b = reference.layer(x, layer.routing, folded, experts=res["experts"])
+    ref_a = reference.layer(x, layer.routing, host, experts=res["experts"])
+    err_b = checks.approx_error(layer, ref_b["out"], rows)
+    err_a = checks.approx_error(layer, ref_a["out"], rows)
+    assert err_b < 1e-2, err_b  # as separate against float64: only a_q codes on rounding boundaries
+    assert err_a > 10 * max(err_b, 1e-7), (err_a, err_b)
 
 
 @pytest.mark.gpu

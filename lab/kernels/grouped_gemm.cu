@@ -244,9 +244,12 @@ __device__ __forceinline__ uint32_t raw_byte_to_f16x2(uint32_t b) {
 // MMA: 0 = mma.sync m16n8k16 per 8-token fragment; 1 = wgmma m64n(8F)k16 per warpgroup (tokens as
 // N, B from shared memory in core matrices: LBO = next core matrix along K, SBO = along N; the
 // exchanged descriptor was measured wrong on the H200).
-template <int W, int R, int BK, int STAGES, int FMAX, int MMA>
+template <int W, int R, int BK, int STAGES, int FMAX, int MMA, int FUSE = 0>
 struct Config {
   static constexpr int DW = FMAX >= 4 ? 2 : 1;  // activation-decoder warps
+  // SwiGLU epilogue warps: they fill the CTA's last group of four warps (ptxas budgets registers
+  // for whole groups, so a fifth group would cut every thread's registers)
+  static constexpr int EW = !(FUSE & 1) ? 0 : (W + 1 + DW) % 4 ? 4 - (W + 1 + DW) % 4 : 2;
   static constexpr int BN = W * R * 16;
   static constexpr int KATOMS = BK / 64;
   static constexpr int KSTEPS = BK / 16;
@@ -255,13 +258,17 @@ struct Config {
   static constexpr int STAGE_XQ = TOKENS * (BK / 2);
   static constexpr int STAGE_XS = TOKENS * (BK / 16);
   static constexpr int XF = FMAX * KSTEPS * 32 * 8;  // fp16 B fragments of one stage
-  static constexpr int OFF_BAR = 0;
-  static constexpr int OFF_W = 16 * ((3 * STAGES * 8 + 15) / 16);
+  static constexpr int OFF_BAR = 0;  // full, empty, raw per stage; then epi_full, epi_empty
+  static constexpr int OFF_W = 16 * (((3 * STAGES + 2) * 8 + 15) / 16);
   static constexpr int OFF_XQ = OFF_W + STAGES * STAGE_W;
   static constexpr int OFF_XS = OFF_XQ + STAGES * STAGE_XQ;
   static constexpr int OFF_XF = 16 * ((OFF_XS + STAGES * STAGE_XS + 15) / 16);
-  static constexpr int SMEM = OFF_XF + STAGES * XF;
-  static constexpr int THREADS = (W + 1 + DW) * 32;
+  // FUSE: one pass's h tile, fp32 [token][BN + 4] (the pad spreads a fragment's 4 token rows
+  // over distinct banks), handed from the consumers to the epilogue warps
+  static constexpr int H_STRIDE = BN + 4;
+  static constexpr int OFF_H = 16 * ((OFF_XF + STAGES * XF + 15) / 16);
+  static constexpr int SMEM = OFF_H + (EW ? TOKENS * H_STRIDE * 4 : 0);
+  static constexpr int THREADS = (W + 1 + DW + EW) * 32;
 };
 
 // One pipeline stage of one consumer warp: R row tiles x BK of prepared weights against F
@@ -348,64 +355,12 @@ __device__ __forceinline__ void stage_math(float (&acc)[R][FMAX][4], const uint8
 
 // FUSE bit 0: problem 0's epilogue is SwiGLU + NVFP4 quantize instead of the fp32 store. Its
 // weights are w13 laid out so that each BN-row block holds BN/2 gate rows and the matching BN/2
-// up rows (prepare_weights(..., pair_gate_up=True)); with R even, tile r*W + warp (r < R/2) is
-// gate and tile (r + R/2)*W + warp the up rows of the same columns, so one thread holds gate
-// and up of the same (column, token) and SwiGLU needs no exchange. A 16-column block along I
-// is one 16-row tile: its amax is three shuffles across the 8 row groups of a token, and lane
-// g = 0 writes the block's 8 bytes of codes and its scale byte. The arithmetic is the
-// activation kernels' (nvfp4_act.cuh) applied to h = (acc * 2^14) * alpha, the value the plain
-// epilogue stores, so the result equals the separate kernels' bit for bit.
-// Returns the number of non-finite SwiGLU values among this thread's valid tokens.
-template <int W, int R, int FMAX>
-__device__ __forceinline__ uint32_t swiglu_epilogue(const float (&acc)[R][FMAX][4], int frags, int tok0, int count,
-                                                    int row0, int col_block, int I, int warp, int lane,
-                                                    float alpha, float gate_global, float up_global, float act_global,
-                                                    uint8_t* __restrict__ a_packed, uint8_t* __restrict__ a_scales) {
-  static_assert(R % 2 == 0, "the fused SwiGLU epilogue pairs row tiles r and r + R/2");
-  const int g = lane >> 2, t4 = lane & 3;
-  const float six_g = __fmul_rn(6.0f, act_global);
-  uint32_t bad = 0;
-#pragma unroll
-  for (int rr = 0; rr < R / 2; ++rr) {
-    const int col0 = col_block + (rr * W + warp) * 16;  // this tile's first column along I
-#pragma unroll
-    for (int f = 0; f < FMAX; ++f) {
-      if (f >= frags) continue;
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {  // token 2*t4 + hh of the fragment: acc[.][f][hh], [2 + hh]
-        const int tok = tok0 + f * 8 + 2 * t4 + hh;
-        const bool valid = tok < count;
-        const float a_lo = lab_act::swiglu((acc[rr][f][hh] * 16384.f) * alpha,
-                                           (acc[rr + R / 2][f][hh] * 16384.f) * alpha, gate_global, up_global);
-        const float a_hi = lab_act::swiglu((acc[rr][f][2 + hh] * 16384.f) * alpha,
-                                           (acc[rr + R / 2][f][2 + hh] * 16384.f) * alpha, gate_global, up_global);
-        if (valid) bad += !lab_act::finite(a_lo) + !lab_act::finite(a_hi);
-        float amax = fmaxf(fabsf(a_lo), fabsf(a_hi));  // columns g and g + 8 of the block
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 8));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 16));
-        float denom;
-        const uint32_t code = lab_act::block_scale(amax, act_global, six_g, denom);
-        const uint32_t mine = lab_act::quantize_element(a_lo, denom) | (lab_act::quantize_element(a_hi, denom) << 4);
-        const uint32_t nbr = __shfl_xor_sync(0xffffffffu, mine, 4);  // columns g^1 and (g^1) + 8
-        // even g: the bytes of columns (g, g+1) and (g+8, g+9), placed at byte g/2 of the two words
-        uint32_t lo = (g & 1) ? 0u : ((mine & 0xfu) | ((nbr & 0xfu) << 4)) << (8 * (g >> 1));
-        uint32_t hi = (g & 1) ? 0u : ((mine >> 4) | (nbr & 0xf0u)) << (8 * (g >> 1));
-        lo |= __shfl_xor_sync(0xffffffffu, lo, 8);
-        hi |= __shfl_xor_sync(0xffffffffu, hi, 8);
-        lo |= __shfl_xor_sync(0xffffffffu, lo, 16);
-        hi |= __shfl_xor_sync(0xffffffffu, hi, 16);
-        if (g == 0 && valid) {
-          const size_t row = (size_t)(row0 + tok);
-          *reinterpret_cast<uint2*>(a_packed + row * (I / 2) + col0 / 2) = make_uint2(lo, hi);
-          a_scales[row * (I / 16) + col0 / 16] = (uint8_t)code;
-        }
-      }
-    }
-  }
-  return bad;
-}
-
+// up rows (prepare_weights(..., pair_gate_up=True)). At the end of each pass the consumers put
+// h = (acc * 2^14) * alpha (the value the plain epilogue stores) into a shared tile and go on
+// with the next unit; EW epilogue warps take the tile and run the activation kernel's own
+// functions on it (nvfp4_act.cuh: swiglu, quantize4, same lane mapping), so the result equals
+// the separate kernels' bit for bit, and its divisions and shuffles overlap the weight stream
+// instead of stalling it (done in the consumers, they cost more than the whole SwiGLU kernel).
 __device__ __forceinline__ int load_acquire(const int* p) {
   int v;
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -418,7 +373,7 @@ __device__ __forceinline__ void red_release_add(int* p, int v) {
 // READ_ONLY = true runs the same grid, pipeline and copies but skips decode, MMA and stores:
 // the achievable read rate of exactly this access pattern.
 template <int W, int R, int BK, int STAGES, int FMAX, int MMA, bool READ_ONLY = false, int FUSE = 0>
-__global__ void __launch_bounds__(Config<W, R, BK, STAGES, FMAX, MMA>::THREADS, 1)
+__global__ void __launch_bounds__(Config<W, R, BK, STAGES, FMAX, MMA, FUSE>::THREADS, 1)
 grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single problem) the same
     const uint8_t* __restrict__ wprep0, const uint8_t* __restrict__ xq0, const uint8_t* __restrict__ xs0,
     const int* __restrict__ offsets0, const float* __restrict__ alpha0, float* __restrict__ out0,
@@ -438,7 +393,8 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
     unsigned int* __restrict__ nonfinite) {  // SwiGLU values or bf16 outputs that are not finite
   // A unit of problem p reads that problem's arguments: kernel parameters selected, not copied.
 #define LAB_P(name) (p ? name##1 : name##0)
-  using C = Config<W, R, BK, STAGES, FMAX, MMA>;
+  using C = Config<W, R, BK, STAGES, FMAX, MMA, FUSE>;
+  static_assert(!(FUSE & 1) || C::BN % 32 == 0, "the SwiGLU tile splits BN/2 columns into 16-element blocks");
   static_assert(MMA == 0 || W % 4 == 0, "wgmma needs whole warpgroups of consumers");
   static_assert(MMA == 0 || MMA == 1, "MMA: 0 = mma.sync, 1 = wgmma");
   static_assert(!(READ_ONLY && FUSE), "the read-only pattern has no epilogue to fuse");
@@ -452,8 +408,13 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
   const uint32_t full0 = smem_addr(bars);
   const uint32_t empty0 = smem_addr(bars + STAGES);
   const uint32_t raw0 = smem_addr(bars + 2 * STAGES);
+  const uint32_t epi_full = smem_addr(bars + 3 * STAGES);   // consumers -> epilogue warps: h tile ready
+  const uint32_t epi_empty = smem_addr(bars + 3 * STAGES + 1);  // epilogue warps -> consumers: tile free
+  float* htile = reinterpret_cast<float*>(smem + C::OFF_H);
+  // the tile's pass: token 0 of it, tokens, first row, first column along I, expert (-1: stop)
+  __shared__ int epi_meta[5];
   int* active = reinterpret_cast<int*>(smem + C::SMEM);  // experts with tokens, in order
-  __shared__ int warp_count[W + 1 + C::DW];
+  __shared__ int warp_count[C::THREADS / 32];
   __shared__ int n_active_s;
   // Units in the order this CTA's producer claimed them (-1: no more). Consumers and decoders
   // read entry i when they reach unit i's first stage, published by that stage's barriers; the
@@ -468,6 +429,8 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
       mbar_init(empty0 + 8 * s, W * 32);  // every consumer thread
       mbar_init(raw0 + 8 * s, 33);        // the producer's cp.async arrivals + lane 0 (unit ring)
     }
+    mbar_init(epi_full, W * 32);
+    mbar_init(epi_empty, C::EW * 32 + (C::EW == 0));
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     n_active_s = 0;
   }
@@ -490,7 +453,7 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
       __syncthreads();
       if (threadIdx.x == 0) {
         int total = 0;
-        for (int w = 0; w < W + 1 + C::DW; ++w) total += warp_count[w];
+        for (int w = 0; w < C::THREADS / 32; ++w) total += warp_count[w];
         n_active_s += total;
       }
     }
@@ -560,7 +523,7 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
           // expert e's w13 units write. Every lane acquires, so its own copies see them.
           if (p == 1 && ui == 0 && !done) {
             const int passes0 = (offsets0[e + 1] - offsets0[e] + C::TOKENS - 1) / C::TOKENS;
-            const int target = NB0 * W * passes0;
+            const int target = NB0 * C::EW * passes0;
             while (load_acquire(ready + e) < target) __nanosleep(64);
           }
         }
@@ -581,6 +544,49 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
         cp_async_arrive_noinc(raw0 + 8 * s);
       }
       if (done) break;
+    }
+    goto finish;
+  }
+
+  if (C::EW != 0 && warp > W + C::DW) {
+    // ---------------- SwiGLU epilogue warps (FUSE bit 0) ----------------
+    // Item = 4 consecutive gate columns of one token (and the 4 matching up columns); the 4
+    // lanes of a quad hold one 16-column block, as in the SwiGLU kernel.
+    if constexpr (C::EW != 0) {
+      const int ew = warp - W - 1 - C::DW;
+      constexpr int Q = C::BN / 8;  // items per token row
+      const float six_g = __fmul_rn(6.0f, act_global);
+      const int I = N0 / 2;
+      uint32_t bad = 0;
+      for (int it = 0;; ++it) {
+        mbar_wait(epi_full, it & 1);
+        const int tok0 = epi_meta[0], ntok = epi_meta[1], row0 = epi_meta[2], col0 = epi_meta[3], e = epi_meta[4];
+        if (e < 0) break;
+        const float gs = gate_global[e], us = up_global[e];
+        for (int item = ew * 32 + lane; item < ntok * Q; item += 32 * C::EW) {  // quads are all in or out
+          const int tr = item / Q, c4 = item - tr * Q;
+          const float4 hg = *reinterpret_cast<const float4*>(htile + tr * C::H_STRIDE + 4 * c4);
+          const float4 hu = *reinterpret_cast<const float4*>(htile + tr * C::H_STRIDE + C::BN / 2 + 4 * c4);
+          float a[4];
+          a[0] = lab_act::swiglu(hg.x, hu.x, gs, us);
+          a[1] = lab_act::swiglu(hg.y, hu.y, gs, us);
+          a[2] = lab_act::swiglu(hg.z, hu.z, gs, us);
+          a[3] = lab_act::swiglu(hg.w, hu.w, gs, us);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) bad += !lab_act::finite(a[i]);
+          const size_t row = (size_t)(row0 + tok0 + tr);
+          lab_act::quantize4(a, act_global, six_g, c4, a_packed + row * (I / 2) + col0 / 2,
+                             a_scales + row * (I / 16) + col0 / 16);
+        }
+        if constexpr ((FUSE & 2) != 0) {
+          // Publish this warp's part of expert e's a_q: every lane's stores, then one release.
+          __threadfence();
+          __syncwarp();
+          if (lane == 0) red_release_add(ready + e, 1);
+        }
+        mbar_arrive(epi_empty);
+      }
+      if (bad) atomicAdd(nonfinite, bad);
     }
     goto finish;
   }
@@ -660,7 +666,8 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
   int nb = 0, row0 = 0, count = 0, iters = 0, ui = 0, kchunks = 1, N = 0, unit_p = 0, unit_e = 0;
   float out_scale = 0.f;
   float* out = out0;
-  uint32_t bad = 0;  // non-finite values this thread produced (FUSE)
+  uint32_t bad = 0;  // non-finite bf16 outputs this thread produced (FUSE bit 1)
+  int epi_it = 0;    // h tiles handed to the epilogue warps
   for (int it = 0, useq = 0;; ++it) {
     const int s = it % STAGES;
     const uint32_t phase = (it / STAGES) & 1;
@@ -668,7 +675,14 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
     if (ui == 0) {
       const int u = unit_ring[useq % RING];
       ++useq;
-      if (u < 0) break;
+      if (u < 0) {
+        if constexpr (C::EW != 0) {  // stop the epilogue warps once they are done with the last tile
+          if (epi_it > 0) mbar_wait(epi_empty, (epi_it - 1) & 1);
+          if (warp == 0 && lane == 0) epi_meta[4] = -1;
+          mbar_arrive(epi_full);
+        }
+        break;
+      }
       const Unit un = unit_of(u);
       const int p = un.p, e = un.e;
       const int* offsets = LAB_P(offsets);
@@ -717,17 +731,33 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
     }
     mbar_arrive(empty0 + 8 * s);
 
-    if constexpr ((FUSE & 1) != 0) {
+    if constexpr (C::EW != 0) {
       if (kc == kchunks - 1 && unit_p == 0) {
-        bad += swiglu_epilogue<W, R, FMAX>(acc, frags, tok0, count, row0, nb * (C::BN / 2), N0 / 2, warp, lane,
-                                           out_scale, gate_global[unit_e], up_global[unit_e], act_global,
-                                           a_packed, a_scales);
-        if constexpr ((FUSE & 2) != 0) {
-          // Publish this warp's part of expert e's a_q: every lane's stores, then one release.
-          __threadfence();
-          __syncwarp();
-          if (lane == 0) red_release_add(ready + unit_e, 1);
+        // Hand h of this pass to the epilogue warps (D rows are weight rows, columns tokens).
+        if (epi_it > 0) mbar_wait(epi_empty, (epi_it - 1) & 1);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const int n = (r * W + warp) * 16 + g;  // column within the block: gate half, then up half
+#pragma unroll
+          for (int f = 0; f < FMAX; ++f) {
+            if (f < frags) {
+              float* hrow = htile + (f * 8 + 2 * t4) * C::H_STRIDE + n;
+              hrow[0] = (acc[r][f][0] * 16384.f) * out_scale;
+              hrow[8] = (acc[r][f][2] * 16384.f) * out_scale;
+              hrow[C::H_STRIDE] = (acc[r][f][1] * 16384.f) * out_scale;
+              hrow[C::H_STRIDE + 8] = (acc[r][f][3] * 16384.f) * out_scale;
+            }
+          }
         }
+        if (warp == 0 && lane == 0) {
+          epi_meta[0] = tok0;
+          epi_meta[1] = ntok;
+          epi_meta[2] = row0;
+          epi_meta[3] = nb * (C::BN / 2);
+          epi_meta[4] = unit_e;
+        }
+        mbar_arrive(epi_full);
+        ++epi_it;
         if (++ui == iters) ui = 0;
         continue;
       }
@@ -768,7 +798,7 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
     }
     if (++ui == iters) ui = 0;
   }
-  if constexpr (FUSE != 0) {
+  if constexpr ((FUSE & 2) != 0) {
     if (bad) atomicAdd(nonfinite, bad);
   }
   }

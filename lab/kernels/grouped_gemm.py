@@ -19,7 +19,7 @@ shared-memory sizing, and the checked launch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -263,7 +263,8 @@ def _regs_to_byte(reg: np.ndarray) -> np.ndarray:
 class GemmConfig:
     """warps: consumer warps; row_tiles: 16-row tiles per warp; k_step: K per pipeline stage;
     stages: pipeline depth; max_frags: 8-token fragments held per pass (token tile = 8*max_frags);
-    mma: 0 = mma.sync m16n8k16, 1 = wgmma m64n(8F)k16 (sm_90a, warps a multiple of 4)."""
+    mma: 0 = mma.sync m16n8k16, 1 = wgmma m64n(8F)k16 (sm_90a, warps a multiple of 4);
+    fuse: 0, FUSE_SWIGLU or FUSE_LAYER (the fused instantiations; see `fused_config`)."""
 
     warps: int = 8
     row_tiles: int = 2
@@ -271,6 +272,7 @@ class GemmConfig:
     stages: int = 4
     max_frags: int = 2
     mma: int = 0  # 0: mma.sync per 8-token fragment; 1: wgmma m64n(8F)k16 per warpgroup
+    fuse: int = 0
 
     @property
     def block_n(self) -> int:
@@ -282,7 +284,16 @@ class GemmConfig:
 
     @property
     def threads(self) -> int:
-        return (self.warps + 1 + self.decoder_warps) * 32  # consumers, producer, activation decoders
+        # consumers, producer, activation decoders, SwiGLU epilogue warps
+        return (self.warps + 1 + self.decoder_warps + self.epilogue_warps) * 32
+
+    @property
+    def epilogue_warps(self) -> int:
+        """Mirror of Config<>::EW: they fill the CTA's last group of four warps."""
+        if not self.fuse & 1:
+            return 0
+        rest = (self.warps + 1 + self.decoder_warps) % 4
+        return 4 - rest if rest else 2
 
     @property
     def decoder_warps(self) -> int:
@@ -292,10 +303,9 @@ class GemmConfig:
     def expression(self) -> str:
         return self.expression_for(read_only=False)
 
-    def expression_for(self, read_only: bool, fuse: int = 0) -> str:
-        """The kernel instantiation; `fuse`: 0 plain, FUSE_SWIGLU, or FUSE_LAYER."""
+    def expression_for(self, read_only: bool) -> str:
         return (f"lab_gemm::grouped_gemm_nvfp4<{self.warps}, {self.row_tiles}, {self.k_step}, "
-                f"{self.stages}, {self.max_frags}, {self.mma}, {'true' if read_only else 'false'}, {fuse}>")
+                f"{self.stages}, {self.max_frags}, {self.mma}, {'true' if read_only else 'false'}, {self.fuse}>")
 
     @property
     def smem_bytes(self) -> int:
@@ -305,10 +315,11 @@ class GemmConfig:
         stage_xq = tokens * (self.k_step // 2)
         stage_xs = tokens * (self.k_step // 16)
         xf = self.max_frags * ksteps * 32 * 8
-        off_w = 16 * ((3 * self.stages * 8 + 15) // 16)
+        off_w = 16 * (((3 * self.stages + 2) * 8 + 15) // 16)
         off_xs = off_w + self.stages * (stage_w + stage_xq)
         off_xf = 16 * ((off_xs + self.stages * stage_xs + 15) // 16)
-        return off_xf + self.stages * xf
+        off_h = 16 * ((off_xf + self.stages * xf + 15) // 16)
+        return off_h + (tokens * (self.block_n + 4) * 4 if self.epilogue_warps else 0)
 
     def launch_smem(self, experts: int) -> int:
         """Dynamic shared memory of a launch: the pipeline plus the compacted expert list."""
@@ -320,6 +331,9 @@ class GemmConfig:
         return self.stages * self.warps * self.row_tiles * (self.k_step // ATOM_K) * ATOM_BYTES
 
     def validate(self, n: int | None = None, k: int | None = None) -> "GemmConfig":
+        if self.fuse not in (0, FUSE_SWIGLU, FUSE_LAYER) or (self.fuse and self.block_n % 32):
+            raise ValueError(f"fuse must be 0, {FUSE_SWIGLU} or {FUSE_LAYER} (with a block of a multiple of 32 "
+                             f"rows), got fuse={self.fuse}, block_n={self.block_n}")
         if self.mma not in (0, 1) or (self.mma and self.warps % 4):
             raise ValueError(f"mma must be 0 (mma.sync) or 1 (wgmma, warps a multiple of 4), got {self.mma} "
                              f"with {self.warps} warps")
@@ -395,8 +409,19 @@ SHIPPED_CONFIGS = tuple(
     for (w, r, ks, st, mma) in ((4, 4, 128, 4, 0), (8, 2, 128, 4, 0), (8, 2, 128, 3, 0), (4, 2, 128, 6, 0),
                                 (8, 2, 256, 2, 0), (8, 2, 64, 8, 0), (4, 4, 128, 4, 1), (8, 2, 128, 4, 1))
     for f in MAX_FRAGS_CHOICES)
-# The fused instantiations run the heuristic's tiles (both have an even number of row tiles).
-SHIPPED_FUSED = tuple((GemmConfig(w, r, 128, 4, f), fuse) for (w, r) in ((4, 4), (8, 2))
+
+
+def fused_config(cfg: GemmConfig, fuse: int) -> GemmConfig:
+    """`cfg` with the fused epilogue: one to three more warps and the h tile in shared memory
+    (a stage fewer wherever the two would not fit)."""
+    fused = replace(cfg, fuse=fuse)
+    while fused.smem_bytes + 4096 > SMEM_LIMIT and fused.stages > 2:
+        fused = replace(fused, stages=fused.stages - 1)
+    return fused.validate()
+
+
+# The fused instantiations the heuristic's tiles lead to (four row tiles per warp up to 16 tokens).
+SHIPPED_FUSED = tuple(fused_config(GemmConfig(*((4, 4) if f <= 2 else (8, 2)), 128, 4, f), fuse)
                       for f in MAX_FRAGS_CHOICES for fuse in (FUSE_SWIGLU, FUSE_LAYER))
 
 
@@ -487,8 +512,6 @@ def _check_fusion(fz: Fusion, w13: PreparedWeights, rows: int, cfg: GemmConfig, 
 
     if not w13.pair_gate_up:
         raise ValueError("w13: the fused SwiGLU epilogue needs weights prepared with pair_gate_up=True")
-    if cfg.row_tiles % 2:
-        raise ValueError(f"cfg: the fused SwiGLU epilogue pairs row tiles, row_tiles must be even, got {cfg.row_tiles}")
     i = w13.n // 2
     e = w13.experts
     for name, a, shape, dtype in (("gate_global", fz.gate_global, (e,), cp.float32),
@@ -535,6 +558,7 @@ def fused_layer(w13: PreparedWeights, x_packed, x_scales, offsets, w13_alpha, w2
 def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fusion | None = None) -> None:
     import cupy as cp
 
+    cfg = replace(cfg, fuse=0) if fusion is None else fused_config(cfg, fusion.fuse)
     for pi, (prep, x_packed, x_scales, offsets, alpha, out) in enumerate(problems):
         fused_out = fusion is not None and (pi == 0 or fusion.fuse == FUSE_LAYER)
         _check_activation(x_packed, x_scales, offsets, alpha, out, prep, optional_out=fused_out)
@@ -556,8 +580,8 @@ def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fu
                          x_packed, x_scales, offsets, alpha, out))
     experts = sum(pr[0].experts for pr in problems)
     smem = cfg.launch_smem(experts)
-    fuse = 0 if fusion is None else fusion.fuse
-    fn = jit.kernel(SOURCE, cfg.expression_for(read_only, fuse), smem)
+    fuse = cfg.fuse
+    fn = jit.kernel(SOURCE, cfg.expression_for(read_only), smem)
     units = sum(pr[0].experts * (pr[0].n // cfg.block_n) for pr in problems)
     grid = (min(units, jit.sm_count() * resident_ctas(cfg, experts, fn.num_regs)),)
     args = []

@@ -65,6 +65,26 @@ __device__ __forceinline__ uint32_t quantize_element(float v, float denom) {
   return e2m1_encode(fminf(fmaxf(__fdiv_rn(v, denom), -6.0f), 6.0f));
 }
 
+// Four consecutive elements v of a row (elements 4*c4 .. 4*c4+3) -> 2 bytes of codes; the 4
+// lanes of an aligned quad hold one 16-element block and share its amax by two shuffles (all
+// four lanes must be here); lane 0 of the quad writes the block's scale. g is the float32
+// global, six_g = 6 * g rounded once.
+__device__ __forceinline__ void quantize4(const float (&v)[4], float g, float six_g, int c4,
+                                          uint8_t* __restrict__ packed_row, uint8_t* __restrict__ scales_row) {
+  const uint32_t lane = threadIdx.x & 31u;
+  const uint32_t quad = 0xfu << (lane & 28u);
+  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+  amax = fmaxf(amax, __shfl_xor_sync(quad, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(quad, amax, 2));
+  float denom;
+  const uint32_t code = block_scale(amax, g, six_g, denom);
+  uint32_t nib = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) nib |= quantize_element(v[i], denom) << (4 * i);
+  reinterpret_cast<uint16_t*>(packed_row)[c4] = (uint16_t)nib;
+  if ((lane & 3u) == 0) scales_row[c4 >> 2] = (uint8_t)code;
+}
+
 // SwiGLU of one column pair, option (a): each half times its own per-expert global, then
 //   a = (g * sigmoid(g)) * u,  sigmoid(g) = 1 / (1 + t) for g >= 0 and t / (1 + t) below,
 // t = expf(-|g|) (as lab/reference.py writes it: t never overflows, so silu stays accurate for

@@ -23,24 +23,6 @@ namespace lab_act {
 
 // ------------------------------------------------------------------------------ quantize
 
-// This thread's 4 values v (elements 4*c4 .. 4*c4+3 of the row) -> 2 bytes of codes; lane 0 of
-// the quad writes the block's scale. g is the float32 global, six_g = 6 * g rounded once.
-__device__ __forceinline__ void quantize4(const float (&v)[4], float g, float six_g, int c4,
-                                          uint8_t* __restrict__ packed_row, uint8_t* __restrict__ scales_row) {
-  const uint32_t lane = threadIdx.x & 31u;
-  const uint32_t quad = 0xfu << (lane & 28u);
-  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-  amax = fmaxf(amax, __shfl_xor_sync(quad, amax, 1));
-  amax = fmaxf(amax, __shfl_xor_sync(quad, amax, 2));
-  float denom;
-  const uint32_t code = block_scale(amax, g, six_g, denom);
-  uint32_t nib = 0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) nib |= quantize_element(v[i], denom) << (4 * i);
-  reinterpret_cast<uint16_t*>(packed_row)[c4] = (uint16_t)nib;
-  if ((lane & 3u) == 0) scales_row[c4 >> 2] = (uint8_t)code;
-}
-
 __device__ __forceinline__ void load4(const float* p, float (&v)[4]) {
   const float4 t = *reinterpret_cast<const float4*>(p);
   v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w;
