@@ -76,6 +76,18 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         : "=r"(done) : "r"(bar), "r"(parity) : "memory");
   } while (!done);
 }
+// For warps off the critical path (the SwiGLU epilogue): sleep between polls, so that waiting
+// for the next h tile does not take issue slots from the consumers, which are issue bound.
+__device__ __forceinline__ void mbar_wait_sleep(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  for (;;) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    if (done) return;
+    __nanosleep(1000);
+  }
+}
 __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
@@ -559,7 +571,7 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
       const int I = N0 / 2;
       uint32_t bad = 0;
       for (int it = 0;; ++it) {
-        mbar_wait(epi_full, it & 1);
+        mbar_wait_sleep(epi_full, it & 1);
         const int tok0 = epi_meta[0], ntok = epi_meta[1], row0 = epi_meta[2], col0 = epi_meta[3], e = epi_meta[4];
         if (e < 0) break;
         const float gs = gate_global[e], us = up_global[e];
