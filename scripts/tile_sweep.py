@@ -32,10 +32,11 @@ STAGES = (2, 3, 4, 6)
 def candidates(base: gg.GemmConfig, full: bool) -> list[tuple[dict, object]]:
     """(tile description, GemmConfig or the reason it cannot exist) for the sweep."""
     def make(tokens, n_tile, k_step, stages):
+        # the heuristic's own warp split for its N tile, the table's for the others
+        w, r = (base.warps, base.row_tiles) if n_tile == base.block_n else N_TILES[n_tile]
         desc = {"token_tile": tokens, "n_tile": n_tile, "k_step": k_step, "stages": stages}
         if tokens // 8 not in gg.MAX_FRAGS_CHOICES:
             return desc, f"token tile {tokens} not compiled (max {8 * gg.MAX_FRAGS_CHOICES[-1]})"
-        w, r = N_TILES[n_tile]
         try:
             return desc, gg.GemmConfig(w, r, k_step, stages, tokens // 8).validate()
         except ValueError as exc:
