@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
 
 def lab_commit() -> str:
+    """`git rev-parse --short HEAD` (+dirty); LAB_COMMIT overrides it for copies of the working
+    tree whose .git does not follow the checkout (a remote machine given the files only)."""
+    if os.environ.get("LAB_COMMIT"):
+        return os.environ["LAB_COMMIT"]
     root = Path(__file__).resolve().parent.parent
     try:
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],

@@ -24,8 +24,7 @@ from lab.report import STUDIES, render
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layer", nargs="+", default=[str(ROOT / "results/run_layer.json"),
-                                                   str(ROOT / "results/run_layer_one_launch.json")],
+    ap.add_argument("--layer", nargs="+", default=[str(ROOT / "results/run_layer.json")],
                     help="run_layer.py JSON files; the first gives setup, bytes and stages")
     ap.add_argument("--gemm", nargs="*", default=[str(ROOT / "results/bench_gemm.json")],
                     help="bench_gemm.py JSON files")
