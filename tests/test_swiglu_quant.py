@@ -431,3 +431,31 @@ def test_gpu_launchers_reject_host_arrays():
     x, p, s, c = _qargs()
     with pytest.raises(ValueError, match="CuPy array"):
         sq.quantize_input(x, 1.0, p, s, c)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["quantize", "sigmoid"])
+def test_branch_free_division_is_correctly_rounded_where_it_is_used(case):
+    """div_refined against div.rn on 2^24 random pairs per case: quantize's denominators over
+    fast_block's whole range with quotients where e2m1 rounding looks (2^-3..8, many of them
+    on e2m1 rounding boundaries), and the sigmoid's t / (1 + t) for t in [2^-60, 1]."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng(3 if case == "quantize" else 4)
+    n = 1 << 24
+    if case == "quantize":
+        d = (2.0 ** rng.uniform(-60, 60, n)).astype(np.float32)
+        q = 2.0 ** rng.uniform(-3, 3, n)
+        edges = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+        near = rng.random(n) < 0.5  # half of them within a few ulp of a rounding boundary
+        q[near] = rng.choice(edges, near.sum()) * (1 + rng.integers(-8, 9, near.sum()) * 2.0**-24)
+        v = (q * d).astype(np.float32) * np.where(rng.random(n) < 0.5, -1, 1).astype(np.float32)
+    else:
+        t = (2.0 ** rng.uniform(-60, 0, n)).astype(np.float32)
+        d = (np.float32(1) + t).astype(np.float32)
+        v = np.where(rng.random(n) < 0.5, np.float32(1), t).astype(np.float32)
+    bad = cp.zeros(1, cp.uint64)
+    fn = jit.kernel(sq.SOURCE, "lab_act::div_check")
+    fn((1024,), (256,), (cp.asarray(v), cp.asarray(d), np.uint64(n), bad))
+    assert int(bad.get()[0]) == 0

@@ -59,6 +59,33 @@ __device__ __forceinline__ uint32_t block_scale(float amax, float g, float six_g
   return code;
 }
 
+// Division without the branch of div.rn: CUDA's own division takes exactly this route (one
+// Newton step on the hardware reciprocal, then one residual correction) whenever its range
+// check passes, which it does for normal operands far from overflow and underflow; there the
+// result is the correctly rounded quotient. Without the branch to the slow path the compiler
+// can interleave independent divisions, and a block's 16 elements share one reciprocal.
+__device__ __forceinline__ float rcp_refined(float d) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  return __fmaf_rn(r, __fmaf_rn(-d, r, 1.0f), r);
+}
+__device__ __forceinline__ float div_refined(float v, float d, float r_refined) {
+  const float q0 = __fmul_rn(v, r_refined);
+  return __fmaf_rn(r_refined, __fmaf_rn(-d, q0, v), q0);
+}
+// The block's denominators for which quantize_fast equals quantize_element on every finite or
+// NaN element: every quotient that the e2m1 rounding can tell apart (|q| in [2^-3, 8]) then has
+// normal operands far from the limits, smaller ones round to 0 either way and larger to 6.
+__device__ __forceinline__ bool fast_block(float denom, float amax) {
+  return denom >= 0x1p-60f && denom <= 0x1p60f && amax <= 0x1p60f;
+}
+__device__ __forceinline__ uint32_t quantize_fast(float v, float denom, float r_refined) {
+  // |v| / d with v's sign put back: the residual step would turn -0 into +0
+  const float q = __int_as_float(__float_as_int(div_refined(fabsf(v), denom, r_refined)) |
+                                 (__float_as_int(v) & (int)0x80000000));
+  return e2m1_encode(fminf(fmaxf(q, -6.0f), 6.0f));
+}
+
 // One element's e2m1 nibble given its block's denom (denom == 0: +0).
 __device__ __forceinline__ uint32_t quantize_element(float v, float denom) {
   if (denom == 0.0f) return 0u;
@@ -79,8 +106,14 @@ __device__ __forceinline__ void quantize4(const float (&v)[4], float g, float si
   float denom;
   const uint32_t code = block_scale(amax, g, six_g, denom);
   uint32_t nib = 0;
+  if (denom != 0.0f && fast_block(denom, amax)) {
+    const float r = rcp_refined(denom);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) nib |= quantize_element(v[i], denom) << (4 * i);
+    for (int i = 0; i < 4; ++i) nib |= quantize_fast(v[i], denom, r) << (4 * i);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) nib |= quantize_element(v[i], denom) << (4 * i);
+  }
   reinterpret_cast<uint16_t*>(packed_row)[c4] = (uint16_t)nib;
   if ((lane & 3u) == 0) scales_row[c4 >> 2] = (uint8_t)code;
 }
@@ -88,12 +121,15 @@ __device__ __forceinline__ void quantize4(const float (&v)[4], float g, float si
 // SwiGLU of one column pair, option (a): each half times its own per-expert global, then
 //   a = (g * sigmoid(g)) * u,  sigmoid(g) = 1 / (1 + t) for g >= 0 and t / (1 + t) below,
 // t = expf(-|g|) (as lab/reference.py writes it: t never overflows, so silu stays accurate for
-// g << 0; CUDA's expf is within 2 ulp, not the fast-math __expf).
+// g << 0; CUDA's expf is within 2 ulp, not the fast-math __expf). The division is div_refined:
+// 1 + t is in [1, 2], so it is the correctly rounded quotient except where t is far below
+// 2^-60 (|g| > 41, silu(g) < 1e-17), where it may be an ulp off.
 __device__ __forceinline__ float swiglu(float h_gate, float h_up, float gate_global, float up_global) {
   const float g = __fmul_rn(h_gate, gate_global);
   const float u = __fmul_rn(h_up, up_global);
   const float t = expf(-fabsf(g));  // in (0, 1]
-  const float sig = __fdiv_rn(g >= 0.0f ? 1.0f : t, __fadd_rn(1.0f, t));
+  const float one_t = __fadd_rn(1.0f, t);
+  const float sig = div_refined(g >= 0.0f ? 1.0f : t, one_t, rcp_refined(one_t));
   return __fmul_rn(__fmul_rn(g, sig), u);
 }
 

@@ -113,4 +113,18 @@ __global__ void to_bf16(const float* __restrict__ x, uint16_t* __restrict__ y, s
   if (bad) atomicAdd(nonfinite, bad);
 }
 
+// ------------------------------------------------------------------------------ checks
+
+// For tests: counts the pairs (v[i], d[i]) where div_refined differs from div.rn. The callers
+// draw d in fast_block's range and v / d where the e2m1 rounding looks (|q| in [2^-3, 8]).
+__global__ void div_check(const float* __restrict__ v, const float* __restrict__ d, size_t n,
+                          unsigned long long* __restrict__ mismatches) {
+  unsigned long long bad = 0;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    const float a = div_refined(v[i], d[i], rcp_refined(d[i]));
+    bad += __float_as_uint(a) != __float_as_uint(__fdiv_rn(v[i], d[i]));
+  }
+  if (bad) atomicAdd(mismatches, bad);
+}
+
 }  // namespace lab_act

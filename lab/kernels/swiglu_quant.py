@@ -41,6 +41,7 @@ EXPRESSIONS = (
     "lab_act::quantize_rows<lab_act::uint16_t>",
     "lab_act::swiglu_quant",
     "lab_act::to_bf16",
+    "lab_act::div_check",
 )
 
 
