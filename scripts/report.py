@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lab.report import STUDIES, render
+from lab.report import STUDIES, render  # noqa: E402  (after the path line above)
 
 
 def main(argv=None) -> int:
