@@ -28,8 +28,19 @@
 //   row block) from a device counter, and its pipeline runs on across unit boundaries.
 //   Dynamic shared memory = Config::SMEM + 4 * (num_experts0 + num_experts1) (compacted experts).
 //   Two problems (w13 and w2, say) may share one launch: their units are claimed from one
-//   counter, problem 0's first. The kernel does not order them: a unit of problem 1 may read
-//   activations that problem 0 of the same launch has not written (the one-launch-2G ceiling).
+//   counter, problem 0's first. Plain, the kernel does not order them: a unit of problem 1 may
+//   read activations that problem 0 of the same launch has not written (the one-launch-2G
+//   ceiling).
+//   FUSE (below, at the epilogue warps): problem 0 is w13 ending in SwiGLU + quantize; with bit 1
+//   problem 1 is w2 on its output and the launch is the whole layer. A w2 unit of expert e lets
+//   its producer copy activations only once ready[e] counts every (w13 block, pass, epilogue
+//   warp) of e: writers publish with a fence and a release add, the producer's lanes acquire.
+//   No deadlock: units are claimed in order, all of w13 before any of w2, so a CTA waiting on
+//   ready[e] waits only for w13 units already claimed by running CTAs; those units' stages were
+//   all issued before their CTA's producer reached any w2 unit, and their consumers and
+//   epilogue warps never wait on a w2 unit. Units not yet claimed belong to nobody. The last
+//   CTA to finish zeroes the unit counter and ready[], so launches and graph replays need no
+//   host work.
 //
 // Prepared weight layout (lab/kernels/grouped_gemm.py, prepare_weights): atoms of 16 rows x 64 k,
 // 576 bytes each, ordered [expert][BN-row block][BK chunk][16-row tile][k atom] (one stage is
