@@ -75,3 +75,12 @@ def test_study_arguments_and_json(tmp_path):
     write_json(None, "scripts/x.py", rows=[])  # no --json: nothing written, no error
     with pytest.raises(ValueError):
         problem_of(study_parser("doc", [8], 1).parse_args(["--hidden", "100"]))
+
+
+def test_profile_kernels_says_it_needs_a_gpu():
+    from lab.gpu import gpu_available
+
+    if gpu_available():
+        pytest.skip("a GPU is present: the script would run")
+    with pytest.raises(RuntimeError, match="profile_kernels.py needs a CUDA GPU"):
+        load("profile_kernels").main(["--mean-tokens", "8"])

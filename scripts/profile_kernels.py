@@ -1,0 +1,66 @@
+"""Launch each kernel of the w13 stage once, for a profiler to attach to: the plain grouped
+GEMM, the GEMM with the fused SwiGLU epilogue, the GEMM's access pattern with no math
+(READ_ONLY) and the flat streaming read of as many bytes. Nothing is timed here; Nsight Compute
+does that:
+
+    ncu --clock-control none -k regex:"grouped_gemm|stream_read" \\
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats \\
+        --metrics smsp__inst_executed.sum,lts__t_requests.sum,lts__t_sectors.sum \\
+        python scripts/profile_kernels.py --mean-tokens 8
+
+Each kernel is launched once (its first launch compiles it), in the order above.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lab.gemm_bench import log
+from lab.gpu import require_gpu
+from lab.kernels import grouped_gemm as gg
+from lab.kernels.stream_read import stream_read
+from lab.layer import load_layer, upload_weights
+from lab.problem import MoEProblem, make_routing, random_activations, random_weights, tokens_for_mean
+from lab.runner import Runner
+from lab.variants.fused_swiglu import fusion_for, paired_w13
+
+TAG = "profile_kernels"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mean-tokens", type=float, default=8)
+    ap.add_argument("--experts", type=int, default=288)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--intermediate", type=int, default=2048)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    cp = require_gpu("profile_kernels.py")
+    problem = MoEProblem(args.experts, args.hidden, args.intermediate, args.top_k).validate()
+    log(TAG, "weights")
+    weights = upload_weights(random_weights(problem, seed=args.seed))
+    routing = make_routing(tokens_for_mean(args.mean_tokens, problem.experts, problem.top_k), problem.experts,
+                           problem.top_k, seed=args.seed)
+    runner = Runner()
+    layer = load_layer(runner, weights, routing, random_activations(routing.tokens, problem.hidden, seed=args.seed))
+    part, cfg = layer.full, layer.w13_cfg
+    fusion = fusion_for(runner, layer, part.gate_global, part.up_global)
+    w13_paired = paired_w13(weights)
+    cp.cuda.Device().synchronize()
+    log(TAG, f"w13 tile {cfg}; fused {gg.fused_config(cfg, gg.FUSE_SWIGLU)}")
+    gg.grouped_gemm(part.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, part.h, cfg)
+    gg.swiglu_gemm(w13_paired, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, fusion, cfg)
+    gg.grouped_gemm(part.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, part.h, cfg,
+                    read_only=True)
+    flat = cp.empty(part.w13.data.nbytes // 16 * 16, dtype=cp.uint8)
+    stream_read(flat, cp.zeros(1, dtype=cp.uint32))
+    cp.cuda.Device().synchronize()
+    log(TAG, "done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
