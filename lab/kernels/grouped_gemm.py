@@ -19,6 +19,7 @@ shared-memory sizing, and the checked launch.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -411,9 +412,10 @@ SHIPPED_CONFIGS = tuple(
     for f in MAX_FRAGS_CHOICES)
 
 
+@functools.lru_cache(maxsize=None)
 def fused_config(cfg: GemmConfig, fuse: int) -> GemmConfig:
     """`cfg` with the fused epilogue: one to three more warps and the h tile in shared memory
-    (a stage fewer wherever the two would not fit)."""
+    (a stage fewer wherever the two would not fit). Cached: launchers ask on every launch."""
     fused = replace(cfg, fuse=fuse)
     while fused.smem_bytes + 4096 > SMEM_LIMIT and fused.stages > 2:
         fused = replace(fused, stages=fused.stages - 1)
@@ -558,7 +560,10 @@ def fused_layer(w13: PreparedWeights, x_packed, x_scales, offsets, w13_alpha, w2
 def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fusion | None = None) -> None:
     import cupy as cp
 
-    cfg = replace(cfg, fuse=0) if fusion is None else fused_config(cfg, fusion.fuse)
+    if fusion is not None:
+        cfg = fused_config(cfg, fusion.fuse)
+    elif cfg.fuse:
+        cfg = replace(cfg, fuse=0)
     for pi, (prep, x_packed, x_scales, offsets, alpha, out) in enumerate(problems):
         fused_out = fusion is not None and (pi == 0 or fusion.fuse == FUSE_LAYER)
         _check_activation(x_packed, x_scales, offsets, alpha, out, prep, optional_out=fused_out)

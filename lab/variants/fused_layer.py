@@ -28,6 +28,9 @@ class FusedLayer:
     stages = ("layer",)
     fp32_out = False  # the w2 epilogue writes bf16 only
 
+    def __init__(self):
+        self.graph = None
+
     def prepare(self, runner, layer) -> None:
         part = layer.full
         self.cfg = pair_config(layer.w13_cfg, layer.w2_cfg)
@@ -43,7 +46,7 @@ class FusedLayer:
                            part.w2_alpha, self.fusion, self.cfg, stream=runner.stream)
 
     def run(self, runner, layer) -> None:
-        if getattr(self, "graph", None) is None or runner.timing_stages:
+        if self.graph is None or runner.timing_stages:
             self._launch(runner, layer)
         else:
             with runner.stage("layer"):

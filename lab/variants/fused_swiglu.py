@@ -12,7 +12,8 @@ value the plain epilogue would have stored, so the output equals `separate`'s bi
 from __future__ import annotations
 
 from lab.kernels import grouped_gemm as gg
-from lab.kernels import swiglu_quant as sq
+
+from .separate import launch_w2_out
 
 name = "fused-swiglu"
 expect = "match"
@@ -39,11 +40,7 @@ def launch(runner, layer, w13, w13_alpha, fusion) -> None:
     with runner.stage("w13+act"):
         gg.swiglu_gemm(w13, part.x_packed, part.x_scales, part.offsets, w13_alpha, fusion, layer.w13_cfg,
                        stream=runner.stream)
-    with runner.stage("w2"):
-        gg.grouped_gemm(part.w2, part.a_packed, part.a_scales, part.offsets, part.w2_alpha, part.out,
-                        layer.w2_cfg, stream=runner.stream)
-    with runner.stage("out"):
-        sq.to_bf16(part.out, part.out_bf16, runner.counter, stream=runner.stream)
+    launch_w2_out(runner, layer, part, runner.stream)
 
 
 class FusedSwiglu:

@@ -25,6 +25,11 @@ def launch_stages(runner, layer, part, stream, after_w13=None) -> None:
     with runner.stage("act", stream):
         sq.swiglu_quant(part.h, part.offsets, part.gate_global, part.up_global, layer.weights.w2_input_scale,
                         part.a_packed, part.a_scales, runner.counter, stream=stream)
+    launch_w2_out(runner, layer, part, stream)
+
+
+def launch_w2_out(runner, layer, part, stream) -> None:
+    """The w2 GEMM on a_q and the bf16 conversion: the stages every unfused-w2 variant ends with."""
     with runner.stage("w2", stream):
         gg.grouped_gemm(part.w2, part.a_packed, part.a_scales, part.offsets, part.w2_alpha, part.out,
                         layer.w2_cfg, stream=stream)
