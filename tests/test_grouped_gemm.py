@@ -38,7 +38,8 @@ def test_prepare_is_a_bijection(e, nt, ka, seed):
 
 def test_decode_emulation_gives_each_lane_its_fragment():
     """decode_words (the kernel's decode_a) on the prepared words yields, for lane 4g+t and
-    register q, the codes of rows g + 8*(q&1), columns 2t + 8*(q>>1) + {0, 1} as fp16 v*2^-14."""
+    register q, the codes of rows g + 8*(q&1), k slots 2t + 8*(q>>1) + {0, 1} as fp16 v*2^-14
+    (slot c of a k16 step being column K_SLOTS[c])."""
     rng = np.random.default_rng(1)
     e, n, k = 1, 64, 128
     packed, scales = random_nvfp4(rng, (e, n, k))
@@ -54,8 +55,34 @@ def test_decode_emulation_gives_each_lane_its_fragment():
                 for j in range(4):
                     for half in range(2):
                         rows = np.arange(n // 16) * 16 + g + 8 * (q & 1)
-                        cols = np.arange(k // 64) * 64 + 16 * j + 2 * t + 8 * (q >> 1) + half
+                        cols = np.arange(k // 64) * 64 + 16 * j + gg.K_SLOTS[2 * t + 8 * (q >> 1) + half]
                         np.testing.assert_array_equal(h[0, :, :, g, t, j, half], codes[0][np.ix_(rows, cols)])
+
+
+def test_activation_decode_fills_the_same_k_slots():
+    """decode_x_words (the kernel's decode_x) on a raw NVFP4 word puts k = K_SLOTS[2a], K_SLOTS[2a+1]
+    in register a as fp16 v*2^-14: the activations' B fragments use the weights' slot order."""
+    rng = np.random.default_rng(5)
+    raw = rng.integers(0, 256, size=(4096, 8), dtype=np.uint8)  # 16 codes = one k16 block
+    codes = nvfp4.decode_codes(raw)  # (4096, 16) float: k = 0..15
+    words = raw.view(np.uint32)  # (4096, 2): k 0..7, k 8..15
+    for w in range(2):
+        regs = gg.decode_x_words(words[:, w])
+        for a in range(4):
+            h = regs[a].view(np.float16).reshape(-1, 2).astype(np.float64) * 2.0**14
+            for half in range(2):
+                slot = 8 * w + 2 * a + half
+                np.testing.assert_array_equal(h[:, half], codes[:, gg.K_SLOTS[slot]])
+
+
+def test_permute_k_round_trip():
+    rng = np.random.default_rng(6)
+    packed = rng.integers(0, 256, size=(3, 5, 64), dtype=np.uint8)
+    out = gg.permute_k(packed, gg.K_SLOTS)
+    codes, got = nvfp4.decode_codes(packed), nvfp4.decode_codes(out)
+    np.testing.assert_array_equal(got.reshape(3, 5, -1, 16), codes.reshape(3, 5, -1, 16)[..., gg.K_SLOTS])
+    np.testing.assert_array_equal(gg.permute_k(out, np.argsort(gg.K_SLOTS)), packed)
+    assert sorted(gg.K_SLOTS.tolist()) == list(range(16))
 
 
 def test_scales_sit_where_the_kernel_reads_them():

@@ -46,11 +46,12 @@
 // 576 bytes each, ordered [expert][BN-row block][BK chunk][16-row tile][k atom] (one stage is
 // one contiguous run):
 //   bytes [0, 512):   lane L = 4g + t holds 16 bytes: word j (k16 step j) = the 8 codes of its
-//                     mma A fragment (rows g, g+8; cols 2t, 2t+1, 2t+8, 2t+9), bit-encoded so
-//                     that decode_a() turns them into four fp16x2 registers.
+//                     mma A fragment (rows g, g+8; k slots 2t, 2t+1, 2t+8, 2t+9, slot c being
+//                     k = K_SLOTS[c] of the step, the order decode_x gives the activations),
+//                     bit-encoded so that decode_a() turns them into four fp16x2 registers.
 //   bytes [512, 576): group g's 8 bytes: e4m3 scales s(g, j), s(g+8, j) for j = 0..3.
-// Decoded weights are v * s * 2^-14 (exact in fp16, subnormals included); the epilogue multiplies
-// the fp32 accumulator by 2^14 (exact) and then by alpha.
+// Decoded weights and activations are v * s * 2^-14 (exact in fp16, subnormals included); the
+// epilogue multiplies the fp32 accumulator by 2^28 (exact) and then by alpha.
 
 // No system headers: NVRTC compiles this as is (jit.source() inlines nvfp4_act.cuh); fp16
 // arithmetic goes through inline PTX.
@@ -64,6 +65,9 @@ typedef unsigned long long uint64_t;
 typedef unsigned long long size_t;
 
 constexpr int ATOM_BYTES = 576;
+// Both operands are decoded to v * s * 2^-14 (exact in fp16, subnormals included), so the fp32
+// accumulator holds the product times 2^-28; the epilogue's multiply by 2^28 is exact.
+constexpr float ACC_SCALE = 268435456.0f;
 constexpr int ATOM_CODE_BYTES = 512;
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -259,9 +263,17 @@ template <int FMAX> struct Wgmma<8, FMAX> {
   }
 };
 
-// Raw NVFP4 byte (two codes, standard order) -> fp16x2 of v * 2^-14.
-__device__ __forceinline__ uint32_t raw_byte_to_f16x2(uint32_t b) {
-  return ((b & 0x8u) << 12) | ((b & 0x7u) << 9) | ((b & 0x80u) << 24) | ((b & 0x70u) << 21);
+// Raw NVFP4 word (codes of k = 0..7, standard order) -> fp16x2 of v * 2^-14 for k = A and
+// A + 4 (16 bits apart in the word, as the two halves of an fp16x2 are): exponent and mantissa
+// 4A..4A+2 -> 9..11 and the sign 4A+3 -> 15, both halves at once, so two shifts and two LOP3.
+// Register A fills MMA k slots 2A and 2A+1, hence K_SLOTS (grouped_gemm.py), which
+// prepare_weights applies to the weights so that both operands agree.
+template <int A>
+__device__ __forceinline__ uint32_t decode_x(uint32_t x) {
+  constexpr int EM = 9 - 4 * A, SG = 12 - 4 * A;
+  const uint32_t em = EM >= 0 ? x << (EM & 31) : x >> (-EM & 31);
+  const uint32_t sg = SG >= 0 ? x << (SG & 31) : x >> (-SG & 31);
+  return (em & 0x0E000E00u) | (sg & 0x80008000u);
 }
 
 // MMA: 0 = mma.sync m16n8k16 per 8-token fragment; 1 = wgmma m64n(8F)k16 per warpgroup (tokens as
@@ -505,7 +517,8 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
     // Units (active expert, row block) are claimed one at a time from a device counter, so a CTA
     // that drew cheap units (few tokens) takes more of them: no static imbalance at the tail.
     const uint64_t pol = evict_first_policy();
-    int it = 0;
+    int it = 0, s = 0;  // stages posted; ring slot of the next one
+    uint32_t phase = 0;
     for (int useq = 0;; ++useq) {
       int u = 0;
       if (lane == 0) u = atomicAdd(&sched[0], 1);
@@ -520,18 +533,17 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
       const int row0 = offsets[e];
       const int count = done ? 0 : offsets[e + 1] - row0;
       // a finished CTA still posts one stage so that consumers and decoders read the -1
-      const int iters = done ? 1 : ((count + C::TOKENS - 1) / C::TOKENS) * kchunks;
+      const int passes = done ? 1 : (count + C::TOKENS - 1) / C::TOKENS;
+      const int kcs = done ? 1 : kchunks;
       // Block-major layout: one stage's weights (BN rows x BK) are one contiguous run, so each
       // stage is a single bulk copy and DRAM sees long sequential bursts.
       const uint8_t* wblock = LAB_P(wprep) + ((size_t)e * NB + nb) * kchunks * C::STAGE_W;
-      for (int ui = 0; ui < iters; ++ui, ++it) {
-        const int s = it % STAGES;
-        const uint32_t phase = (it / STAGES) & 1;
-        const int pass = ui / kchunks;
-        const int kc = ui - pass * kchunks;
+      for (int pass = 0; pass < passes; ++pass)
+      for (int kc = 0; kc < kcs; ++kc, ++it) {
+        const bool first = pass == 0 && kc == 0;
         if (it >= STAGES) mbar_wait(empty0 + 8 * s, phase ^ 1);
         if (lane == 0) {
-          if (ui == 0) unit_ring[useq % RING] = done ? -1 : u;
+          if (first) unit_ring[useq % RING] = done ? -1 : u;
           mbar_arrive(raw0 + 8 * s);  // release: the ring entry before any barrier of this stage
           if (done) {
             mbar_arrive(full0 + 8 * s);
@@ -544,7 +556,7 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
         if constexpr ((FUSE & 2) != 0) {
           // The weights of this stage are already on their way; the activations are a_q, which
           // expert e's w13 units write. Every lane acquires, so its own copies see them.
-          if (p == 1 && ui == 0 && !done) {
+          if (p == 1 && first && !done) {
             const int passes0 = (offsets0[e + 1] - offsets0[e] + C::TOKENS - 1) / C::TOKENS;
             const int target = NB0 * C::EW * passes0;
             while (load_acquire(ready + e) < target) __nanosleep(64);
@@ -565,6 +577,10 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
           cp_async<BK / 16>(smem_addr(sdst + tr * (BK / 16)), src);
         }
         cp_async_arrive_noinc(raw0 + 8 * s);
+        if (++s == STAGES) {
+          s = 0;
+          phase ^= 1;
+        }
       }
       if (done) break;
     }
@@ -616,15 +632,15 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
 
   if (warp > W) {
     // ---------------- activation decoder warps ----------------
-    // Raw NVFP4 activations of stage s -> fp16 B fragments xf[s] (item = token row, k16 block),
-    // then arrive on full[s]: consumers never synchronise with each other.
-    const uint32_t two14 = 0x74007400u;  // fp16x2 (2^14, 2^14): v*2^-14*s is exact, then *2^14 exact
-    int it = 0, ui = 0, iters = 0, count = 0, kchunks = 1;
-    for (int useq = 0;; ++it) {
-      const int s = it % STAGES;
-      const uint32_t phase = (it / STAGES) & 1;
+    // Raw NVFP4 activations of stage s -> fp16 B fragments xf[s], then arrive on full[s]:
+    // consumers never synchronise with each other. Item = (fragment, k16 block, token row), the
+    // row fastest, so that the 8 lanes of one (fragment, block) write 256 contiguous bytes.
+    // B holds v * s * 2^-14 (exact in fp16); the epilogue's ACC_SCALE takes both 2^-14 out.
+    int s = 0, count = 0, kc = 0, pass = 0, passes = 0, kchunks = 1;
+    uint32_t phase = 0;
+    for (int useq = 0;;) {
       mbar_wait(raw0 + 8 * s, phase);
-      if (ui == 0) {
+      if (kc == 0 && pass == 0) {
         const int u = unit_ring[useq % RING];
         ++useq;
         if (u < 0) {
@@ -636,10 +652,10 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
         const int* offsets = LAB_P(offsets);
         count = offsets[un.e + 1] - offsets[un.e];
         kchunks = LAB_P(K) / BK;
-        iters = ((count + C::TOKENS - 1) / C::TOKENS) * kchunks;
+        passes = (count + C::TOKENS - 1) / C::TOKENS;
       }
       {
-        const int tok0 = (ui / kchunks) * C::TOKENS;
+        const int tok0 = pass * C::TOKENS;
         const int ntok = min(C::TOKENS, count - tok0);
         const int frags = (ntok + 7) >> 3;
         if constexpr (!READ_ONLY) {
@@ -648,7 +664,7 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
           uint8_t* xf = smem + C::OFF_XF + s * C::XF;
 #pragma unroll 2
           for (int item = (warp - W - 1) * 32 + lane; item < frags * 8 * C::KSTEPS; item += 32 * C::DW) {
-            const int tr = item / C::KSTEPS, j = item - tr * C::KSTEPS;
+            const int f = item / (8 * C::KSTEPS), j = (item >> 3) & (C::KSTEPS - 1), tr = f * 8 + (item & 7);
             uint2 raw = make_uint2(0u, 0u);
             uint32_t sbits = 0;
             if (tr < ntok) {
@@ -656,20 +672,19 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
               sbits = ssrc[tr * (BK / 16) + j];
             }
             const uint32_t sc = e4m3x2_to_f16x2(sbits);  // low half = this block's scale
-            uint32_t h0[4], h1[4];  // k 0..7 and k 8..15 of this block, fp16x2 pairs
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-              h0[q] = hmul2(hmul2_lo(raw_byte_to_f16x2((raw.x >> (8 * q)) & 0xffu), sc), two14);
-              h1[q] = hmul2(hmul2_lo(raw_byte_to_f16x2((raw.y >> (8 * q)) & 0xffu), sc), two14);
-            }
+            // k slots 0..7 and 8..15 of this block (K_SLOTS order), fp16x2 pairs
+            const uint32_t h0[4] = {hmul2_lo(decode_x<0>(raw.x), sc), hmul2_lo(decode_x<1>(raw.x), sc),
+                                    hmul2_lo(decode_x<2>(raw.x), sc), hmul2_lo(decode_x<3>(raw.x), sc)};
+            const uint32_t h1[4] = {hmul2_lo(decode_x<0>(raw.y), sc), hmul2_lo(decode_x<1>(raw.y), sc),
+                                    hmul2_lo(decode_x<2>(raw.y), sc), hmul2_lo(decode_x<3>(raw.y), sc)};
             if constexpr (MMA == 0) {
-              // mma.sync B fragments: [f][k16 step][lane = 4*row + t][b0 b1]
-              uint2* dst = reinterpret_cast<uint2*>(xf) + ((tr >> 3) * C::KSTEPS + j) * 32 + (tr & 7) * 4;
+              // mma.sync B fragments: [f][k16 step][lane = 4*row + t][b0 b1], i.e. item * 4
+              uint2* dst = reinterpret_cast<uint2*>(xf) + item * 4;
 #pragma unroll
               for (int q = 0; q < 4; ++q) dst[q] = make_uint2(h0[q], h1[q]);
             } else {
               // wgmma core matrices (8 tokens x 8 k, 128 B): [k16 step][f][k half][token row][16 B]
-              uint4* dst = reinterpret_cast<uint4*>(xf + ((j * FMAX + (tr >> 3)) * 2) * 128 + (tr & 7) * 16);
+              uint4* dst = reinterpret_cast<uint4*>(xf + ((j * FMAX + f) * 2) * 128 + (item & 7) * 16);
               dst[0] = make_uint4(h0[0], h0[1], h0[2], h0[3]);
               dst[8] = make_uint4(h1[0], h1[1], h1[2], h1[3]);
             }
@@ -678,7 +693,14 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
         }
         mbar_arrive(full0 + 8 * s);
       }
-      if (++ui == iters) ui = 0;
+      if (++kc == kchunks) {
+        kc = 0;
+        if (++pass == passes) pass = 0;
+      }
+      if (++s == STAGES) {
+        s = 0;
+        phase ^= 1;
+      }
     }
   }
 
@@ -686,16 +708,38 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
   const int g = lane >> 2;
   const int t4 = lane & 3;
   float acc[R][FMAX][4];
-  int nb = 0, row0 = 0, count = 0, iters = 0, ui = 0, kchunks = 1, N = 0, unit_p = 0, unit_e = 0;
+  // Zeroed here and after each pass's epilogue (not at each pass's first stage, where the
+  // compiler would select every accumulator on every stage).
+  auto zero_acc = [&]() {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int f = 0; f < FMAX; ++f)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[r][f][i] = 0.f;
+  };
+  zero_acc();
+  int nb = 0, row0 = 0, count = 0, kc = 0, pass = 0, passes = 0, kchunks = 1, N = 0, unit_p = 0, unit_e = 0;
+  int s = 0;
+  uint32_t phase = 0;
   float out_scale = 0.f;
   float* out = out0;
   uint32_t bad = 0;  // non-finite bf16 outputs this thread produced (FUSE bit 1)
   int epi_it = 0;    // h tiles handed to the epilogue warps
-  for (int it = 0, useq = 0;; ++it) {
-    const int s = it % STAGES;
-    const uint32_t phase = (it / STAGES) & 1;
+  // Stage s of the ring (phase: its use's parity); kc, pass: this stage's place in its unit.
+  auto next_stage = [&]() {
+    if (++kc == kchunks) {
+      kc = 0;
+      if (++pass == passes) pass = 0;
+    }
+    if (++s == STAGES) {
+      s = 0;
+      phase ^= 1;
+    }
+  };
+  for (int useq = 0;;) {
     mbar_wait(full0 + 8 * s, phase);
-    if (ui == 0) {
+    if (kc == 0 && pass == 0) {
       const int u = unit_ring[useq % RING];
       ++useq;
       if (u < 0) {
@@ -715,27 +759,17 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
       row0 = offsets[e];
       count = offsets[e + 1] - row0;
       kchunks = LAB_P(K) / BK;
-      iters = ((count + C::TOKENS - 1) / C::TOKENS) * kchunks;
+      passes = (count + C::TOKENS - 1) / C::TOKENS;
       out_scale = LAB_P(alpha)[e];
       out = LAB_P(out);
       N = LAB_P(N);
     }
-    const int pass = ui / kchunks;
-    const int kc = ui - pass * kchunks;
     const int tok0 = pass * C::TOKENS;
     const int ntok = min(C::TOKENS, count - tok0);
     const int frags = (ntok + 7) >> 3;
-    if (kc == 0) {
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int f = 0; f < FMAX; ++f)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[r][f][i] = 0.f;
-    }
     if constexpr (READ_ONLY) {
       mbar_arrive(empty0 + 8 * s);
-      if (++ui == iters) ui = 0;
+      next_stage();
       continue;
     }
     (void)out_scale;
@@ -765,10 +799,10 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
           for (int f = 0; f < FMAX; ++f) {
             if (f < frags) {
               float* hrow = htile + (f * 8 + 2 * t4) * C::H_STRIDE + n;
-              hrow[0] = (acc[r][f][0] * 16384.f) * out_scale;
-              hrow[8] = (acc[r][f][2] * 16384.f) * out_scale;
-              hrow[C::H_STRIDE] = (acc[r][f][1] * 16384.f) * out_scale;
-              hrow[C::H_STRIDE + 8] = (acc[r][f][3] * 16384.f) * out_scale;
+              hrow[0] = (acc[r][f][0] * ACC_SCALE) * out_scale;
+              hrow[8] = (acc[r][f][2] * ACC_SCALE) * out_scale;
+              hrow[C::H_STRIDE] = (acc[r][f][1] * ACC_SCALE) * out_scale;
+              hrow[C::H_STRIDE + 8] = (acc[r][f][3] * ACC_SCALE) * out_scale;
             }
           }
         }
@@ -781,7 +815,8 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
         }
         mbar_arrive(epi_full);
         ++epi_it;
-        if (++ui == iters) ui = 0;
+        zero_acc();
+        next_stage();
         continue;
       }
     }
@@ -799,8 +834,8 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
             for (int hh = 0; hh < 2; ++hh) {  // tokens tok and tok + 1
               if (tok + hh < count) {
                 const size_t at = (size_t)(row0 + tok + hh) * N + n;
-                const float v0 = (acc[r][f][hh] * 16384.f) * out_scale;
-                const float v1 = (acc[r][f][2 + hh] * 16384.f) * out_scale;
+                const float v0 = (acc[r][f][hh] * ACC_SCALE) * out_scale;
+                const float v1 = (acc[r][f][2 + hh] * ACC_SCALE) * out_scale;
                 if (out != nullptr) {
                   out[at] = v0;
                   out[at + 8] = v1;
@@ -818,8 +853,9 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
           }
         }
       }
+      zero_acc();
     }
-    if (++ui == iters) ui = 0;
+    next_stage();
   }
   if constexpr ((FUSE & 2) != 0) {
     if (bad) atomicAdd(nonfinite, bad);

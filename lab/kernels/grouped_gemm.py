@@ -34,6 +34,13 @@ ATOM_BYTES = 576  # codes + 64 bytes of e4m3 scales
 SMEM_LIMIT = 227 * 1024  # H200 opt-in dynamic shared memory per block
 MAX_FRAGS_CHOICES = (1, 2, 4, 8)  # 8-token fragments per pass, compiled variants
 
+# MMA k slot -> k within a 16-element block. The kernel decodes a raw activation word (codes of
+# k = 0..7) into fp16x2 registers holding k = (a, a + 4), the pair 16 bits apart in the word, for
+# two shifts and two LOP3 per register (decode_x in grouped_gemm.cu); that register fills slots
+# 2a, 2a+1. The weights are prepared in the same slot order, and the scale is per block, so the
+# product is unchanged. Slots 8..15 repeat the pattern on k = 8..15.
+K_SLOTS = np.array([0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15])
+
 
 # ---------------------------------------------------------------------------------------------
 # Weight layout: the GF(2) code words the kernel's decode_a() reads
@@ -174,6 +181,27 @@ def default_layout(n: int, k: int) -> tuple[int, int]:
     return block_rows, k_step
 
 
+def permute_k(packed, order, xp=np):
+    """(..., K/2) packed codes -> the same with each 16-element block's codes reordered:
+    out[16b + i] = in[16b + order[i]] (in code units)."""
+    codes = xp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[:-1] + (-1, 16))
+    codes = codes[..., xp.asarray(order)].reshape(packed.shape[:-1] + (-1, 2))
+    return (codes[..., 0] | (codes[..., 1] << 4)).astype(xp.uint8)
+
+
+def decode_x_words(words):
+    """The kernel's decode_x<a>() for a = 0..3: raw uint32 words (codes of k = 0..7) -> four
+    fp16x2 words (u32) holding v * 2^-14 of k = a (low half) and k = a + 4 (high half)."""
+    w = np.asarray(words, dtype=np.uint64)
+    full = np.uint64(0xFFFFFFFF)
+
+    def sh(x, n):
+        return ((x << np.uint64(n)) & full) if n >= 0 else (x >> np.uint64(-n))
+
+    return [((sh(w, 9 - 4 * a) & np.uint64(0x0E000E00)) | (sh(w, 12 - 4 * a) & np.uint64(0x80008000))).astype(
+        np.uint32) for a in range(4)]
+
+
 def check_weight_shapes(packed, scales) -> tuple[int, int, int]:
     if packed.ndim != 3 or packed.dtype != np.uint8:
         raise ValueError(f"w_packed: expected (E, N, K/2) uint8, got {packed.shape} {packed.dtype}")
@@ -198,7 +226,8 @@ def prepare_weights(packed, scales, xp=np, layout: tuple[int, int] | None = None
 
     Atom (expert e, row tile nt, k atom ka) = 576 bytes: lane L = 4g + t gets 16 bytes, word j
     (k16 step j) being the encoded bytes [W(g, 2t..), W(g+8, 2t..), W(g, 2t+8..), W(g+8, 2t+8..)]
-    of that step; then 8 groups x 8 bytes of scales [s(g, j), s(g+8, j)] for j = 0..3.
+    of that step, where column c of the step means k = K_SLOTS[c]; then 8 groups x 8 bytes of
+    scales [s(g, j), s(g+8, j)] for j = 0..3.
     """
     e, n, k = check_weight_shapes(packed, scales)
     block_rows, k_step = layout or default_layout(n, k)
@@ -215,7 +244,7 @@ def prepare_weights(packed, scales, xp=np, layout: tuple[int, int] | None = None
     for e0 in range(0, e, chunk_experts):
         e1 = min(e, e0 + chunk_experts)
         m = e1 - e0
-        p = xp.asarray(packed[e0:e1])
+        p = permute_k(xp.asarray(packed[e0:e1]), K_SLOTS, xp)
         # byte index in a row = ka*32 + j*8 + qq*4 + t ; row = nt*16 + h*8 + g
         pv = p.reshape(m, nt, 2, 8, ka, 4, 2, 4)
         b = pv.transpose(0, 1, 4, 3, 7, 5, 6, 2).reshape(m, nt, ka, 32, 4, 4)  # [.., lane, j, q]
@@ -241,6 +270,7 @@ def unprepare_weights(prep: PreparedWeights) -> tuple[np.ndarray, np.ndarray]:
     packed = b.transpose(0, 1, 7, 3, 2, 5, 6, 4).reshape(e, n, k // 2)
     s = data[..., ATOM_CODE_BYTES:].reshape(e, nt, ka, 8, 4, 2)  # [.., g, j, h]
     scales = s.transpose(0, 1, 5, 3, 2, 4).reshape(e, n, k // 16)
+    packed = permute_k(packed, np.argsort(K_SLOTS))
     if prep.pair_gate_up:
         packed, scales = (unpair_gate_up_rows(a, prep.block_rows) for a in (packed, scales))
     return np.ascontiguousarray(packed), np.ascontiguousarray(scales)
