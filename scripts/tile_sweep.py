@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+from dataclasses import replace
 
 from tabulate import tabulate
 
@@ -38,7 +39,8 @@ def candidates(base: gg.GemmConfig, full: bool) -> list[tuple[dict, object]]:
         if tokens // 8 not in gg.MAX_FRAGS_CHOICES:
             return desc, f"token tile {tokens} not compiled (max {8 * gg.MAX_FRAGS_CHOICES[-1]})"
         try:
-            return desc, gg.GemmConfig(w, r, k_step, stages, tokens // 8).validate()
+            return desc, replace(base, warps=w, row_tiles=r, k_step=k_step, stages=stages,
+                                 max_frags=tokens // 8).validate()
         except ValueError as exc:
             return desc, str(exc)
 

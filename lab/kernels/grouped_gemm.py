@@ -295,7 +295,9 @@ class GemmConfig:
     """warps: consumer warps; row_tiles: 16-row tiles per warp; k_step: K per pipeline stage;
     stages: pipeline depth; max_frags: 8-token fragments held per pass (token tile = 8*max_frags);
     mma: 0 = mma.sync m16n8k16, 1 = wgmma m64n(8F)k16 (sm_90a, warps a multiple of 4);
-    fuse: 0, FUSE_SWIGLU or FUSE_LAYER (the fused instantiations; see `fused_config`)."""
+    fuse: 0, FUSE_SWIGLU or FUSE_LAYER (the fused instantiations; see `fused_config`);
+    ctas_per_sm: at most this many CTAs per SM in the persistent grid (0: as many as fit). Not a
+    template argument: it only sizes the grid."""
 
     warps: int = 8
     row_tiles: int = 2
@@ -304,6 +306,7 @@ class GemmConfig:
     max_frags: int = 2
     mma: int = 0  # 0: mma.sync per 8-token fragment; 1: wgmma m64n(8F)k16 per warpgroup
     fuse: int = 0
+    ctas_per_sm: int = 0
 
     @property
     def block_n(self) -> int:
@@ -328,7 +331,8 @@ class GemmConfig:
 
     @property
     def decoder_warps(self) -> int:
-        return 2 if self.max_frags >= 4 else 1
+        """Mirror of Config<>::DW."""
+        return 3 if self.max_frags >= 8 and not self.fuse else 2 if self.max_frags >= 4 else 1
 
     @property
     def expression(self) -> str:
@@ -374,6 +378,8 @@ class GemmConfig:
             raise ValueError(f"max_frags must be one of {MAX_FRAGS_CHOICES}, got {self.max_frags}")
         if not 1 <= self.warps <= 16 or self.row_tiles not in (1, 2, 4):
             raise ValueError(f"warps in 1..16 and row_tiles in (1, 2, 4), got {self.warps}, {self.row_tiles}")
+        if self.ctas_per_sm < 0:
+            raise ValueError(f"ctas_per_sm must be >= 0 (0: as many as fit), got {self.ctas_per_sm}")
         if not 2 <= self.stages <= 12:
             raise ValueError(f"stages must be 2..12, got {self.stages}")
         if self.warps * self.row_tiles > 32:
@@ -398,7 +404,8 @@ def resident_ctas(cfg: GemmConfig, experts: int, registers: int) -> int:
     by_smem = SM_SMEM // (cfg.launch_smem(experts) + SMEM_PER_CTA_RESERVED)
     regs_per_warp = 256 * -(-registers * 32 // 256)
     by_regs = SM_REGS // (regs_per_warp * (cfg.threads // 32))
-    return max(1, min(by_smem, by_regs, SM_THREADS // cfg.threads))
+    fit = max(1, min(by_smem, by_regs, SM_THREADS // cfg.threads))
+    return min(fit, cfg.ctas_per_sm) if cfg.ctas_per_sm else fit
 
 
 def frags_for(max_count: int) -> int:
@@ -425,10 +432,16 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None) -> 
     row_tiles = 4 if frags <= 2 and tiles % 4 == 0 else (2 if tiles % 2 == 0 and tiles >= 4 else 1)
     warps = tiles // row_tiles
     stage_w = tiles * (k_step // ATOM_K) * ATOM_BYTES
-    stages = max(3, min(8, (80 * 1024) // stage_w))
-    cfg = GemmConfig(warps, row_tiles, k_step, stages, frags)
+    if frags <= 2:
+        # ~54 KB of weights in flight per CTA and two CTAs per SM (a third would fit): measured
+        # best for 8-16 token tiles, +1-3 points over 4 stages at @2-4 and even at @8
+        # (notes/gemm.md, v9). Larger tiles keep ~80 KB per CTA, at one CTA per SM anyway.
+        stages, cap = max(2, min(8, (54 * 1024) // stage_w)), 2
+    else:
+        stages, cap = max(3, min(8, (80 * 1024) // stage_w)), 0
+    cfg = GemmConfig(warps, row_tiles, k_step, stages, frags, ctas_per_sm=cap)
     while cfg.smem_bytes + 4096 > SMEM_LIMIT and cfg.stages > 2:
-        cfg = GemmConfig(warps, row_tiles, k_step, cfg.stages - 1, frags)
+        cfg = replace(cfg, stages=cfg.stages - 1)
     return cfg.validate(n, k)
 
 
@@ -437,7 +450,7 @@ FUSE_LAYER = 3  # ... and problem 1 (w2) waits per expert for it, writing bf16 o
 
 SHIPPED_CONFIGS = tuple(
     GemmConfig(w, r, ks, st, f, mma)
-    for (w, r, ks, st, mma) in ((4, 4, 128, 4, 0), (8, 2, 128, 4, 0), (8, 2, 128, 3, 0), (4, 2, 128, 6, 0),
+    for (w, r, ks, st, mma) in ((4, 4, 128, 3, 0), (4, 4, 128, 4, 0), (8, 2, 128, 4, 0), (8, 2, 128, 3, 0), (4, 2, 128, 6, 0),
                                 (8, 2, 256, 2, 0), (8, 2, 64, 8, 0), (4, 4, 128, 4, 1), (8, 2, 128, 4, 1))
     for f in MAX_FRAGS_CHOICES)
 
@@ -453,7 +466,7 @@ def fused_config(cfg: GemmConfig, fuse: int) -> GemmConfig:
 
 
 # The fused instantiations the heuristic's tiles lead to (four row tiles per warp up to 16 tokens).
-SHIPPED_FUSED = tuple(fused_config(GemmConfig(*((4, 4) if f <= 2 else (8, 2)), 128, 4, f), fuse)
+SHIPPED_FUSED = tuple(fused_config(heuristic(4096, 4096, [8 * f] * 4), fuse)
                       for f in MAX_FRAGS_CHOICES for fuse in (FUSE_SWIGLU, FUSE_LAYER))
 
 
