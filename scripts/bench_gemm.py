@@ -11,7 +11,7 @@ and prints one table (gemm, tokens, ms, GB/s, % of roofline, % of same-pattern r
 "Bytes" are what the GEMM must move: weights of experts with tokens, activations in, fp32 out.
 
     python scripts/bench_gemm.py --json results/bench_gemm.json
-    python scripts/bench_gemm.py --mean-tokens 8 --config 4,4,128,4 --config 8,2,128,4,1
+    python scripts/bench_gemm.py --mean-tokens 8 --config 4,4,128,4 --config 8,2,128,4,1 --config 4,4,128,3,0,2
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ TAG = "bench_gemm"
 
 def parse_config(text: str) -> tuple[int, ...]:
     vals = tuple(int(v) for v in text.split(","))
-    if len(vals) not in (4, 5):
-        raise argparse.ArgumentTypeError(f"--config: expected warps,row_tiles,k_step,stages[,mma], got {text!r}")
+    if len(vals) not in (4, 5, 6):
+        raise argparse.ArgumentTypeError(
+            f"--config: expected warps,row_tiles,k_step,stages[,mma[,ctas_per_sm]], got {text!r}")
     return vals
 
 
@@ -45,8 +46,9 @@ def main(argv=None) -> int:
     ap.add_argument("--check-experts", type=int, default=16, help="experts checked against float64 (0: none)")
     ap.add_argument("--no-cublas", action="store_true")
     ap.add_argument("--config", type=parse_config, action="append", default=[],
-                    help="override the tile: warps,row_tiles,k_step,stages[,mma] (token tile from the heuristic; "
-                         "mma 0 = mma.sync, 1 = wgmma); repeat to time several tiles in one run")
+                    help="override the tile: warps,row_tiles,k_step,stages[,mma[,ctas_per_sm]] (token tile from "
+                         "the heuristic; mma 0 = mma.sync, 1 = wgmma; ctas_per_sm 0 = as many as fit); repeat to "
+                         "time several tiles in one run")
     args = ap.parse_args(argv)
 
     problem = problem_of(args)
@@ -67,7 +69,9 @@ def main(argv=None) -> int:
                 case = bench.case(gemm, mean, args.skew)
                 cfg = gg.heuristic(case.n, case.k, case.counts)
                 if override:
-                    cfg = gg.GemmConfig(*override[:4], cfg.max_frags, *override[4:]).validate(case.n, case.k)
+                    w, r, ks, st, *rest = override
+                    cfg = gg.GemmConfig(w, r, ks, st, cfg.max_frags, mma=rest[0] if rest else 0,
+                                        ctas_per_sm=rest[1] if len(rest) > 1 else 0).validate(case.n, case.k)
                 log(TAG, f"{gemm} mean {mean}: {case.rows} rows, max count {case.counts.max()}, {cfg}")
                 row = bench.measure(case, cfg, bw, args.iterations)
                 if args.check_experts:
@@ -85,11 +89,11 @@ def main(argv=None) -> int:
                 log(TAG, f"  gemm {row['ms']:.3f} ms ({row['roof_pct']:.1f}% of roofline), read pattern "
                          f"{row['read_pattern_ms']:.3f} ms, cublas-fp16 {row.get('cublas_ms', float('nan')):.3f} ms")
 
-    table = [[r["gemm"], r["mean_tokens"], "{warps},{row_tiles},{k_step},{stages},{max_frags},{mma}".format(**r["config"]),
+    table = [[r["gemm"], r["mean_tokens"], "{warps},{row_tiles},{k_step},{stages},{max_frags},{mma},{ctas_per_sm}".format(**r["config"]),
               f"{r['ms']:.3f}", f"{r['gbps']:.0f}", f"{r['roof_pct']:.1f}", f"{r['pattern_pct']:.1f}",
               f"{r['read_pattern_ms']:.3f}", f"{r.get('cublas_ms', float('nan')):.3f}"] for r in rows_out]
     print(f"read roofline: {bw:.0f} GB/s (flat streaming read, {roof['bytes'] / 1e9:.3f} GB)")
-    print(tabulate(table, headers=["gemm", "tokens/expert", "tile W,R,BK,S,F,mma", "ms", "GB/s", "% roofline",
+    print(tabulate(table, headers=["gemm", "tokens/expert", "tile W,R,BK,S,F,mma,ctas", "ms", "GB/s", "% roofline",
                                    "% same-pattern read", "read-pattern ms", "cublas-fp16 ms"]))
     for c in checks:
         print(f"check {c['gemm']} mean {c['mean']}: rel Frobenius {c['rel_frobenius']:.2e} on {len(c['experts'])} experts")
