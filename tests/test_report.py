@@ -135,6 +135,14 @@ def test_fusion_verdicts_change_with_the_numbers(tmp_path):
     assert "option (a) costs 50.0 us (5.0%) against (b)" in text  # fold-b 0.95 vs fused-swiglu 1.0
 
 
+def test_a_variant_faster_than_the_ceiling_is_called_so(tmp_path):
+    """The one-launch ceiling shares one tile between both GEMMs; a fused layer can beat it."""
+    text = render(tmp_path, layer_run(graph=0.99, ceiling=0.96, fused={"fused-swiglu": 0.98, "fused-layer": 0.95}))
+    assert "The one-launch-2G 'ceiling' at mean 8 (0.960 ms) is not one in this run: fused-layer (0.950 ms)" in text
+    assert "it is 10.0 us under the one-launch-2G ceiling itself" in text
+    assert "collects 133%" not in text
+
+
 def test_fusion_that_costs_time_says_so(tmp_path):
     """Fused variants 10% slower than the graph (as the first fused kernels were): a loss, not noise."""
     text = render(tmp_path, layer_run(sep=1.0, graph=1.02, fused={"fused-swiglu": 1.122, "fused-layer": 1.15}))

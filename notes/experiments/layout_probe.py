@@ -1,0 +1,49 @@
+"""Probe: does the order in which concurrently running CTAs walk the weights matter?
+Variants of the kernel source (addressing only; the kc-major variant reads the same bytes in a
+different order, so its outputs are not meaningful): time READ_ONLY and the GEMM."""
+import sys
+import numpy as np
+from lab.gemm_bench import GemmBench, problem_of, study_parser
+from lab.kernels import grouped_gemm as gg, jit
+from lab.kernels.stream_read import measure_read_roofline
+from lab.timing import time_cuda
+
+BASE_W = "const uint8_t* wblock = LAB_P(wprep) + ((size_t)e * NB + nb) * kchunks * C::STAGE_W;"
+BASE_C = "wblock + (size_t)kc * C::STAGE_W, C::STAGE_W,"
+VARIANTS = {
+    "kc-major": {BASE_W: "const uint8_t* wblock = LAB_P(wprep) + ((size_t)e * kchunks * NB + nb) * C::STAGE_W;",
+                 BASE_C: "wblock + (size_t)kc * NB * C::STAGE_W, C::STAGE_W,"},
+    "no-activations": {"cp_async<16>(smem_addr(qdst + tr * (BK / 2) + q * 16), src);": "(void)src;",
+                       "cp_async<BK / 16>(smem_addr(sdst + tr * (BK / 16)), src);": "(void)src;"},
+}
+orig_source = jit.source
+
+
+def main():
+    ap = study_parser(__doc__, [2, 8, 32], 10)
+    args = ap.parse_args()
+    roof = measure_read_roofline(iterations=args.iterations)["gbps"]
+    print(f"roofline {roof:.0f} GB/s")
+    bench = GemmBench(problem_of(args), args.seed, "probe")
+    for name, subs in VARIANTS.items():
+        def src(n, _seen=frozenset(), subs=subs):
+            t = orig_source(n, _seen)
+            if n != gg.SOURCE:
+                return t
+            for a, b in subs.items():
+                assert a in t, a
+                t = t.replace(a, b)
+            return t
+        jit.source = src
+        jit._module.cache_clear()
+        for mean in args.mean_tokens:
+            for gemm in ("w13", "w2"):
+                case = bench.case(gemm, mean)
+                cfg = gg.heuristic(case.n, case.k, case.counts)
+                row = bench.measure(case, cfg, roof, args.iterations)
+                print(f"{name:12s} {gemm} @{mean:g}: gemm {row['ms']:.3f} ms {row['roof_pct']:.1f}%  "
+                      f"pattern {row['read_pattern_ms']:.3f} ms {row['read_pattern_roof_pct']:.1f}%", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
