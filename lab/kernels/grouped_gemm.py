@@ -433,9 +433,9 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None) -> 
     warps = tiles // row_tiles
     stage_w = tiles * (k_step // ATOM_K) * ATOM_BYTES
     if frags <= 2:
-        # ~54 KB of weights in flight per CTA and two CTAs per SM (a third would fit): measured
-        # best for 8-16 token tiles, +1-3 points over 4 stages at @2-4 and even at @8
-        # (notes/gemm.md, v9). Larger tiles keep ~80 KB per CTA, at one CTA per SM anyway.
+        # ~54 KB of weights in flight per CTA and two CTAs per SM (a third would fit): against
+        # 4 stages, +2 points at @2 and +0.5-0.8 at @4-8; with a third CTA, 4-5 points less at @2
+        # (results/bench_gemm_stages.json). Larger tiles keep ~80 KB per CTA, one CTA per SM.
         stages, cap = max(2, min(8, (54 * 1024) // stage_w)), 2
     else:
         stages, cap = max(3, min(8, (80 * 1024) // stage_w)), 0
@@ -450,8 +450,9 @@ FUSE_LAYER = 3  # ... and problem 1 (w2) waits per expert for it, writing bf16 o
 
 SHIPPED_CONFIGS = tuple(
     GemmConfig(w, r, ks, st, f, mma)
-    for (w, r, ks, st, mma) in ((4, 4, 128, 3, 0), (4, 4, 128, 4, 0), (8, 2, 128, 4, 0), (8, 2, 128, 3, 0), (4, 2, 128, 6, 0),
-                                (8, 2, 256, 2, 0), (8, 2, 64, 8, 0), (4, 4, 128, 4, 1), (8, 2, 128, 4, 1))
+    for (w, r, ks, st, mma) in ((4, 4, 128, 3, 0), (4, 4, 128, 4, 0), (8, 2, 128, 4, 0), (8, 2, 128, 3, 0),
+                                (4, 2, 128, 6, 0), (8, 2, 256, 2, 0), (8, 2, 64, 8, 0), (4, 4, 128, 4, 1),
+                                (8, 2, 128, 4, 1))
     for f in MAX_FRAGS_CHOICES)
 
 
