@@ -1,7 +1,6 @@
 """Probe: one CTA per SM (one weight stream per SM, the pattern the READ_ONLY probe likes) with
 more activation-decoder warps, so that a single CTA's decoders keep up with the whole SM's
 stages. DW is forced for every token tile; tiles and CTAs per SM from the command line."""
-import argparse
 import sys
 from lab.gemm_bench import GemmBench, problem_of, study_parser
 from lab.kernels import grouped_gemm as gg, jit

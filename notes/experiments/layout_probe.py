@@ -2,11 +2,9 @@
 Variants of the kernel source (addressing only; the kc-major variant reads the same bytes in a
 different order, so its outputs are not meaningful): time READ_ONLY and the GEMM."""
 import sys
-import numpy as np
 from lab.gemm_bench import GemmBench, problem_of, study_parser
 from lab.kernels import grouped_gemm as gg, jit
 from lab.kernels.stream_read import measure_read_roofline
-from lab.timing import time_cuda
 
 BASE_W = "const uint8_t* wblock = LAB_P(wprep) + ((size_t)e * NB + nb) * kchunks * C::STAGE_W;"
 BASE_C = "wblock + (size_t)kc * C::STAGE_W, C::STAGE_W,"
