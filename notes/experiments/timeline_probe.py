@@ -3,7 +3,7 @@ notes/gemm.md, v10). The kernel source is edited in memory to stamp %globaltimer
 __device__ array at: entry, end of the expert compaction, the producer's first bulk copy, the
 consumers' first ready stage, the consumers' last stage (the stop marker), and the exit
 barrier; plus the units each CTA's producer claimed. Timing only: the stamps cost a few
-instructions per CTA. Written and compiled on the CPU; to be run on the device:
+instructions per CTA. Written and compiled for sm_90a without a GPU; to be run on the H200:
 
     python notes/experiments/timeline_probe.py --mean-tokens 8 2 --json results/timeline_gemm.json
 """
