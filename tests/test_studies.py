@@ -84,3 +84,26 @@ def test_profile_kernels_says_it_needs_a_gpu():
         pytest.skip("a GPU is present: the script would run")
     with pytest.raises(RuntimeError, match="profile_kernels.py needs a CUDA GPU"):
         load("profile_kernels").main(["--mean-tokens", "8"])
+
+
+def load_experiment(name):
+    path = SCRIPTS.parent / "notes" / "experiments" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_probe_edits_still_find_their_places_in_the_kernel():
+    """The probes that the GEMM notes name as next steps edit grouped_gemm.cu by text: each
+    anchor must occur exactly once in today's source, or the probe would measure nothing."""
+    from lab.kernels import jit
+
+    src = jit.source(gg.SOURCE)
+    cost = load_experiment("cost_probe")
+    for name, edits in cost.VARIANTS.items():
+        for old, _ in edits:
+            assert src.count(old) == 1, (name, old)
+    timeline = load_experiment("timeline_probe")
+    edited = timeline.edited_source(src)
+    assert edited.count("LAB_STAMP(") == len(timeline.EVENTS) + 2  # the six events, claim time, the macro
