@@ -86,24 +86,34 @@ def test_profile_kernels_says_it_needs_a_gpu():
         load("profile_kernels").main(["--mean-tokens", "8"])
 
 
-def load_experiment(name):
-    path = SCRIPTS.parent / "notes" / "experiments" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
+EXPERIMENTS = SCRIPTS.parent / "notes" / "experiments"
+
+
+def load_experiment(name, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))  # the probes import probe_common beside them
+    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-def test_probe_edits_still_find_their_places_in_the_kernel():
-    """The probes that the GEMM notes name as next steps edit grouped_gemm.cu by text: each
-    anchor must occur exactly once in today's source, or the probe would measure nothing."""
+def test_probe_edits_still_find_their_places_in_the_kernel(monkeypatch):
+    """The probes edit grouped_gemm.cu by text: each anchor must occur exactly once in today's
+    source, or a probe would time the shipped kernel under another name."""
     from lab.kernels import jit
 
     src = jit.source(gg.SOURCE)
-    cost = load_experiment("cost_probe")
-    for name, edits in cost.VARIANTS.items():
-        for old, _ in edits:
-            assert src.count(old) == 1, (name, old)
-    timeline = load_experiment("timeline_probe")
-    edited = timeline.edited_source(src)
-    assert edited.count("LAB_STAMP(") == len(timeline.EVENTS) + 2  # the six events, claim time, the macro
+    common = load_experiment("probe_common", monkeypatch)
+    cost = load_experiment("cost_probe", monkeypatch)
+    for edits in cost.VARIANTS.values():
+        common.edited(src, dict(edits))
+    for subs in load_experiment("layout_probe", monkeypatch).VARIANTS.values():
+        common.edited(src, subs)
+    for probe in ("dw_probe", "dw_cta_probe"):
+        common.edited(src, {load_experiment(probe, monkeypatch).BASE: ""})
+    common.edited(src, {load_experiment("split_probe", monkeypatch).ONE: ""})
+    timeline = load_experiment("timeline_probe", monkeypatch)
+    stamped = common.edited(src, timeline.EDITS)
+    assert stamped.count("LAB_STAMP(") == len(timeline.EVENTS) + 2  # the six events, claim time, the macro
+    with pytest.raises(RuntimeError, match="places match"):
+        common.edited(src, {"no such line in the kernel": ""})

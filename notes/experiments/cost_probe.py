@@ -2,11 +2,11 @@
 memory to remove or double one part of the work (outputs meaningless, timing only) and times
 the heuristic tile against the shipped kernel at the same means."""
 import sys
-from lab.gemm_bench import GemmBench, problem_of, study_parser
-from lab.kernels import grouped_gemm as gg, jit
-from lab.kernels.stream_read import measure_read_roofline
 
-orig_source = jit.source
+from lab.gemm_bench import study_parser
+from lab.kernels import grouped_gemm as gg
+from probe_common import edit_kernel, start
+
 SWITCH = "    switch (frags) {\n"
 MMA_LOOP = "for (int f = 0; f < F; ++f) mma16816("
 DEC_LOOP = "item < frags * 8 * C::KSTEPS; item += 32 * C::DW)"
@@ -32,22 +32,9 @@ def main():
     ap = study_parser(__doc__, [2, 8], 10)
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
     args = ap.parse_args()
-    roof = measure_read_roofline(iterations=args.iterations)["gbps"]
-    print(f"roofline {roof:.0f} GB/s")
-    bench = GemmBench(problem_of(args), args.seed, "probe")
+    roof, bench = start(args)
     for name in args.variants:
-        edits = VARIANTS[name]
-
-        def src(fname, _seen=frozenset(), edits=edits):
-            t = orig_source(fname, _seen)
-            if fname != gg.SOURCE:
-                return t
-            for old, new in edits:
-                assert old in t, old
-                t = t.replace(old, new)
-            return t
-        jit.source = src
-        jit._module.cache_clear()
+        edit_kernel(dict(VARIANTS[name]))
         for mean in args.mean_tokens:
             for gemm in ("w13", "w2"):
                 case = bench.case(gemm, mean)

@@ -2,13 +2,12 @@
 more activation-decoder warps, so that a single CTA's decoders keep up with the whole SM's
 stages. DW is forced for every token tile; tiles and CTAs per SM from the command line."""
 import sys
-from lab.gemm_bench import GemmBench, problem_of, study_parser
-from lab.kernels import grouped_gemm as gg, jit
-from lab.kernels.stream_read import measure_read_roofline
+
+from lab.gemm_bench import study_parser
+from lab.kernels import grouped_gemm as gg
+from probe_common import edit_kernel, start
 
 BASE = "static constexpr int DW = FMAX >= 8 && FUSE == 0 ? 3 : FMAX >= 4 ? 2 : 1;"
-orig_source = jit.source
-orig_res = gg.resident_ctas
 
 
 def tile(text):
@@ -21,18 +20,9 @@ def main():
     ap.add_argument("--dw", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--tile", type=tile, action="append", required=True, help="W,R,BK,stages,ctas_per_sm")
     args = ap.parse_args()
-    roof = measure_read_roofline(iterations=args.iterations)["gbps"]
-    print(f"roofline {roof:.0f} GB/s")
-    bench = GemmBench(problem_of(args), args.seed, "probe")
+    roof, bench = start(args)
     for dw in args.dw:
-        def src(name, _seen=frozenset(), dw=dw):
-            t = orig_source(name, _seen)
-            if name != gg.SOURCE:
-                return t
-            assert BASE in t
-            return t.replace(BASE, f"static constexpr int DW = {dw};")
-        jit.source = src
-        jit._module.cache_clear()
+        edit_kernel({BASE: f"static constexpr int DW = {dw};"})
         gg.GemmConfig.decoder_warps = property(lambda self, dw=dw: dw)
         for mean in args.mean_tokens:
             for gemm in ("w13", "w2"):

@@ -2,9 +2,10 @@
 Variants of the kernel source (addressing only; the kc-major variant reads the same bytes in a
 different order, so its outputs are not meaningful): time READ_ONLY and the GEMM."""
 import sys
-from lab.gemm_bench import GemmBench, problem_of, study_parser
-from lab.kernels import grouped_gemm as gg, jit
-from lab.kernels.stream_read import measure_read_roofline
+
+from lab.gemm_bench import study_parser
+from lab.kernels import grouped_gemm as gg
+from probe_common import edit_kernel, start
 
 BASE_W = "const uint8_t* wblock = LAB_P(wprep) + ((size_t)e * NB + nb) * kchunks * C::STAGE_W;"
 BASE_C = "wblock + (size_t)kc * C::STAGE_W, C::STAGE_W,"
@@ -14,26 +15,14 @@ VARIANTS = {
     "no-activations": {"cp_async<16>(smem_addr(qdst + tr * (BK / 2) + q * 16), src);": "(void)src;",
                        "cp_async<BK / 16>(smem_addr(sdst + tr * (BK / 16)), src);": "(void)src;"},
 }
-orig_source = jit.source
 
 
 def main():
     ap = study_parser(__doc__, [2, 8, 32], 10)
     args = ap.parse_args()
-    roof = measure_read_roofline(iterations=args.iterations)["gbps"]
-    print(f"roofline {roof:.0f} GB/s")
-    bench = GemmBench(problem_of(args), args.seed, "probe")
+    roof, bench = start(args)
     for name, subs in VARIANTS.items():
-        def src(n, _seen=frozenset(), subs=subs):
-            t = orig_source(n, _seen)
-            if n != gg.SOURCE:
-                return t
-            for a, b in subs.items():
-                assert a in t, a
-                t = t.replace(a, b)
-            return t
-        jit.source = src
-        jit._module.cache_clear()
+        edit_kernel(subs)
         for mean in args.mean_tokens:
             for gemm in ("w13", "w2"):
                 case = bench.case(gemm, mean)

@@ -2,18 +2,17 @@
 alternating in one process so that both see the same machine. Needs
 notes/experiments/split_tail.patch applied (`git apply`)."""
 import sys
-from lab.gemm_bench import GemmBench, problem_of, study_parser
+
+from lab.gemm_bench import study_parser
 from lab.kernels import grouped_gemm as gg
-from lab.kernels.stream_read import measure_read_roofline
+from probe_common import start
 
 
 def main():
     ap = study_parser(__doc__, [2, 4, 8, 32], 10)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    roof = measure_read_roofline(iterations=args.iterations)["gbps"]
-    print(f"roofline {roof:.0f} GB/s")
-    bench = GemmBench(problem_of(args), args.seed, "probe")
+    roof, bench = start(args)
     for mean in args.mean_tokens:
         for gemm in ("w13", "w2"):
             case = bench.case(gemm, mean)

@@ -12,8 +12,9 @@ import sys
 
 import numpy as np
 
-from lab.gemm_bench import GemmBench, problem_of, study_parser
+from lab.gemm_bench import study_parser
 from lab.kernels import grouped_gemm as gg, jit
+from probe_common import edit_kernel, start
 
 SLOTS = 8  # per CTA: entry, compacted, first copy, first stage, consumers done, exit, units, last claim
 MAX_CTAS = 1024
@@ -23,34 +24,26 @@ STAMP = ("__device__ __forceinline__ unsigned long long lab_now() {\n"
          "  unsigned long long t;\n  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t));\n  return t;\n}\n"
          f"extern \"C\" {{ __device__ unsigned long long lab_timeline[{MAX_CTAS * SLOTS}]; }}\n"
          f"#define LAB_STAMP(i) (lab_timeline[blockIdx.x * {SLOTS} + (i)] = lab_now())\n")
-EDITS = [
-    ("namespace lab_gemm {\n", STAMP + "namespace lab_gemm {\n"),
-    ("  extern __shared__ __align__(128) uint8_t smem[];\n",
-     "  extern __shared__ __align__(128) uint8_t smem[];\n  if (threadIdx.x == 0) LAB_STAMP(0);\n"),
-    ("  if (warp == W) {\n    // ---------------- producer warp",
-     "  if (threadIdx.x == 0) LAB_STAMP(1);\n  if (warp == W) {\n    // ---------------- producer warp"),
-    ("                      full0 + 8 * s, pol);\n",
-     "                      full0 + 8 * s, pol);\n            if (it == 0) LAB_STAMP(2);\n"),
-    ("      if (done) break;\n",
-     "      if (done) {\n        if (lane == 0) {\n          lab_timeline[blockIdx.x * 8 + 6] = useq;\n"
-     "          LAB_STAMP(7);\n        }\n        break;\n      }\n"),
-    ("    mbar_wait(full0 + 8 * s, phase);\n    if (kc == 0 && pass == 0) {\n",
-     "    mbar_wait(full0 + 8 * s, phase);\n    if (warp == 0 && lane == 0 && useq == 0 && kc == 0 && pass == 0) LAB_STAMP(3);\n"
-     "    if (kc == 0 && pass == 0) {\n"),
-    ("      if (u < 0) {\n        if constexpr (C::EW != 0) {  // stop the epilogue warps",
-     "      if (u < 0) {\n        if (warp == 0 && lane == 0) LAB_STAMP(4);\n"
-     "        if constexpr (C::EW != 0) {  // stop the epilogue warps"),
-    ("finish:\n  // The last CTA to finish leaves the unit counter", "finish:\n  if (threadIdx.x == 0) LAB_STAMP(5);\n"
-     "  // The last CTA to finish leaves the unit counter"),
-]
-
-
-def edited_source(text: str) -> str:
-    for old, new in EDITS:
-        if text.count(old) != 1:
-            raise RuntimeError(f"timeline probe: anchor not found once in grouped_gemm.cu: {old[:60]!r}")
-        text = text.replace(old, new)
-    return text
+EDITS = {
+    "namespace lab_gemm {\n": STAMP + "namespace lab_gemm {\n",
+    "  extern __shared__ __align__(128) uint8_t smem[];\n":
+        "  extern __shared__ __align__(128) uint8_t smem[];\n  if (threadIdx.x == 0) LAB_STAMP(0);\n",
+    "  if (warp == W) {\n    // ---------------- producer warp":
+        "  if (threadIdx.x == 0) LAB_STAMP(1);\n  if (warp == W) {\n    // ---------------- producer warp",
+    "                      full0 + 8 * s, pol);\n":
+        "                      full0 + 8 * s, pol);\n            if (it == 0) LAB_STAMP(2);\n",
+    "      if (done) break;\n":
+        "      if (done) {\n        if (lane == 0) {\n          lab_timeline[blockIdx.x * 8 + 6] = useq;\n"
+        "          LAB_STAMP(7);\n        }\n        break;\n      }\n",
+    "    mbar_wait(full0 + 8 * s, phase);\n    if (kc == 0 && pass == 0) {\n":
+        "    mbar_wait(full0 + 8 * s, phase);\n    if (warp == 0 && lane == 0 && useq == 0 && kc == 0 && pass == 0) LAB_STAMP(3);\n"
+        "    if (kc == 0 && pass == 0) {\n",
+    "      if (u < 0) {\n        if constexpr (C::EW != 0) {  // stop the epilogue warps":
+        "      if (u < 0) {\n        if (warp == 0 && lane == 0) LAB_STAMP(4);\n"
+        "        if constexpr (C::EW != 0) {  // stop the epilogue warps",
+    "finish:\n  // The last CTA to finish leaves the unit counter":
+        "finish:\n  if (threadIdx.x == 0) LAB_STAMP(5);\n  // The last CTA to finish leaves the unit counter",
+}
 
 
 def summary(stamps: np.ndarray) -> dict:
@@ -67,18 +60,15 @@ def summary(stamps: np.ndarray) -> dict:
 def main():
     ap = study_parser(__doc__, [8, 2], 5)
     args = ap.parse_args()
-    orig = jit.source
-    jit.source = lambda name, _seen=frozenset(): edited_source(orig(name, _seen)) if name == gg.SOURCE \
-        else orig(name, _seen)
-    jit._module.cache_clear()
-    bench = GemmBench(problem_of(args), args.seed, "timeline")
+    edit_kernel(EDITS)
+    roof, bench = start(args, "timeline")
     cp = bench.cp
     report = []
     for mean in args.mean_tokens:
         for gemm in ("w13", "w2"):
             case = bench.case(gemm, mean)
             cfg = gg.heuristic(case.n, case.k, case.counts)
-            row = bench.measure(case, cfg, 4500.0, args.iterations, read_pattern=False)  # warm-up and timing
+            row = bench.measure(case, cfg, roof, args.iterations, read_pattern=False)  # warm-up and timing
             prep = bench.prepared(case.gemm, (cfg.block_n, cfg.k_step))
             stamps = cp.ndarray((MAX_CTAS, SLOTS), cp.uint64,
                                 jit._module(gg.SOURCE, (cfg.expression,)).get_global("lab_timeline"))

@@ -1,0 +1,34 @@
+"""What the GEMM probes share: the run's read roofline and bench, an in-memory edit of the
+kernel source, and a cap on CTAs per SM. Probes run as `python notes/experiments/<probe>.py`,
+which puts this directory on sys.path."""
+from lab.gemm_bench import GemmBench, problem_of
+from lab.kernels import grouped_gemm as gg, jit
+from lab.kernels.stream_read import measure_read_roofline
+
+_SHIPPED_SOURCE = jit.source
+
+
+def start(args, tag: str = "probe"):
+    """(read roofline in GB/s, GemmBench) for a probe's arguments (study_parser's)."""
+    roof = measure_read_roofline(iterations=args.iterations)["gbps"]
+    print(f"roofline {roof:.0f} GB/s", flush=True)
+    return roof, GemmBench(problem_of(args), args.seed, tag)
+
+
+def edited(text: str, subs: dict) -> str:
+    """`text` with each key replaced by its value; every key must occur exactly once, or the
+    probe would time the shipped kernel under another name."""
+    for old, new in subs.items():
+        if text.count(old) != 1:
+            raise RuntimeError(f"probe edit: {text.count(old)} places match {old[:70]!r} in {gg.SOURCE}")
+        text = text.replace(old, new)
+    return text
+
+
+def edit_kernel(subs: dict | None) -> None:
+    """Compile grouped_gemm.cu with `subs` applied from now on (None or {}: as shipped)."""
+    def source(name, _seen=frozenset()):
+        text = _SHIPPED_SOURCE(name, _seen)
+        return edited(text, subs) if subs and name == gg.SOURCE else text
+    jit.source = source
+    jit._module.cache_clear()
