@@ -155,6 +155,24 @@ def test_resident_ctas():
 
 
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
+def test_smem_mirror_equals_the_kernels_config(tmp_path):
+    """GemmConfig.smem_bytes (which sizes launches and grids) and Config<>::SMEM agree for
+    every shipped and fused instantiation: checked by static_assert in one nvcc compile."""
+    import subprocess
+
+    cfgs = sorted(set(gg.SHIPPED_CONFIGS) | set(gg.SHIPPED_FUSED), key=str)
+    lines = [f'#include "{jit.KERNEL_DIR / gg.SOURCE}"']
+    for c in cfgs:
+        conf = f"lab_gemm::Config<{c.warps}, {c.row_tiles}, {c.k_step}, {c.stages}, {c.max_frags}, {c.mma}, {c.fuse}>"
+        lines.append(f'static_assert({conf}::SMEM == {c.smem_bytes}, "{c}");')
+    unit = tmp_path / "smem.cu"
+    unit.write_text("\n".join(lines) + "\n")
+    proc = subprocess.run([jit.nvcc_path(), "-std=c++17", "-arch=sm_90a", "-c", "-o", str(tmp_path / "smem.o"),
+                           str(unit)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
 @pytest.mark.parametrize("cfg", gg.SHIPPED_CONFIGS, ids=lambda c: c.expression.split("<")[1][:-1])
 def test_shipped_configs_compile_without_spills(cfg):
     for read_only in (False, True):

@@ -115,5 +115,7 @@ def test_probe_edits_still_find_their_places_in_the_kernel(monkeypatch):
     timeline = load_experiment("timeline_probe", monkeypatch)
     stamped = common.edited(src, timeline.EDITS)
     assert stamped.count("LAB_STAMP(") == len(timeline.EVENTS) + 2  # the six events, claim time, the macro
+    layer = load_experiment("layer_timeline_probe", monkeypatch)
+    assert common.edited(src, layer.LAYER_EDITS).count("LAB_STAMP(") == len(timeline.EVENTS) + 4
     with pytest.raises(RuntimeError, match="places match"):
         common.edited(src, {"no such line in the kernel": ""})

@@ -16,24 +16,27 @@ from lab.gemm_bench import study_parser
 from lab.kernels import grouped_gemm as gg, jit
 from probe_common import edit_kernel, start
 
-SLOTS = 8  # per CTA: entry, compacted, first copy, first stage, consumers done, exit, units, last claim
+SLOTS = 12  # per CTA: entry, compacted, first copy, first stage, consumers done, exit, units, last claim,
+# and for the fused layer (layer_timeline_probe.py): first w2 claim, ns waited on ready[], last w13 claim
 MAX_CTAS = 1024
 EVENTS = ("entry", "compacted", "first_copy", "first_stage", "consumers_done", "exit")
 # extern "C": an unmangled symbol that RawModule.get_global finds by its plain name
 STAMP = ("__device__ __forceinline__ unsigned long long lab_now() {\n"
          "  unsigned long long t;\n  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t));\n  return t;\n}\n"
          f"extern \"C\" {{ __device__ unsigned long long lab_timeline[{MAX_CTAS * SLOTS}]; }}\n"
-         f"#define LAB_STAMP(i) (lab_timeline[blockIdx.x * {SLOTS} + (i)] = lab_now())\n")
+         f"#define LAB_SET(i, v) (lab_timeline[blockIdx.x * {SLOTS} + (i)] = (v))\n"
+         "#define LAB_STAMP(i) LAB_SET(i, lab_now())\n")
 EDITS = {
     "namespace lab_gemm {\n": STAMP + "namespace lab_gemm {\n",
     "  extern __shared__ __align__(128) uint8_t smem[];\n":
         "  extern __shared__ __align__(128) uint8_t smem[];\n  if (threadIdx.x == 0) LAB_STAMP(0);\n",
     "  if (warp == W) {\n    // ---------------- producer warp":
         "  if (threadIdx.x == 0) LAB_STAMP(1);\n  if (warp == W) {\n    // ---------------- producer warp",
-    "                      full0 + 8 * s, pol);\n":
-        "                      full0 + 8 * s, pol);\n            if (it == 0) LAB_STAMP(2);\n",
+    "          if (done) {\n            mbar_arrive(full0 + 8 * s);\n          } else {\n":
+        "          if (done) {\n            mbar_arrive(full0 + 8 * s);\n          } else {\n"
+        "            if (it == 0) LAB_STAMP(2);\n",
     "      if (done) break;\n":
-        "      if (done) {\n        if (lane == 0) {\n          lab_timeline[blockIdx.x * 8 + 6] = useq;\n"
+        "      if (done) {\n        if (lane == 0) {\n          LAB_SET(6, useq);\n"
         "          LAB_STAMP(7);\n        }\n        break;\n      }\n",
     "    mbar_wait(full0 + 8 * s, phase);\n    if (kc == 0 && pass == 0) {\n":
         "    mbar_wait(full0 + 8 * s, phase);\n    if (warp == 0 && lane == 0 && useq == 0 && kc == 0 && pass == 0) LAB_STAMP(3);\n"
