@@ -407,6 +407,20 @@ __device__ __forceinline__ void red_release_add(int* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// A decoder's or consumer's next stage: its k chunk and pass within the unit (by increments: no
+// division on run-time values), the ring slot and that slot's parity.
+template <int STAGES>
+__device__ __forceinline__ void advance_stage(int& kc, int& pass, int& s, uint32_t& phase, int kchunks, int passes) {
+  if (++kc == kchunks) {
+    kc = 0;
+    if (++pass == passes) pass = 0;
+  }
+  if (++s == STAGES) {
+    s = 0;
+    phase ^= 1;
+  }
+}
+
 // READ_ONLY = true runs the same grid, pipeline and copies but skips decode, MMA and stores:
 // the achievable read rate of exactly this access pattern.
 template <int W, int R, int BK, int STAGES, int FMAX, int MMA, bool READ_ONLY = false, int FUSE = 0>
@@ -695,14 +709,7 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
         }
         mbar_arrive(full0 + 8 * s);
       }
-      if (++kc == kchunks) {
-        kc = 0;
-        if (++pass == passes) pass = 0;
-      }
-      if (++s == STAGES) {
-        s = 0;
-        phase ^= 1;
-      }
+      advance_stage<STAGES>(kc, pass, s, phase, kchunks, passes);
     }
   }
 
@@ -729,16 +736,7 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
   uint32_t bad = 0;  // non-finite bf16 outputs this thread produced (FUSE bit 1)
   int epi_it = 0;    // h tiles handed to the epilogue warps
   // Stage s of the ring (phase: its use's parity); kc, pass: this stage's place in its unit.
-  auto next_stage = [&]() {
-    if (++kc == kchunks) {
-      kc = 0;
-      if (++pass == passes) pass = 0;
-    }
-    if (++s == STAGES) {
-      s = 0;
-      phase ^= 1;
-    }
-  };
+  auto next_stage = [&]() { advance_stage<STAGES>(kc, pass, s, phase, kchunks, passes); };
   for (int useq = 0;;) {
     mbar_wait(full0 + 8 * s, phase);
     if (kc == 0 && pass == 0) {
