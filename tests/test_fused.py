@@ -61,6 +61,7 @@ def test_fused_instantiations_compile_without_spills(cfg):
     info = jit.ptxas_report(gg.SOURCE, cfg.expression)
     assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
     assert info.registers <= 65536 // cfg.threads, info
+    assert not info.wgmma_serialized, info
     plain = replace(cfg, fuse=0)
     # the fused kernel keeps as many CTAs per SM as the plain one
     plain_regs = jit.ptxas_report(gg.SOURCE, plain.expression).registers

@@ -172,6 +172,43 @@ def test_smem_mirror_equals_the_kernels_config(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def _heuristic_tiles() -> list:
+    """Every tile the heuristic picks over a spread of shapes and token counts."""
+    seen = {}
+    for n in (64, 128, 192, 256, 384, 512, 4096):
+        for k in (64, 128, 320, 4096):
+            for count in (1, 9, 17, 40, 70, 300):
+                cfg = gg.heuristic(n, k, np.full(8, count))
+                seen[cfg.expression] = cfg
+    return sorted(seen.values(), key=lambda c: c.expression)
+
+
+def test_the_heuristic_picks_wgmma_for_64_token_tiles_only():
+    tiles = _heuristic_tiles()
+    for cfg in tiles:  # wgmma needs whole warpgroups of consumers
+        assert cfg.mma == (cfg.max_frags >= 8 and cfg.warps % 4 == 0), cfg
+    assert any(cfg.mma for cfg in tiles)
+
+
+@pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
+@pytest.mark.parametrize("cfg", _heuristic_tiles(), ids=lambda c: c.expression.split("<")[1][:-1])
+def test_heuristic_tiles_compile_without_spills(cfg):
+    """Tiles outside SHIPPED_CONFIGS that small shapes lead to: no spills, no serialized wgmma."""
+    info = jit.ptxas_report(gg.SOURCE, cfg.expression)
+    assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
+    assert info.registers <= 65536 // cfg.threads, info
+    assert not info.wgmma_serialized, info
+
+
+def test_ptxas_report_flags_serialized_wgmma():
+    text = ("ptxas info    : (C7518) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+            "program dependence on compiler-inserted WG.DP in divergent path in the function 'k'\n"
+            "ptxas info    : Used 150 registers, used 1 barriers, 128 bytes smem\n"
+            "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n")
+    assert jit._parse_ptxas(text, "k").wgmma_serialized
+    assert not jit._parse_ptxas(text.split("\n", 1)[1], "k").wgmma_serialized
+
+
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
 @pytest.mark.parametrize("cfg", gg.SHIPPED_CONFIGS, ids=lambda c: c.expression.split("<")[1][:-1])
 def test_shipped_configs_compile_without_spills(cfg):
@@ -179,6 +216,7 @@ def test_shipped_configs_compile_without_spills(cfg):
         info = jit.ptxas_report(gg.SOURCE, cfg.expression_for(read_only))
         assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
         assert info.registers <= 65536 // cfg.threads, info
+        assert not info.wgmma_serialized, info
 
 
 # ---------------------------------------------------------------------------------- GPU

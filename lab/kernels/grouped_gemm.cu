@@ -295,6 +295,10 @@ struct Config {
   static constexpr int STAGE_XQ = TOKENS * (BK / 2);
   static constexpr int STAGE_XS = TOKENS * (BK / 16);
   static constexpr int XF = FMAX * KSTEPS * 32 * 8;  // fp16 B fragments of one stage
+  // wgmma: k16 steps per commit group. A whole atom where registers allow (the group's and the
+  // previous group's A fragments live at once: 8 * R * GS registers); ptxas serializes every wgmma
+  // of a kernel short of them, and the CPU tests check that it does not
+  static constexpr int GS = R >= 4 ? 1 : (FUSE & 2) ? 2 : 4;
   static constexpr int OFF_BAR = 0;  // full, empty, raw per stage; then epi_full, epi_empty
   static constexpr int OFF_W = 16 * (((3 * STAGES + 2) * 8 + 15) / 16);
   static constexpr int OFF_XQ = OFF_W + STAGES * STAGE_W;
@@ -308,21 +312,28 @@ struct Config {
   static constexpr int THREADS = (W + 1 + DW + EW) * 32;
 };
 
-// One pipeline stage of one consumer warp: R row tiles x BK of prepared weights against F
-// fragments of decoded activations (fp16, in shared memory), accumulated into acc.
-template <int W, int R, int BK, int FMAX, int MMA, int F>
+// The A fragment (rows g, g+8) of k16 step jj (compile-time after unrolling) of one atom: the
+// word's eight codes, each pair times the block scale (v * 2^-14 and s are exact in fp16, and so
+// is their product).
+__device__ __forceinline__ void decode_tile(const uint4& code, const uint2& scl, int jj, uint32_t (&a)[4]) {
+  const uint32_t word = jj == 0 ? code.x : jj == 1 ? code.y : jj == 2 ? code.z : code.w;
+  const uint32_t s2 = e4m3x2_to_f16x2((jj < 2 ? scl.x : scl.y) >> (16 * (jj & 1)));
+  uint32_t p0, p1, p2, p3;
+  decode_a(word, p0, p1, p2, p3);
+  a[0] = hmul2_lo(p0, s2);
+  a[1] = hmul2_hi(p1, s2);
+  a[2] = hmul2_lo(p2, s2);
+  a[3] = hmul2_hi(p3, s2);
+}
+
+// One pipeline stage of one consumer warp (mma.sync): R row tiles x BK of prepared weights
+// against F fragments of decoded activations (fp16, in shared memory), accumulated into acc.
+template <int W, int R, int BK, int FMAX, int F>
 __device__ __forceinline__ void stage_math(float (&acc)[R][FMAX][4], const uint8_t* wst, const uint8_t* xf, int warp,
                                            int lane) {
   constexpr int KATOMS = BK / 64;
   constexpr int KSTEPS = BK / 16;
   const int g = lane >> 2;
-  const uint32_t xf_addr = smem_addr(xf);
-  uint32_t a_prev[R][4];  // wgmma: the previous step's A registers, live until retired
-  if constexpr (MMA != 0) {
-    wgmma_fence();
-#pragma unroll
-    for (int r = 0; r < R; ++r) fence_acc<FMAX>(acc[r]);
-  }
 #pragma unroll
   for (int ka = 0; ka < KATOMS; ++ka) {
     uint4 code[R];
@@ -338,56 +349,83 @@ __device__ __forceinline__ void stage_math(float (&acc)[R][FMAX][4], const uint8
     for (int jj = 0; jj < 4; ++jj) {
       const int j = ka * 4 + jj;
       uint2 b[F];
-      if constexpr (MMA == 0) {
 #pragma unroll
-        for (int f = 0; f < F; ++f) b[f] = reinterpret_cast<const uint2*>(xf)[(f * KSTEPS + j) * 32 + lane];
-      }
-      uint32_t a[R][4];
+      for (int f = 0; f < F; ++f) b[f] = reinterpret_cast<const uint2*>(xf)[(f * KSTEPS + j) * 32 + lane];
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const uint32_t word = jj == 0 ? code[r].x : jj == 1 ? code[r].y : jj == 2 ? code[r].z : code[r].w;
-        const uint32_t s2 = e4m3x2_to_f16x2((jj < 2 ? scl[r].x : scl[r].y) >> (16 * (jj & 1)));
-        uint32_t p0, p1, p2, p3;
-        decode_a(word, p0, p1, p2, p3);
-        a[r][0] = hmul2_lo(p0, s2);  // rows g, g+8
-        a[r][1] = hmul2_hi(p1, s2);
-        a[r][2] = hmul2_lo(p2, s2);
-        a[r][3] = hmul2_hi(p3, s2);
-        if constexpr (MMA == 0) {
+        uint32_t a[4];
+        decode_tile(code[r], scl[r], jj, a);
 #pragma unroll
-          for (int f = 0; f < F; ++f) mma16816(acc[r][f], a[r][0], a[r][1], a[r][2], a[r][3], b[f].x, b[f].y);
-        }
-      }
-      if constexpr (MMA != 0) {
-        // One wgmma per 64-row group per k16 step. Step j's group runs while step j+1 decodes:
-        // wait_group 1 retires step j-1, and the empty asm below keeps step j-1's A registers
-        // allocated until then (the hardware reads them asynchronously).
-        const uint64_t desc = smem_desc(xf_addr + j * FMAX * 256, 128, 256);
-        wgmma_fence();
-#pragma unroll
-        for (int r = 0; r < R; ++r) Wgmma<F, FMAX>::run(acc[r], a[r][0], a[r][1], a[r][2], a[r][3], desc);
-        wgmma_commit();
-        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-        if (j > 0) {
-#pragma unroll
-          for (int r = 0; r < R; ++r)
-            asm volatile("" ::"r"(a_prev[r][0]), "r"(a_prev[r][1]), "r"(a_prev[r][2]), "r"(a_prev[r][3]));
-        }
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) a_prev[r][i] = a[r][i];
+        for (int f = 0; f < F; ++f) mma16816(acc[r][f], a[0], a[1], a[2], a[3], b[f].x, b[f].y);
       }
     }
   }
-  if constexpr (MMA != 0) {
-    wgmma_wait_all();
+}
+
+// One pipeline stage of one consumer warpgroup (wgmma): per group of GS k16 steps, decode the
+// A fragments of every row tile, then one wgmma per (step, 64-row group), all in one commit
+// group. wait_group 1 then retires the previous group, so a group runs while the next one
+// decodes; `hold` keeps the previous group's A registers allocated until it retires (the
+// hardware reads them asynchronously). The stage ends with every group retired: a group left
+// running across the consumer loop's branches makes ptxas serialize every wgmma of the kernel.
+template <int W, int R, int BK, int FMAX, int GS, int F>
+__device__ __forceinline__ void stage_wgmma(float (&acc)[R][FMAX][4], const uint8_t* wst, const uint8_t* xf, int warp,
+                                            int lane) {
+  constexpr int KATOMS = BK / 64;
+  static_assert(4 % GS == 0, "a wgmma group takes 1, 2 or 4 k16 steps of one atom");
+  const int g = lane >> 2;
+  const uint32_t xf_addr = smem_addr(xf);
+  uint4 code[R];
+  uint2 scl[R];
+  auto load = [&](int ka) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* atom = wst + ((r * W + warp) * KATOMS + ka) * ATOM_BYTES;
+      code[r] = *reinterpret_cast<const uint4*>(atom + lane * 16);
+      scl[r] = *reinterpret_cast<const uint2*>(atom + ATOM_CODE_BYTES + g * 8);
+    }
+  };
+  auto keep = [](const uint32_t (&h)[R][GS][4]) {
 #pragma unroll
     for (int r = 0; r < R; ++r)
-      asm volatile("" ::"r"(a_prev[r][0]), "r"(a_prev[r][1]), "r"(a_prev[r][2]), "r"(a_prev[r][3]));
 #pragma unroll
-    for (int r = 0; r < R; ++r) fence_acc<FMAX>(acc[r]);
+      for (int q = 0; q < GS; ++q)
+        asm volatile("" ::"r"(h[r][q][0]), "r"(h[r][q][1]), "r"(h[r][q][2]), "r"(h[r][q][3]));
+  };
+  uint32_t hold[R][GS][4];
+  load(0);
+#pragma unroll
+  for (int ka = 0; ka < KATOMS; ++ka) {
+#pragma unroll
+    for (int jg = 0; jg < 4 / GS; ++jg) {
+      uint32_t a[R][GS][4];
+#pragma unroll
+      for (int q = 0; q < GS; ++q)
+#pragma unroll
+        for (int r = 0; r < R; ++r) decode_tile(code[r], scl[r], jg * GS + q, a[r][q]);
+      if (jg == 4 / GS - 1 && ka + 1 < KATOMS) load(ka + 1);  // in flight while the group issues
+      wgmma_fence();
+#pragma unroll
+      for (int q = 0; q < GS; ++q) {
+        const uint64_t desc = smem_desc(xf_addr + (ka * 4 + jg * GS + q) * FMAX * 256, 128, 256);
+#pragma unroll
+        for (int r = 0; r < R; ++r) Wgmma<F, FMAX>::run(acc[r], a[r][q][0], a[r][q][1], a[r][q][2], a[r][q][3], desc);
+      }
+      wgmma_commit();
+      asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+      if (ka + jg > 0) keep(hold);
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int q = 0; q < GS; ++q)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) hold[r][q][i] = a[r][q][i];
+    }
   }
+  wgmma_wait_all();
+  keep(hold);
+#pragma unroll
+  for (int r = 0; r < R; ++r) fence_acc<FMAX>(acc[r]);
 }
 
 // FUSE bit 0: problem 0's epilogue is SwiGLU + NVFP4 quantize instead of the fp32 store. Its
@@ -780,7 +818,12 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
     // (each cost an ISETP and a WARPSYNC) and, for wgmma, a single instruction shape.
     switch (frags) {
 #define LAB_STAGE_CASE(F) \
-      case F: if constexpr (F <= FMAX) stage_math<W, R, BK, FMAX, MMA, F>(acc, wst, xf, warp, lane); break;
+      case F:                                                                                              \
+        if constexpr (F <= FMAX) {                                                                         \
+          if constexpr (MMA == 0) stage_math<W, R, BK, FMAX, F>(acc, wst, xf, warp, lane);                 \
+          else stage_wgmma<W, R, BK, FMAX, C::GS, F>(acc, wst, xf, warp, lane);                            \
+        }                                                                                                  \
+        break;
       LAB_STAGE_CASE(1) LAB_STAGE_CASE(2) LAB_STAGE_CASE(3) LAB_STAGE_CASE(4)
       LAB_STAGE_CASE(5) LAB_STAGE_CASE(6) LAB_STAGE_CASE(7) LAB_STAGE_CASE(8)
 #undef LAB_STAGE_CASE

@@ -439,7 +439,11 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None) -> 
         stages, cap = max(2, min(8, (54 * 1024) // stage_w)), 2
     else:
         stages, cap = max(3, min(8, (80 * 1024) // stage_w)), 0
-    cfg = GemmConfig(warps, row_tiles, k_step, stages, frags, ctas_per_sm=cap)
+    # 64-token tiles: wgmma, one commit group per k atom (results/probes_gemm_v12.json, @32 in one
+    # run: w13 57.7 vs 54.6%, w2 57.8 vs 55.3% with mma.sync). Smaller tiles stay on mma.sync,
+    # which wgmma did not beat there (results/bench_gemm_wgmma_v9.json).
+    mma = 1 if frags >= 8 and warps % 4 == 0 else 0
+    cfg = GemmConfig(warps, row_tiles, k_step, stages, frags, mma, ctas_per_sm=cap)
     while cfg.smem_bytes + 4096 > SMEM_LIMIT and cfg.stages > 2:
         cfg = replace(cfg, stages=cfg.stages - 1)
     return cfg.validate(n, k)

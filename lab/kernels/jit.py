@@ -76,6 +76,7 @@ class PtxasInfo:
     spill_stores: int
     spill_loads: int
     smem_static: int
+    wgmma_serialized: bool  # ptxas's "Potential Performance Loss: wgmma ... serialized"
 
 
 def nvcc_path() -> str | None:
@@ -113,4 +114,5 @@ def _parse_ptxas(text: str, expression: str) -> PtxasInfo:
     if not (regs and frame):
         raise RuntimeError(f"could not parse ptxas output for {expression}:\n{text[:2000]}")
     return PtxasInfo(expression, int(regs.group(1)), int(frame.group(1)), int(frame.group(2)),
-                     int(frame.group(3)), int(smem.group(1)) if smem else 0)
+                     int(frame.group(3)), int(smem.group(1)) if smem else 0,
+                     bool(re.search(r"wgmma\S* instructions are serialized", text)))

@@ -10,7 +10,7 @@ from probe_common import edit_kernel, start
 SWITCH = "    switch (frags) {\n"
 MMA_LOOP = "for (int f = 0; f < F; ++f) mma16816("
 DEC_LOOP = "item < frags * 8 * C::KSTEPS; item += 32 * C::DW)"
-CALL = "stage_math<W, R, BK, FMAX, MMA, F>(acc, wst, xf, warp, lane);"
+CALL = "stage_math<W, R, BK, FMAX, F>(acc, wst, xf, warp, lane);"
 VARIANTS = {
     "shipped": [],
     # every stage's consumers do one fragment's work (decoder still decodes all)
@@ -20,7 +20,8 @@ VARIANTS = {
     # decoder warps skip the decode (B fragments stale)
     "no-decoder": [(DEC_LOOP, "item < 0 * frags; item += 32 * C::DW)")],
     # consumers do half of each stage's math (the first k atom only)
-    "consumer-half": [("for (int ka = 0; ka < KATOMS; ++ka) {", "for (int ka = 0; ka < (KATOMS + 1) / 2; ++ka) {")],
+    "consumer-half": [("for (int ka = 0; ka < KATOMS; ++ka) {\n    uint4 code[R];",
+                       "for (int ka = 0; ka < (KATOMS + 1) / 2; ++ka) {\n    uint4 code[R];")],
     # the epilogue's stores skipped (accumulators still zeroed per pass)
     "no-store": [("if (out != nullptr) {", "if (out != nullptr && count < 0) {")],
     # consumers run every stage's math twice

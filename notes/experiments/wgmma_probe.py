@@ -1,0 +1,78 @@
+"""Probe: the wgmma consumers at large token tiles. Each commit group holds GS k16 steps (the
+kernel's Config::GS, edited in memory); tiles, means and GS values from the command line. Every
+row is checked against float64 on a sample of experts and for unwritten outputs, except the
+removal variants (one part of the work edited out of the source: timing only)."""
+import sys
+
+import numpy as np
+
+from lab.gemm_bench import study_parser, write_json
+from lab.kernels import grouped_gemm as gg
+from probe_common import edit_kernel, start
+
+BASE = "static constexpr int GS = R >= 4 ? 1 : (FUSE & 2) ? 2 : 4;"
+WG = "for (int r = 0; r < R; ++r) Wgmma<F, FMAX>::run(acc[r], a[r][q][0], a[r][q][1], a[r][q][2], a[r][q][3], desc);"
+VARIANTS = {
+    "as-is": {},
+    # decoder warps skip the activation decode (B stale)
+    "no-decoder": {"item < frags * 8 * C::KSTEPS; item += 32 * C::DW)": "item < 0 * frags; item += 32 * C::DW)"},
+    # consumers decode A but issue no wgmma
+    "no-wgmma": {WG: 'for (int r = 0; r < R; ++r) asm volatile("" ::"r"(a[r][q][0]), "r"(a[r][q][1]), '
+                     '"r"(a[r][q][2]), "r"(a[r][q][3]), "l"(desc));'},
+    # A registers straight from the loaded codes, no bit decode or scale multiply
+    "no-a-decode": {"for (int r = 0; r < R; ++r) decode_tile(code[r], scl[r], jg * GS + q, a[r][q]);":
+                    "for (int r = 0; r < R; ++r) { a[r][q][0] = code[r].x; a[r][q][1] = code[r].y; "
+                    "a[r][q][2] = code[r].z ^ q; a[r][q][3] = scl[r].x ^ jg; }"},
+    # every stage as one 8-token fragment (wgmma N = 8)
+    "n8": {"    switch (frags) {\n": "    switch (frags > 1 ? 1 : frags) {\n"},
+    # the epilogue's stores skipped
+    "no-store": {"if (out != nullptr) {": "if (out != nullptr && count < 0) {"},
+}
+
+
+def tile(text):
+    w, r, bk, st, mma, ctas = (int(v) for v in text.split(","))
+    return w, r, bk, st, mma, ctas
+
+
+def main():
+    ap = study_parser(__doc__, [32, 8], 10)
+    ap.add_argument("--gs", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--tile", type=tile, action="append", help="W,R,BK,stages,mma,ctas_per_sm (default: heuristic)")
+    ap.add_argument("--gemms", nargs="+", default=["w13", "w2"])
+    ap.add_argument("--check-experts", type=int, default=4)
+    ap.add_argument("--variants", nargs="+", default=["as-is"], choices=list(VARIANTS))
+    args = ap.parse_args()
+    roof, bench = start(args)
+    rows = []
+    rng = np.random.default_rng(args.seed)
+    for gs, variant in [(gs, v) for gs in args.gs for v in args.variants]:
+        edit_kernel({BASE: f"static constexpr int GS = {gs};", **VARIANTS[variant]})
+        for mean in args.mean_tokens:
+            for gemm in args.gemms:
+                case = bench.case(gemm, mean)
+                base = gg.heuristic(case.n, case.k, case.counts)
+                tiles = args.tile or [(base.warps, base.row_tiles, base.k_step, base.stages, 1, base.ctas_per_sm)]
+                for w, r, bk, st, mma, ctas in tiles:
+                    if mma == 0 and (gs != args.gs[0] or variant != args.variants[0]):
+                        continue  # GS and the variants only shape the wgmma path
+                    cfg = gg.GemmConfig(w, r, bk, st, base.max_frags, mma, ctas_per_sm=ctas)
+                    try:
+                        cfg.validate(case.n, case.k)
+                    except ValueError as e:
+                        print(f"skip {cfg}: {e}")
+                        continue
+                    row = bench.measure(case, cfg, roof, args.iterations, read_pattern=False)
+                    active = np.flatnonzero(case.counts)
+                    sample = rng.choice(active, size=min(args.check_experts, active.size), replace=False)
+                    row["rel_err"] = bench.check(case, np.sort(sample)) if variant == "as-is" else float("nan")
+                    row.update(gs=gs, variant=variant)
+                    rows.append(row)
+                    print(f"{variant:11s} GS {gs} {gemm} @{mean:g} {w},{r},{bk},{st} mma{mma} F{cfg.max_frags} x{ctas}: "
+                          f"{row['ms']:.3f} ms {row['roof_pct']:.1f}% err {row['rel_err']:.1e} "
+                          f"unwritten {row['unwritten']}", flush=True)
+    write_json(args.json, "notes/experiments/wgmma_probe.py", read_roofline_gbps=roof, rows=rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
