@@ -11,14 +11,10 @@ from lab.kernels import grouped_gemm as gg
 from probe_common import edit_kernel, start
 
 BASE = "static constexpr int GS = R >= 4 ? 1 : (FUSE & 2) ? 2 : 4;"
-WG = "for (int r = 0; r < R; ++r) Wgmma<F, FMAX>::run(acc[r], a[r][q][0], a[r][q][1], a[r][q][2], a[r][q][3], desc);"
 VARIANTS = {
     "as-is": {},
     # decoder warps skip the activation decode (B stale)
     "no-decoder": {"item < frags * 8 * C::KSTEPS; item += 32 * C::DW)": "item < 0 * frags; item += 32 * C::DW)"},
-    # consumers decode A but issue no wgmma
-    "no-wgmma": {WG: 'for (int r = 0; r < R; ++r) asm volatile("" ::"r"(a[r][q][0]), "r"(a[r][q][1]), '
-                     '"r"(a[r][q][2]), "r"(a[r][q][3]), "l"(desc));'},
     # A registers straight from the loaded codes, no bit decode or scale multiply
     "no-a-decode": {"for (int r = 0; r < R; ++r) decode_tile(code[r], scl[r], jg * GS + q, a[r][q]);":
                     "for (int r = 0; r < R; ++r) { a[r][q][0] = code[r].x; a[r][q][1] = code[r].y; "
@@ -27,6 +23,8 @@ VARIANTS = {
     "n8": {"    switch (frags) {\n": "    switch (frags > 1 ? 1 : frags) {\n"},
     # the epilogue's stores skipped
     "no-store": {"if (out != nullptr) {": "if (out != nullptr && count < 0) {"},
+    # every stage at the full width N = 8 * FMAX (what notes/experiments/xstage.patch implies)
+    "n-full": {"    switch (frags) {\n": "    switch (FMAX) {\n"},
 }
 
 
