@@ -34,7 +34,9 @@ ALU_OPS = {
 
 
 def source(n: int, chains: int, rs: bool, kind: str, steps: int = 1, alu: int = 0, alt: bool = False,
-           alu_op: str = "ffma") -> str:
+           alu_op: str = "ffma", split: bool = False) -> str:
+    """split: the ALU work runs on a second warpgroup of its own, the first issues the MMAs."""
+    mma_alu = 0 if split else alu
     regs = n // 2
     sets = 2 if alt else 1
     if kind == "wgmma":
@@ -50,7 +52,7 @@ def source(n: int, chains: int, rs: bool, kind: str, steps: int = 1, alu: int = 
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     // ptxas spreads these ALU instructions among the group's wgmmas, as it would a decode
 #pragma unroll
-    for (int i = 0; i < {alu}; ++i)
+    for (int i = 0; i < {mma_alu}; ++i)
 #pragma unroll
       for (int x = 0; x < 8; ++x) {ALU_OPS[alu_op]}
     asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");'''
@@ -64,7 +66,7 @@ def source(n: int, chains: int, rs: bool, kind: str, steps: int = 1, alu: int = 
                    : "+f"(acc[c][0]), "+f"(acc[c][1]), "+f"(acc[c][2]), "+f"(acc[c][3])
                    : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(a0), "r"(a1));''' + f'''
 #pragma unroll
-    for (int i = 0; i < {alu}; ++i)
+    for (int i = 0; i < {mma_alu}; ++i)
 #pragma unroll
       for (int x = 0; x < 8; ++x) {ALU_OPS[alu_op]}'''
         tail = ""
@@ -91,10 +93,20 @@ extern "C" __global__ void rate(float* out, long long* cycles, int iters) {{
 #pragma unroll
   for (int x = 0; x < 8; ++x) {{ w[x] = (float)(threadIdx.x + x); wi[x] = threadIdx.x * 0x9E3779B9u + x; }}
   const long long t0 = clock64();
+  if ({int(split)} && threadIdx.x >= 128) {{
+    for (int it = 0; it < iters; ++it) {{
+#pragma unroll
+      for (int i = 0; i < {alu}; ++i)
+#pragma unroll
+        for (int x = 0; x < 8; ++x) {ALU_OPS[alu_op]}
+    }}
+  }} else {{
 #pragma unroll 2
   for (int it = 0; it < iters; ++it) {{{body}
   }}
   {tail}
+  }}
+  __syncthreads();
   const long long t1 = clock64();
   float s = w[0] + w[1] + w[2] + w[3] + w[4] + w[5] + w[6] + w[7] + (float)(wi[0] ^ wi[1] ^ wi[2] ^ wi[3] ^ wi[4] ^ wi[5] ^ wi[6] ^ wi[7]);
 #pragma unroll
@@ -116,6 +128,8 @@ def main():
     ap.add_argument("--alu", type=int, nargs="+", default=[0],
                     help="x8 independent FMAs per thread between a group's commit and its wait")
     ap.add_argument("--no-mma-sync", action="store_true")
+    ap.add_argument("--split", type=int, nargs="+", default=[0],
+                    help="1: the ALU work on a warpgroup of its own (the MMAs on warpgroup 0 only)")
     ap.add_argument("--alu-op", nargs="+", default=["ffma"], choices=list(ALU_OPS))
     ap.add_argument("--alt", type=int, nargs="+", default=[0],
                     help="1: consecutive groups use two accumulator sets (a group never waits on the last)")
@@ -133,9 +147,10 @@ def main():
               for c in args.chains for st in args.steps for alu in args.alu for alt in args.alt
               if c * n // 2 * (1 + alt) <= 128]  # accumulators fit
     cases = [c + (op,) for c in cases for op in (args.alu_op if c[6] else args.alu_op[:1])]
-    for name, n, chains, wgs, rs, steps, alu, alt, op in cases:
+    cases = [c + (sp,) for c in cases for sp in args.split if not (sp and (c[3] != 2 or not c[6]))]
+    for name, n, chains, wgs, rs, steps, alu, alt, op, split in cases:
         kind = "mma" if name == "mma.sync" else "wgmma"
-        mod = cp.RawModule(code=source(n, chains, rs, kind, steps, alu, bool(alt), op), options=("-arch=sm_90a", "-std=c++17"))
+        mod = cp.RawModule(code=source(n, chains, rs, kind, steps, alu, bool(alt), op, bool(split)), options=("-arch=sm_90a", "-std=c++17"))
         k = mod.get_function("rate")
         threads = 128 * wgs
         out = cp.zeros(sms * threads, cp.float32)
@@ -145,12 +160,12 @@ def main():
         cp.cuda.Device().synchronize()
         cycles = float(cyc.get().mean())
         # instructions per SM: per warpgroup ITERS * chains wgmma; mma.sync per warp
-        inst = ITERS * chains * steps * wgs * (4 if kind == "mma" else 1)
+        inst = ITERS * chains * steps * (1 if split else wgs) * (4 if kind == "mma" else 1)
         fma = inst * (16 * 8 * 16 if kind == "mma" else 64 * n * 16)
-        row = {"instr": name, "n": n, "chains": chains, "steps": steps, "alu": alu, "alu_op": op, "alt": alt, "warpgroups": wgs,
+        row = {"instr": name, "n": n, "chains": chains, "steps": steps, "alu": alu, "alu_op": op, "alt": alt, "split": split, "warpgroups": wgs,
                "cycles_per_instr": cycles / inst, "cycles_per_group": cycles / ITERS, "fma_per_cycle": fma / cycles}
         rows.append(row)
-        print(f"{name:9s} N {n:3d} chains {chains} steps {steps} alu {alu:3d} {op:5s} alt {alt} WGs {wgs}: {cycles / inst:6.1f} "
+        print(f"{name:9s} N {n:3d} chains {chains} steps {steps} alu {alu:3d} {op:5s} alt {alt} split {split} WGs {wgs}: {cycles / inst:6.1f} "
               f"cycles/instr/SM, {cycles / ITERS:7.1f} cycles/group, {fma / cycles:6.0f} FMA/cycle/SM", flush=True)
     if args.json:
         with open(args.json, "w") as f:
