@@ -11,6 +11,8 @@ from lab.kernels import grouped_gemm as gg
 from probe_common import edit_kernel, start
 
 BASE = "static constexpr int GS = R >= 4 ? 1 : (FUSE & 2) ? 2 : 4;"
+SCALE = ("a[0] = hmul2_lo(p0, s2);\n  a[1] = hmul2_hi(p1, s2);\n  a[2] = hmul2_lo(p2, s2);\n"
+         "  a[3] = hmul2_hi(p3, s2);")
 VARIANTS = {
     "as-is": {},
     # decoder warps skip the activation decode (B stale)
@@ -23,6 +25,11 @@ VARIANTS = {
     "n8": {"    switch (frags) {\n": "    switch (frags > 1 ? 1 : frags) {\n"},
     # the epilogue's stores skipped
     "no-store": {"if (out != nullptr) {": "if (out != nullptr && count < 0) {"},
+    # the weight decode without its scale multiply (4 HMUL2 per word on the FMA pipe)
+    "no-scale": {SCALE: "a[0] = p0;\n  a[1] = p1;\n  a[2] = p2;\n  a[3] = p3;"},
+    # the scale applied by one ALU-pipe PRMT per register instead of an HMUL2 (wrong values)
+    "scale-prmt": {SCALE: "\n".join(f'  asm("prmt.b32 %0, %1, %2, 0x3254;" : "=r"(a[{i}]) : "r"(p{i}), "r"(s2));'
+                                     for i in range(4)).lstrip()},
     # every stage at the full width N = 8 * FMAX (what notes/experiments/xstage.patch implies)
     "n-full": {"    switch (frags) {\n": "    switch (FMAX) {\n"},
 }
