@@ -112,6 +112,9 @@ def test_probe_edits_still_find_their_places_in_the_kernel(monkeypatch):
     for probe in ("dw_probe", "dw_cta_probe"):
         common.edited(src, {load_experiment(probe, monkeypatch).BASE: ""})
     common.edited(src, {load_experiment("split_probe", monkeypatch).ONE: ""})
+    wgmma = load_experiment("wgmma_probe", monkeypatch)
+    for subs in wgmma.VARIANTS.values():
+        common.edited(src, {wgmma.BASE: "", **subs})
     timeline = load_experiment("timeline_probe", monkeypatch)
     stamped = common.edited(src, timeline.EDITS)
     assert stamped.count("LAB_STAMP(") == len(timeline.EVENTS) + 2  # the six events, claim time, the macro
