@@ -30,6 +30,10 @@ VARIANTS = {
     # the scale applied by one ALU-pipe PRMT per register instead of an HMUL2 (wrong values)
     "scale-prmt": {SCALE: "\n".join(f'  asm("prmt.b32 %0, %1, %2, 0x3254;" : "=r"(a[{i}]) : "r"(p{i}), "r"(s2));'
                                      for i in range(4)).lstrip()},
+    # the weight decode's right shift as IMAD.HI (FMA pipe) instead of SHF (ALU pipe); same values
+    "rshift-imad": {"  p3 = (w ^ (w >> 3)) & DECODE_MASK;":
+                    '  uint32_t w3;\n  asm("mul.hi.u32 %0, %1, 0x20000000;" : "=r"(w3) : "r"(w));\n'
+                    "  p3 = (w ^ w3) & DECODE_MASK;"},
     # every stage at the full width N = 8 * FMAX (what notes/experiments/xstage.patch implies)
     "n-full": {"    switch (frags) {\n": "    switch (FMAX) {\n"},
 }
@@ -59,8 +63,8 @@ def main():
                 base = gg.heuristic(case.n, case.k, case.counts)
                 tiles = args.tile or [(base.warps, base.row_tiles, base.k_step, base.stages, 1, base.ctas_per_sm)]
                 for w, r, bk, st, mma, ctas in tiles:
-                    if mma == 0 and (gs != args.gs[0] or variant != args.variants[0]):
-                        continue  # GS and the variants only shape the wgmma path
+                    if mma == 0 and gs != args.gs[0]:
+                        continue  # GS only shapes the wgmma path
                     cfg = gg.GemmConfig(w, r, bk, st, base.max_frags, mma, ctas_per_sm=ctas)
                     try:
                         cfg.validate(case.n, case.k)
@@ -70,7 +74,8 @@ def main():
                     row = bench.measure(case, cfg, roof, args.iterations, read_pattern=False)
                     active = np.flatnonzero(case.counts)
                     sample = rng.choice(active, size=min(args.check_experts, active.size), replace=False)
-                    row["rel_err"] = bench.check(case, np.sort(sample)) if variant == "as-is" else float("nan")
+                    checked = variant in ("as-is", "rshift-imad")  # the others change the values
+                    row["rel_err"] = bench.check(case, np.sort(sample)) if checked else float("nan")
                     row.update(gs=gs, variant=variant)
                     rows.append(row)
                     print(f"{variant:11s} GS {gs} {gemm} @{mean:g} {w},{r},{bk},{st} mma{mma} F{cfg.max_frags} x{ctas}: "
