@@ -11,6 +11,8 @@ from lab.kernels import grouped_gemm as gg
 from probe_common import edit_kernel, start
 
 BASE = "static constexpr int GS = R >= 4 ? 1 : (FUSE & 2) ? 2 : 4;"
+DW_BASE = "static constexpr int DW = FMAX >= 8 && FUSE == 0 ? 3 : FMAX >= 4 ? 2 : 1;"
+SHIPPED_DW = gg.GemmConfig.decoder_warps
 SCALE = ("a[0] = hmul2_lo(p0, s2);\n  a[1] = hmul2_hi(p1, s2);\n  a[2] = hmul2_lo(p2, s2);\n"
          "  a[3] = hmul2_hi(p3, s2);")
 VARIANTS = {
@@ -51,12 +53,17 @@ def main():
     ap.add_argument("--gemms", nargs="+", default=["w13", "w2"])
     ap.add_argument("--check-experts", type=int, default=4)
     ap.add_argument("--variants", nargs="+", default=["as-is"], choices=list(VARIANTS))
+    ap.add_argument("--dw", type=int, nargs="+", default=[0], help="activation-decoder warps (0: as shipped)")
     args = ap.parse_args()
     roof, bench = start(args)
     rows = []
     rng = np.random.default_rng(args.seed)
-    for gs, variant in [(gs, v) for gs in args.gs for v in args.variants]:
-        edit_kernel({BASE: f"static constexpr int GS = {gs};", **VARIANTS[variant]})
+    for gs, variant, dw in [(gs, v, dw) for gs in args.gs for v in args.variants for dw in args.dw]:
+        subs = {BASE: f"static constexpr int GS = {gs};", **VARIANTS[variant]}
+        if dw:
+            subs[DW_BASE] = f"static constexpr int DW = {dw};"
+        gg.GemmConfig.decoder_warps = property(lambda self, dw=dw: dw) if dw else SHIPPED_DW
+        edit_kernel(subs)
         for mean in args.mean_tokens:
             for gemm in args.gemms:
                 case = bench.case(gemm, mean)
@@ -76,9 +83,9 @@ def main():
                     sample = rng.choice(active, size=min(args.check_experts, active.size), replace=False)
                     checked = variant in ("as-is", "rshift-imad")  # the others change the values
                     row["rel_err"] = bench.check(case, np.sort(sample)) if checked else float("nan")
-                    row.update(gs=gs, variant=variant)
+                    row.update(gs=gs, variant=variant, dw=dw or cfg.decoder_warps)
                     rows.append(row)
-                    print(f"{variant:11s} GS {gs} {gemm} @{mean:g} {w},{r},{bk},{st} mma{mma} F{cfg.max_frags} x{ctas}: "
+                    print(f"{variant:11s} GS {gs} DW {dw or cfg.decoder_warps} {gemm} @{mean:g} {w},{r},{bk},{st} mma{mma} F{cfg.max_frags} x{ctas}: "
                           f"{row['ms']:.3f} ms {row['roof_pct']:.1f}% err {row['rel_err']:.1e} "
                           f"unwritten {row['unwritten']}", flush=True)
     write_json(args.json, "notes/experiments/wgmma_probe.py", read_roofline_gbps=roof, rows=rows)
