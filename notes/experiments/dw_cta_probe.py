@@ -5,7 +5,7 @@ import sys
 
 from lab.gemm_bench import study_parser
 from lab.kernels import grouped_gemm as gg
-from probe_common import edit_kernel, start
+from probe_common import edit_kernel, measure_tile, start
 
 BASE = "static constexpr int DW = FMAX >= 8 && FUSE == 0 ? 3 : FMAX >= 4 ? 2 : 1;"
 
@@ -30,12 +30,9 @@ def main():
                 base = gg.heuristic(case.n, case.k, case.counts)
                 for (w, r, bk, st), ctas in args.tile:
                     cfg = gg.GemmConfig(w, r, bk, st, base.max_frags, ctas_per_sm=ctas)
-                    try:
-                        cfg.validate(case.n, case.k)
-                    except ValueError as e:
-                        print(f"skip {cfg}: {e}")
+                    row = measure_tile(bench, case, cfg, roof, args.iterations)
+                    if row is None:
                         continue
-                    row = bench.measure(case, cfg, roof, args.iterations, read_pattern=False)
                     print(f"DW {dw} {gemm} @{mean:g} {w},{r},{bk},{st} F{cfg.max_frags} x{ctas}: "
                           f"{row['ms']:.3f} ms {row['roof_pct']:.1f}%", flush=True)
 

@@ -4,7 +4,7 @@ import sys
 
 from lab.gemm_bench import study_parser
 from lab.kernels import grouped_gemm as gg
-from probe_common import start
+from probe_common import measure_tile, start
 
 # (warps, row tiles, k step, stages[, mma]), CTAs per SM
 CASES = [((4, 4, 128, 4), 2), ((4, 4, 128, 3), 3), ((4, 4, 128, 3), 2), ((4, 4, 128, 2), 3), ((4, 4, 128, 3, 1), 3)]
@@ -21,12 +21,9 @@ def main():
             for tile, ctas in CASES:
                 w, r, bk, st, *mma = tile
                 cfg = gg.GemmConfig(w, r, bk, st, base.max_frags, mma=mma[0] if mma else 0, ctas_per_sm=ctas)
-                try:
-                    cfg.validate(case.n, case.k)
-                except ValueError as e:
-                    print(f"skip {tile} F{base.max_frags}: {e}")
+                row = measure_tile(bench, case, cfg, roof, args.iterations, read_pattern=True)
+                if row is None:
                     continue
-                row = bench.measure(case, cfg, roof, args.iterations)
                 inflight = cfg.bytes_in_flight * ctas // 1024
                 print(f"{gemm} @{mean:g} {tile} F{cfg.max_frags} x{ctas} CTA/SM ({inflight} KB/SM): gemm {row['ms']:.3f} ms "
                       f"{row['roof_pct']:.1f}%  pattern {row['read_pattern_ms']:.3f} ms {row['read_pattern_roof_pct']:.1f}%",

@@ -15,6 +15,17 @@ def start(args, tag: str = "probe"):
     return roof, GemmBench(problem_of(args), args.seed, tag)
 
 
+def measure_tile(bench, case, cfg, roof: float, iterations: int, read_pattern: bool = False) -> dict | None:
+    """`bench.measure` of `cfg` on `case`, or None (with a line saying why) for a tile the
+    problem cannot take."""
+    try:
+        cfg.validate(case.n, case.k)
+    except ValueError as e:
+        print(f"skip {cfg}: {e}")
+        return None
+    return bench.measure(case, cfg, roof, iterations, read_pattern=read_pattern)
+
+
 def edited(text: str, subs: dict) -> str:
     """`text` with each key replaced by its value; every key must occur exactly once, or the
     probe would time the shipped kernel under another name."""

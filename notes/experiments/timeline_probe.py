@@ -7,12 +7,11 @@ instructions per CTA. Written and compiled for sm_90a without a GPU; to be run o
 
     python notes/experiments/timeline_probe.py --mean-tokens 8 2 --json results/timeline_gemm.json
 """
-import json
 import sys
 
 import numpy as np
 
-from lab.gemm_bench import study_parser
+from lab.gemm_bench import study_parser, write_json
 from lab.kernels import grouped_gemm as gg, jit
 from probe_common import edit_kernel, start
 
@@ -86,10 +85,7 @@ def main():
                 print(f"  {name:15s} min {v[0]:9.1f}  median {v[50]:9.1f}  max {v[100]:9.1f}", flush=True)
             report.append({"gemm": gemm, "mean_tokens": mean, "config": cfg.__dict__, "ctas": int(used.shape[0]),
                            "timed_ms": row["ms"], "us_from_first_entry": s})
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"script": "notes/experiments/timeline_probe.py", "argv": sys.argv[1:], "runs": report}, f,
-                      indent=1)
+    write_json(args.json, "notes/experiments/timeline_probe.py", runs=report)
 
 
 if __name__ == "__main__":

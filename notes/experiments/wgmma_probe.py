@@ -8,7 +8,7 @@ import numpy as np
 
 from lab.gemm_bench import study_parser, write_json
 from lab.kernels import grouped_gemm as gg
-from probe_common import edit_kernel, start
+from probe_common import edit_kernel, measure_tile, start
 
 BASE = "static constexpr int GS = R >= 4 ? 1 : (FUSE & 2) ? 2 : 4;"
 DW_BASE = "static constexpr int DW = FMAX >= 8 && FUSE == 0 ? 3 : FMAX >= 4 ? 2 : 1;"
@@ -73,20 +73,17 @@ def main():
                     if mma == 0 and gs != args.gs[0]:
                         continue  # GS only shapes the wgmma path
                     cfg = gg.GemmConfig(w, r, bk, st, base.max_frags, mma, ctas_per_sm=ctas)
-                    try:
-                        cfg.validate(case.n, case.k)
-                    except ValueError as e:
-                        print(f"skip {cfg}: {e}")
+                    row = measure_tile(bench, case, cfg, roof, args.iterations)
+                    if row is None:
                         continue
-                    row = bench.measure(case, cfg, roof, args.iterations, read_pattern=False)
                     active = np.flatnonzero(case.counts)
                     sample = rng.choice(active, size=min(args.check_experts, active.size), replace=False)
                     checked = variant in ("as-is", "rshift-imad")  # the others change the values
                     row["rel_err"] = bench.check(case, np.sort(sample)) if checked else float("nan")
                     row.update(gs=gs, variant=variant, dw=dw or cfg.decoder_warps)
                     rows.append(row)
-                    print(f"{variant:11s} GS {gs} DW {dw or cfg.decoder_warps} {gemm} @{mean:g} {w},{r},{bk},{st} mma{mma} F{cfg.max_frags} x{ctas}: "
-                          f"{row['ms']:.3f} ms {row['roof_pct']:.1f}% err {row['rel_err']:.1e} "
+                    print(f"{variant:11s} GS {gs} DW {dw or cfg.decoder_warps} {gemm} @{mean:g} "
+                          f"{w},{r},{bk},{st} mma{mma} F{cfg.max_frags} x{ctas}: {row['ms']:.3f} ms {row['roof_pct']:.1f}% err {row['rel_err']:.1e} "
                           f"unwritten {row['unwritten']}", flush=True)
     write_json(args.json, "notes/experiments/wgmma_probe.py", read_roofline_gbps=roof, rows=rows)
 

@@ -5,10 +5,11 @@ per round of chains, wait_group 1 after each; or mma.sync m16n8k16 on `chains` a
 warp. Prints SM cycles per instruction per SM (clock64 around the loop, averaged over CTAs):
 whether small-N wgmma is bound by the tensor work (N-proportional) or by a per-instruction cost."""
 import argparse
-import json
 import sys
 
 import numpy as np
+
+from lab.gemm_bench import write_json
 
 ITERS = 2048
 
@@ -162,15 +163,13 @@ def main():
         # instructions per SM: per warpgroup ITERS * chains wgmma; mma.sync per warp
         inst = ITERS * chains * steps * (1 if split else wgs) * (4 if kind == "mma" else 1)
         fma = inst * (16 * 8 * 16 if kind == "mma" else 64 * n * 16)
-        row = {"instr": name, "n": n, "chains": chains, "steps": steps, "alu": alu, "alu_op": op, "alt": alt, "split": split, "warpgroups": wgs,
-               "cycles_per_instr": cycles / inst, "cycles_per_group": cycles / ITERS, "fma_per_cycle": fma / cycles}
+        row = {"instr": name, "n": n, "chains": chains, "steps": steps, "alu": alu, "alu_op": op, "alt": alt,
+               "split": split, "warpgroups": wgs, "cycles_per_instr": cycles / inst,
+               "cycles_per_group": cycles / ITERS, "fma_per_cycle": fma / cycles}
         rows.append(row)
-        print(f"{name:9s} N {n:3d} chains {chains} steps {steps} alu {alu:3d} {op:5s} alt {alt} split {split} WGs {wgs}: {cycles / inst:6.1f} "
-              f"cycles/instr/SM, {cycles / ITERS:7.1f} cycles/group, {fma / cycles:6.0f} FMA/cycle/SM", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"script": "notes/experiments/wgmma_rate_probe.py", "argv": sys.argv[1:], "rows": rows}, f,
-                      indent=1)
+        print(f"{name:9s} N {n:3d} chains {chains} steps {steps} alu {alu:3d} {op:5s} alt {alt} split {split} "
+              f"WGs {wgs}: {cycles / inst:6.1f} cycles/instr/SM, {cycles / ITERS:7.1f} cycles/group, {fma / cycles:6.0f} FMA/cycle/SM", flush=True)
+    write_json(args.json, "notes/experiments/wgmma_rate_probe.py", rows=rows)
 
 
 if __name__ == "__main__":
