@@ -326,6 +326,20 @@ __device__ __forceinline__ void decode_tile(const uint4& code, const uint2& scl,
   a[3] = hmul2_hi(p3, s2);
 }
 
+// One k atom of a consumer warp's R row tiles: its lane's 16 bytes of codes per tile (four k16
+// steps of A fragments) and its group's 8 bytes of scales. Tile r*W + warp: the W warps' r-th
+// tiles are consecutive (a warpgroup's 64 rows for wgmma).
+template <int W, int R, int KATOMS>
+__device__ __forceinline__ void load_atoms(uint4 (&code)[R], uint2 (&scl)[R], const uint8_t* wst, int ka, int warp,
+                                           int lane) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* atom = wst + ((r * W + warp) * KATOMS + ka) * ATOM_BYTES;
+    code[r] = *reinterpret_cast<const uint4*>(atom + lane * 16);
+    scl[r] = *reinterpret_cast<const uint2*>(atom + ATOM_CODE_BYTES + (lane >> 2) * 8);
+  }
+}
+
 // One pipeline stage of one consumer warp (mma.sync): R row tiles x BK of prepared weights
 // against F fragments of decoded activations (fp16, in shared memory), accumulated into acc.
 template <int W, int R, int BK, int FMAX, int F>
@@ -333,18 +347,11 @@ __device__ __forceinline__ void stage_math(float (&acc)[R][FMAX][4], const uint8
                                            int lane) {
   constexpr int KATOMS = BK / 64;
   constexpr int KSTEPS = BK / 16;
-  const int g = lane >> 2;
 #pragma unroll
   for (int ka = 0; ka < KATOMS; ++ka) {
     uint4 code[R];
     uint2 scl[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      // Tile r*W + warp: the W warps' r-th tiles are consecutive (a warpgroup's 64 rows).
-      const uint8_t* atom = wst + ((r * W + warp) * KATOMS + ka) * ATOM_BYTES;
-      code[r] = *reinterpret_cast<const uint4*>(atom + lane * 16);
-      scl[r] = *reinterpret_cast<const uint2*>(atom + ATOM_CODE_BYTES + g * 8);
-    }
+    load_atoms<W, R, KATOMS>(code, scl, wst, ka, warp, lane);
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
       const int j = ka * 4 + jj;
@@ -373,18 +380,10 @@ __device__ __forceinline__ void stage_wgmma(float (&acc)[R][FMAX][4], const uint
                                             int lane) {
   constexpr int KATOMS = BK / 64;
   static_assert(4 % GS == 0, "a wgmma group takes 1, 2 or 4 k16 steps of one atom");
-  const int g = lane >> 2;
   const uint32_t xf_addr = smem_addr(xf);
   uint4 code[R];
   uint2 scl[R];
-  auto load = [&](int ka) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* atom = wst + ((r * W + warp) * KATOMS + ka) * ATOM_BYTES;
-      code[r] = *reinterpret_cast<const uint4*>(atom + lane * 16);
-      scl[r] = *reinterpret_cast<const uint2*>(atom + ATOM_CODE_BYTES + g * 8);
-    }
-  };
+  auto load = [&](int ka) { load_atoms<W, R, KATOMS>(code, scl, wst, ka, warp, lane); };
   auto keep = [](const uint32_t (&h)[R][GS][4]) {
 #pragma unroll
     for (int r = 0; r < R; ++r)

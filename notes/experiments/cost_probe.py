@@ -24,6 +24,12 @@ VARIANTS = {
                        "for (int ka = 0; ka < (KATOMS + 1) / 2; ++ka) {\n    uint4 code[R];")],
     # the epilogue's stores skipped (accumulators still zeroed per pass)
     "no-store": [("if (out != nullptr) {", "if (out != nullptr && count < 0) {")],
+    # the output stores with the streaming hint (st.global.cs: evict first from L1 and L2)
+    "store-cs": [("                  out[at] = v0;\n                  out[at + 8] = v1;\n",
+                  "                  __stcs(out + at, v0);\n                  __stcs(out + at + 8, v1);\n")],
+    # the output stores written through (st.global.wt)
+    "store-wt": [("                  out[at] = v0;\n                  out[at + 8] = v1;\n",
+                  "                  __stwt(out + at, v0);\n                  __stwt(out + at + 8, v1);\n")],
     # consumers run every stage's math twice
     "consumer-x2": [(CALL, CALL + " " + CALL)],
 }

@@ -31,12 +31,17 @@ ALU_OPS = {
     "ffma": "w[x] = w[x] * 1.0001f + 0.5f;",
     "lop3": 'asm("lop3.b32 %0, %0, %1, 0x8E008E00, 0x6c;" : "+r"(wi[x]) : "r"(wi[(x + 1) & 7]));',
     "hmul2": 'asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(wi[x]) : "r"(wi[(x + 3) & 7]));',
+    # volatile: ptxas keeps every instruction (the plain lop3 loop was shortened by the compiler)
+    "lop3v": 'asm volatile("lop3.b32 %0, %0, %1, 0x8E008E00, 0x6c;" : "+r"(wi[x]) : "r"(wi[(x + 1) & 7]));',
+    "shfv": 'asm volatile("shf.r.wrap.b32 %0, %0, %1, 3;" : "+r"(wi[x]) : "r"(wi[(x + 1) & 7]));',
+    "imadv": 'asm volatile("mad.lo.u32 %0, %0, 0x9E3779B9, %1;" : "+r"(wi[x]) : "r"(wi[(x + 1) & 7]));',
 }
 
 
 def source(n: int, chains: int, rs: bool, kind: str, steps: int = 1, alu: int = 0, alt: bool = False,
-           alu_op: str = "ffma", split: bool = False) -> str:
-    """split: the ALU work runs on a second warpgroup of its own, the first issues the MMAs."""
+           alu_op: str = "ffma", split: bool = False, mma_off: bool = False) -> str:
+    """split: the ALU work runs on a second warpgroup of its own, the first issues the MMAs
+    (none with mma_off: the ALU work alone)."""
     mma_alu = 0 if split else alu
     regs = n // 2
     sets = 2 if alt else 1
@@ -103,7 +108,7 @@ extern "C" __global__ void rate(float* out, long long* cycles, int iters) {{
     }}
   }} else {{
 #pragma unroll 2
-  for (int it = 0; it < iters; ++it) {{{body}
+  for (int it = 0; it < iters; ++it) {{{"" if mma_off else body}
   }}
   {tail}
   }}
@@ -135,11 +140,13 @@ def main():
     ap.add_argument("--alt", type=int, nargs="+", default=[0],
                     help="1: consecutive groups use two accumulator sets (a group never waits on the last)")
     ap.add_argument("--ss", action="store_true", help="also A from shared memory")
+    ap.add_argument("--mma-off", action="store_true", help="also each split case with no MMAs (the ALU work alone)")
     ap.add_argument("--json")
     args = ap.parse_args()
     import cupy as cp
 
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    clock_hz = cp.cuda.Device().attributes["ClockRate"] * 1e3
     rows = []
     cases = [] if args.no_mma_sync else [("mma.sync", 8, c, wg, False, 1, alu, 0) for wg in args.warpgroups
                                          for c in args.chains for alu in args.alu]
@@ -148,27 +155,34 @@ def main():
               for c in args.chains for st in args.steps for alu in args.alu for alt in args.alt
               if c * n // 2 * (1 + alt) <= 128]  # accumulators fit
     cases = [c + (op,) for c in cases for op in (args.alu_op if c[6] else args.alu_op[:1])]
-    cases = [c + (sp,) for c in cases for sp in args.split if not (sp and (c[3] != 2 or not c[6]))]
-    for name, n, chains, wgs, rs, steps, alu, alt, op, split in cases:
+    cases = [c + (sp,) for c in cases for sp in args.split if not (sp and c[3] != 2)]
+    cases = [c + (off,) for c in cases for off in ((0, 1) if args.mma_off and c[-1] and c[6] else (0,))]
+    for name, n, chains, wgs, rs, steps, alu, alt, op, split, off in cases:
         kind = "mma" if name == "mma.sync" else "wgmma"
-        mod = cp.RawModule(code=source(n, chains, rs, kind, steps, alu, bool(alt), op, bool(split)), options=("-arch=sm_90a", "-std=c++17"))
+        mod = cp.RawModule(code=source(n, chains, rs, kind, steps, alu, bool(alt), op, bool(split), bool(off)), options=("-arch=sm_90a", "-std=c++17"))
         k = mod.get_function("rate")
         threads = 128 * wgs
         out = cp.zeros(sms * threads, cp.float32)
         cyc = cp.zeros(sms, cp.int64)
         k((sms,), (threads,), (out, cyc, np.int32(ITERS)))
+        ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
+        ev0.record()
         k((sms,), (threads,), (out, cyc, np.int32(ITERS)))
-        cp.cuda.Device().synchronize()
+        ev1.record()
+        ev1.synchronize()
         cycles = float(cyc.get().mean())
+        # the whole launch by events, in cycles of the SM clock (a cross-check of clock64: a
+        # warp that never waits for the others would read a short interval)
+        wall_cycles = cp.cuda.get_elapsed_time(ev0, ev1) * 1e-3 * clock_hz
         # instructions per SM: per warpgroup ITERS * chains wgmma; mma.sync per warp
         inst = ITERS * chains * steps * (1 if split else wgs) * (4 if kind == "mma" else 1)
         fma = inst * (16 * 8 * 16 if kind == "mma" else 64 * n * 16)
         row = {"instr": name, "n": n, "chains": chains, "steps": steps, "alu": alu, "alu_op": op, "alt": alt,
-               "split": split, "warpgroups": wgs, "cycles_per_instr": cycles / inst,
-               "cycles_per_group": cycles / ITERS, "fma_per_cycle": fma / cycles}
+               "split": split, "mma_off": off, "warpgroups": wgs, "cycles_per_instr": cycles / inst,
+               "cycles_per_group": cycles / ITERS, "wall_cycles_per_group": wall_cycles / ITERS, "fma_per_cycle": fma / cycles}
         rows.append(row)
         print(f"{name:9s} N {n:3d} chains {chains} steps {steps} alu {alu:3d} {op:5s} alt {alt} split {split} "
-              f"WGs {wgs}: {cycles / inst:6.1f} cycles/instr/SM, {cycles / ITERS:7.1f} cycles/group, {fma / cycles:6.0f} FMA/cycle/SM", flush=True)
+              f"WGs {wgs}{' no-mma' if off else ''}: {cycles / inst:6.1f} cycles/instr/SM, {cycles / ITERS:7.1f} cycles/group ({wall_cycles / ITERS:7.1f} by events), {fma / cycles:6.0f} FMA/cycle/SM", flush=True)
     write_json(args.json, "notes/experiments/wgmma_rate_probe.py", rows=rows)
 
 
