@@ -3,7 +3,10 @@ warpgroups issue back-to-back wgmma m64nNk16 (f32 += f16 x f16, A from registers
 shared memory "SS", B from shared memory) on `chains` independent accumulators, one commit group
 per round of chains, wait_group 1 after each; or mma.sync m16n8k16 on `chains` accumulators per
 warp. Prints SM cycles per instruction per SM (clock64 around the loop, averaged over CTAs):
-whether small-N wgmma is bound by the tensor work (N-proportional) or by a per-instruction cost."""
+whether small-N wgmma is bound by the tensor work (N-proportional) or by a per-instruction cost.
+With --split, read the cycles "by events" (the launch timed by CUDA events, in SM cycles, ~10
+cycles per round of launch cost included): thread 0's clock64 after the closing __syncthreads
+(BAR.SYNC.DEFER_BLOCKING) does not always wait for the other warpgroup, and reads short."""
 import argparse
 import sys
 
