@@ -11,9 +11,10 @@
 //
 // CTA = W consumer warps + 1 producer warp + DW activation-decoder warps (2 for token tiles of
 // 32 or more); a unit of work is one (expert, block of BN = W*R*16 weight rows).
-//   producer: per stage, one cp.async.bulk of the stage's prepared weights (evict-first),
-//             plus cp.async of the stage's raw NVFP4 activation rows (L2 resident), all
-//             completing on the stage's `full` mbarrier; STAGES deep.
+//   producer: per stage, one TMA tensor copy of the stage's prepared weights (evict-first; the
+//             map in lab/kernels/tensor_map.py makes a whole stage one box), plus cp.async of
+//             the stage's raw NVFP4 activation rows (L2 resident), all completing on the
+//             stage's `full` mbarrier; STAGES deep.
 //   decoders: turn the stage's raw activations into fp16 B operands (mma.sync fragments, or
 //             wgmma core matrices), then arrive on `full` (weights' bytes + decoders = ready).
 //   consumers: each warp streams its R row tiles: 16-byte LDS of codes, bit decode, e4m3
@@ -111,10 +112,16 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
   return pol;
 }
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar, uint64_t pol) {
+// Stage `stage` of a weight tensor map (box = one whole stage, lab/kernels/tensor_map.py) into
+// shared memory at dst (128-byte aligned). The same bytes in the same order as one 1-D
+// cp.async.bulk of the stage, but the tensor path streams faster: +2 points of the read roofline
+// at @8, +6-7 at @2 (results/probes_gemm_v13.json, runs E and F).
+__device__ __forceinline__ void tensor_copy_stage(uint32_t dst, const void* map, int stage, uint32_t bar,
+                                                  uint64_t pol) {
   asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
-      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(pol) : "memory");
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%2, %3, %4}], [%5], %6;"
+      ::"r"(dst), "l"(map), "r"(0), "r"(0), "r"(stage), "r"(bar), "l"(pol) : "memory");
 }
 template <int BYTES>
 __device__ __forceinline__ void cp_async(uint32_t dst, const void* src) {
@@ -300,7 +307,7 @@ struct Config {
   // of a kernel short of them, and the CPU tests check that it does not
   static constexpr int GS = R >= 4 ? 1 : (FUSE & 2) ? 2 : 4;
   static constexpr int OFF_BAR = 0;  // full, empty, raw per stage; then epi_full, epi_empty
-  static constexpr int OFF_W = 16 * (((3 * STAGES + 2) * 8 + 15) / 16);
+  static constexpr int OFF_W = 128 * (((3 * STAGES + 2) * 8 + 127) / 128);  // tensor copies: 128-B aligned
   static constexpr int OFF_XQ = OFF_W + STAGES * STAGE_W;
   static constexpr int OFF_XS = OFF_XQ + STAGES * STAGE_XQ;
   static constexpr int OFF_XF = 16 * ((OFF_XS + STAGES * STAGE_XS + 15) / 16);
@@ -463,10 +470,10 @@ __device__ __forceinline__ void advance_stage(int& kc, int& pass, int& s, uint32
 template <int W, int R, int BK, int STAGES, int FMAX, int MMA, bool READ_ONLY = false, int FUSE = 0>
 __global__ void __launch_bounds__(Config<W, R, BK, STAGES, FMAX, MMA, FUSE>::THREADS, 1)
 grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single problem) the same
-    const uint8_t* __restrict__ wprep0, const uint8_t* __restrict__ xq0, const uint8_t* __restrict__ xs0,
+    const void* __restrict__ wmap0, const uint8_t* __restrict__ xq0, const uint8_t* __restrict__ xs0,
     const int* __restrict__ offsets0, const float* __restrict__ alpha0, float* __restrict__ out0,
     int N0, int K0, int num_experts0,
-    const uint8_t* __restrict__ wprep1, const uint8_t* __restrict__ xq1, const uint8_t* __restrict__ xs1,
+    const void* __restrict__ wmap1, const uint8_t* __restrict__ xq1, const uint8_t* __restrict__ xs1,
     const int* __restrict__ offsets1, const float* __restrict__ alpha1, float* __restrict__ out1,
     int N1, int K1, int num_experts1,
     int* __restrict__ sched,  // [next unit, CTAs done]: zero before the launch, zero after
@@ -570,6 +577,10 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
     // Units (active expert, row block) are claimed one at a time from a device counter, so a CTA
     // that drew cheap units (few tokens) takes more of them: no static imbalance at the tail.
     const uint64_t pol = evict_first_policy();
+    if (lane == 0) {  // the maps' bytes were written through the generic proxy (a copy from the host)
+      asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(wmap0) : "memory");
+      asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(wmap1) : "memory");
+    }
     int it = 0, s = 0;  // stages posted; ring slot of the next one
     uint32_t phase = 0;
     for (int useq = 0;; ++useq) {
@@ -588,9 +599,10 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
       // a finished CTA still posts one stage so that consumers and decoders read the -1
       const int passes = done ? 1 : (count + C::TOKENS - 1) / C::TOKENS;
       const int kcs = done ? 1 : kchunks;
-      // Block-major layout: one stage's weights (BN rows x BK) are one contiguous run, so each
-      // stage is a single bulk copy and DRAM sees long sequential bursts.
-      const uint8_t* wblock = LAB_P(wprep) + ((size_t)e * NB + nb) * kchunks * C::STAGE_W;
+      // Block-major layout: one stage's weights (BN rows x BK) are one contiguous run, stage
+      // (e * NB + nb) * kchunks + kc of the map, so each stage is a single copy and DRAM sees long
+      // sequential bursts.
+      const int stage0 = (e * NB + nb) * kchunks;
       for (int pass = 0; pass < passes; ++pass)
       for (int kc = 0; kc < kcs; ++kc, ++it) {
         const bool first = pass == 0 && kc == 0;
@@ -602,8 +614,8 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
             mbar_arrive(full0 + 8 * s);
           } else {
             mbar_arrive_expect_tx(full0 + 8 * s, C::STAGE_W);
-            bulk_copy(smem_addr(smem + C::OFF_W + s * C::STAGE_W), wblock + (size_t)kc * C::STAGE_W, C::STAGE_W,
-                      full0 + 8 * s, pol);
+            tensor_copy_stage(smem_addr(smem + C::OFF_W + s * C::STAGE_W), LAB_P(wmap), stage0 + kc, full0 + 8 * s,
+                              pol);
           }
         }
         if constexpr ((FUSE & 2) != 0) {

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from lab.kernels import jit
+from lab.kernels import jit, tensor_map
 
 SOURCE = "grouped_gemm.cu"
 ATOM_ROWS = 16  # mma M
@@ -130,7 +130,8 @@ ENCODE_TABLES = _encode_tables()
 class PreparedWeights:
     """(E, N, K) NVFP4 weights in the kernel's layout: `data` is
     (E, N/block_rows, K/k_step, block_rows/16, k_step/64, 576) uint8, so that one pipeline stage
-    (block_rows x k_step of one expert) is one contiguous run: a single bulk copy."""
+    (block_rows x k_step of one expert) is one contiguous run: a single TMA tensor copy, through
+    the map `tensor_map.device_map` makes (at preparation, when `data` is on the GPU)."""
 
     data: object  # numpy or cupy uint8 array
     experts: int
@@ -140,10 +141,23 @@ class PreparedWeights:
     k_step: int
     pair_gate_up: bool = False  # rows reordered by pair_gate_up_rows (the fused SwiGLU epilogue)
 
+    @property
+    def stage_bytes(self) -> int:
+        """One pipeline stage: block_rows x k_step of one expert."""
+        return (self.block_rows // ATOM_ROWS) * (self.k_step // ATOM_K) * ATOM_BYTES
+
     def experts_slice(self, e0: int, e1: int) -> "PreparedWeights":
-        """A view of experts e0..e1-1 (no copy)."""
-        return PreparedWeights(self.data[e0:e1], e1 - e0, self.n, self.k, self.block_rows, self.k_step,
+        """A view of experts e0..e1-1 (no copy; on the GPU its tensor map is made now, so that
+        launches on it may be captured into graphs)."""
+        part = PreparedWeights(self.data[e0:e1], e1 - e0, self.n, self.k, self.block_rows, self.k_step,
                                self.pair_gate_up)
+        _make_map(part)
+        return part
+
+
+def _make_map(prep: PreparedWeights) -> None:
+    if not isinstance(prep.data, np.ndarray) and prep.experts:
+        tensor_map.device_map(prep.data, prep.stage_bytes)
 
 
 def pair_gate_up_rows(a, block_rows: int, xp=np):
@@ -254,7 +268,9 @@ def prepare_weights(packed, scales, xp=np, layout: tuple[int, int] | None = None
         s = xp.asarray(scales[e0:e1]).reshape(m, nt, 2, 8, ka, 4)
         atoms[:m, :, :, ATOM_CODE_BYTES:] = s.transpose(0, 1, 4, 3, 5, 2).reshape(m, nt, ka, 64)
         out[e0:e1] = atoms[:m].reshape(m, nb, tiles, kc, katoms, ATOM_BYTES).transpose(0, 1, 3, 2, 4, 5)
-    return PreparedWeights(out, e, n, k, block_rows, k_step, pair_gate_up)
+    prep = PreparedWeights(out, e, n, k, block_rows, k_step, pair_gate_up)
+    _make_map(prep)
+    return prep
 
 
 def unprepare_weights(prep: PreparedWeights) -> tuple[np.ndarray, np.ndarray]:
@@ -350,7 +366,7 @@ class GemmConfig:
         stage_xq = tokens * (self.k_step // 2)
         stage_xs = tokens * (self.k_step // 16)
         xf = self.max_frags * ksteps * 32 * 8
-        off_w = 16 * (((3 * self.stages + 2) * 8 + 15) // 16)
+        off_w = 128 * (((3 * self.stages + 2) * 8 + 127) // 128)
         off_xs = off_w + self.stages * (stage_w + stage_xq)
         off_xf = 16 * ((off_xs + self.stages * stage_xs + 15) // 16)
         off_h = 16 * ((off_xf + self.stages * xf + 15) // 16)
@@ -384,6 +400,10 @@ class GemmConfig:
             raise ValueError(f"stages must be 2..12, got {self.stages}")
         if self.warps * self.row_tiles > 32:
             raise ValueError("warps * row_tiles must be at most 32 (one producer lane per row tile)")
+        try:
+            tensor_map.stage_geometry(self.block_n // ATOM_ROWS * (self.k_step // ATOM_K) * ATOM_BYTES)
+        except ValueError as e:
+            raise ValueError(f"{self}: {e}") from None
         if self.smem_bytes + 4096 > SMEM_LIMIT:
             raise ValueError(f"{self}: needs {self.smem_bytes} B of shared memory, limit {SMEM_LIMIT}")
         if n is not None and n % self.block_n:
@@ -638,8 +658,11 @@ def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fu
     units = sum(pr[0].experts * (pr[0].n // cfg.block_n) for pr in problems)
     grid = (min(units, jit.sm_count() * resident_ctas(cfg, experts, fn.num_regs)),)
     args = []
-    for prep, x_packed, x_scales, offsets, alpha, out in problems:
-        args += [prep.data, x_packed, x_scales, offsets, alpha, _NULL if out is None else out,
+    # problem 1 of a single-problem launch has no experts: problem 0's map stands in for its own
+    maps = [tensor_map.device_map(pr[0].data, pr[0].stage_bytes) for pr in problems if pr[0].experts]
+    maps += maps[:1] * (2 - len(maps))
+    for (prep, x_packed, x_scales, offsets, alpha, out), wmap in zip(problems, maps):
+        args += [wmap, x_packed, x_scales, offsets, alpha, _NULL if out is None else out,
                  np.int32(prep.n), np.int32(prep.k), np.int32(prep.experts)]
     stream = stream if stream is not None else cp.cuda.get_current_stream()
     first_out = problems[0][5] if fusion is None else fusion.a_packed

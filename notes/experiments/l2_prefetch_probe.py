@@ -5,7 +5,10 @@ puts further chunks of the unit on their way to L2 without taking shared memory,
 in flight per SM grow while the consumers' pacing stays as it is. Variant `pfD` (edited in
 memory): at a unit's first stage the producer prefetches chunks 1..D of the pass, and at chunk
 kc the chunk kc + D, so D chunks beyond the one being copied are always asked for. The values
-do not change, so every row is checked against float64 on a sample of experts."""
+do not change, so every row is checked against float64 on a sample of experts.
+
+Written for the kernel before its weight copies became TMA tensor copies (commit 4b1b07e, with
+`git checkout 4b1b07e -- lab/kernels`): its anchor, the 1-D `bulk_copy` of a stage, is gone."""
 import sys
 
 import numpy as np

@@ -7,11 +7,11 @@ from lab.gemm_bench import study_parser
 from lab.kernels import grouped_gemm as gg
 from probe_common import edit_kernel, start
 
-BASE_W = "const uint8_t* wblock = LAB_P(wprep) + ((size_t)e * NB + nb) * kchunks * C::STAGE_W;"
-BASE_C = "wblock + (size_t)kc * C::STAGE_W, C::STAGE_W,"
+BASE_W = "const int stage0 = (e * NB + nb) * kchunks;"
+BASE_C = "LAB_P(wmap), stage0 + kc, full0"
 VARIANTS = {
-    "kc-major": {BASE_W: "const uint8_t* wblock = LAB_P(wprep) + ((size_t)e * kchunks * NB + nb) * C::STAGE_W;",
-                 BASE_C: "wblock + (size_t)kc * NB * C::STAGE_W, C::STAGE_W,"},
+    "kc-major": {BASE_W: "const int stage0 = e * kchunks * NB + nb;",
+                 BASE_C: "LAB_P(wmap), stage0 + kc * NB, full0"},
     "no-activations": {"cp_async<16>(smem_addr(qdst + tr * (BK / 2) + q * 16), src);": "(void)src;",
                        "cp_async<BK / 16>(smem_addr(sdst + tr * (BK / 16)), src);": "(void)src;"},
 }

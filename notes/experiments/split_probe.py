@@ -1,4 +1,7 @@
-"""Probe: each stage's weights as SPLIT bulk copies (same bytes, same barrier) instead of one."""
+"""Probe: each stage's weights as SPLIT bulk copies (same bytes, same barrier) instead of one.
+
+Written for the kernel before its weight copies became TMA tensor copies (commit 4b1b07e, with
+`git checkout 4b1b07e -- lab/kernels`): its anchor, the 1-D `bulk_copy` of a stage, is gone."""
 import sys
 
 from lab.gemm_bench import study_parser

@@ -9,7 +9,11 @@ order, but the copy engine issues them as tensor rows, with the map's L2 promoti
 lift the stream. --row-bytes sets the rows' width (the stage is STAGE_W / width rows; at most
 256 of them). The maps live in a __device__ array of the edited module, encoded on the host
 with the driver's cuTensorMapEncodeTiled through ctypes. Values do not change: every row is
-checked against float64 on a sample of experts."""
+checked against float64 on a sample of experts.
+
+Written for the kernel before its weight copies became TMA tensor copies (commit 4b1b07e, with
+`git checkout 4b1b07e -- lab/kernels`): its anchor, the 1-D `bulk_copy` of a stage, is gone.
+The tensor copies it measured are now shipped, with a 3-D map (lab/kernels/tensor_map.py)."""
 import ctypes
 import sys
 
