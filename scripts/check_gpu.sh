@@ -9,7 +9,7 @@ san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer
 python -m pytest -q -m gpu tests/ 2>&1 | tail -20 > "$out/pytest_gpu.log"
 status=${PIPESTATUS[0]}
 {
-  echo "compute-sanitizer on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), kernels of $(git rev-parse --short HEAD 2>/dev/null || echo "${LAB_COMMIT:-?}"):"
+  echo "compute-sanitizer on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), kernels of ${LAB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")}:"
   echo "  grouped_gemm: tests/test_grouped_gemm.py -k 'one_expert or subnormal or two_problems'"
   echo "  fused: tests/test_fused.py -k 'fixed or non_finite'"
   echo "  swiglu_quant: tests/test_swiglu_quant.py"
