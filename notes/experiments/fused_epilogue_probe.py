@@ -1,0 +1,56 @@
+"""Probe: what holds the fused w13 phase back. With the tensor-copy weight stream plain w13 @8 runs
+0.682 ms but fused-swiglu's w13 + SwiGLU stage stays at 0.708 ms. Variants (kernel edited in
+memory; timing only where the values change): `epi-off`, the epilogue warps take each h tile and
+hand it back without the SwiGLU and quantize work (a_q keeps the previous run's values); `sleep-100`,
+the epilogue warps poll for the next tile every 0.1 us instead of 1 us (same values). Times whole
+variants through the runner, with their stage table."""
+import sys
+
+from lab.gemm_bench import problem_of, study_parser, write_json
+from lab.layer import load_layer, upload_weights
+from lab.problem import make_routing, random_activations, random_weights, tokens_for_mean
+from lab.runner import Runner
+from lab.variants import make
+from probe_common import edit_kernel
+
+VARIANTS = {
+    "as-is": {},
+    "epi-off": {"item < ntok * Q; item += 32 * C::EW) {": "item < 0 * ntok; item += 32 * C::EW) {"},
+    "sleep-100": {"    __nanosleep(1000);\n": "    __nanosleep(100);\n"},
+}
+
+
+def main():
+    ap = study_parser(__doc__, [8], 10)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--layer-variants", nargs="+", default=["cuda-graph", "fused-swiglu", "fused-layer"])
+    args = ap.parse_args()
+    problem = problem_of(args)
+    dweights = upload_weights(random_weights(problem, seed=args.seed))
+    rows = []
+    for name in args.variants:
+        edit_kernel(VARIANTS[name])
+        for mean in args.mean_tokens:
+            routing = make_routing(tokens_for_mean(mean, problem.experts, problem.top_k), problem.experts,
+                                   problem.top_k, seed=args.seed)
+            runner = Runner()
+            layer = load_layer(runner, dweights, routing,
+                               random_activations(routing.tokens, problem.hidden, seed=args.seed))
+            for lv in args.layer_variants:
+                v = make(lv)
+                runner.prepare(v, layer)
+                t = runner.time(v, layer, iterations=args.iterations, warmup=2)
+                try:
+                    st = {k: s.median_ms for k, s in runner.time_stages(v, layer, iterations=args.iterations,
+                                                                          warmup=1).items()}
+                except Exception as e:  # a variant without stage events
+                    print(f"  (no stage table for {lv}: {e})")
+                    st = {}
+                rows.append({"edit": name, "variant": lv, "mean_tokens": mean, "ms": t.median_ms, "stages": st})
+                print(f"{name:10s} {lv:13s} @{mean:g}: {t.median_ms:.3f} ms  stages "
+                      + "  ".join(f"{k} {v:.3f}" for k, v in st.items()), flush=True)
+    write_json(args.json, "notes/experiments/fused_epilogue_probe.py", rows=rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
