@@ -92,3 +92,20 @@ def test_device_map_is_not_made_during_capture():
                 tm.device_map(fresh, 18432)
         finally:
             stream.end_capture()
+
+
+@pytest.mark.parametrize("stage_bytes", [576, 1152, 4608, 18432, 36864, 128 * 576])
+def test_box_of_stage_s_is_exactly_the_stages_contiguous_bytes_in_order(stage_bytes):
+    """What the kernel relies on: the box at coordinates {0, 0, s} reads bytes
+    [s * stage_bytes, (s + 1) * stage_bytes) of the weights, in shared memory in the same order
+    (TMA fills the box innermost dimension first)."""
+    stages, base = 3, 0x7F0000000000
+    a = tm.encode_args(base, stages * stage_bytes, stage_bytes)
+    esize = {0: 1, 1: 2, 2: 4, 4: 8}[a["dtype"]]
+    elems, rows, _ = a["box"]
+    row_stride, stage_stride = a["strides"]
+    for s in range(stages):
+        z, y, x = np.meshgrid([s], np.arange(rows), np.arange(elems), indexing="ij")
+        addr = (base + x * esize + y * row_stride + z * stage_stride).ravel()  # box order
+        expect = base + s * stage_bytes + np.arange(0, stage_bytes, esize)
+        np.testing.assert_array_equal(addr, expect)
