@@ -15,7 +15,7 @@ import numpy as np
 
 from lab.gemm_bench import study_parser, write_json
 from lab.kernels import grouped_gemm as gg
-from probe_common import edit_kernel, measure_tile, start
+from probe_common import check_sample, edit_kernel, measure_tile, start
 
 COPY = ("            bulk_copy(smem_addr(smem + C::OFF_W + s * C::STAGE_W), wblock + (size_t)kc * C::STAGE_W, "
         "C::STAGE_W,\n                      full0 + 8 * s, pol);\n")
@@ -51,9 +51,7 @@ def main():
                     row = measure_tile(bench, case, cfg, roof, args.iterations)
                     if row is None:
                         continue
-                    active = np.flatnonzero(case.counts)
-                    sample = rng.choice(active, size=min(args.check_experts, active.size), replace=False)
-                    row["rel_err"] = bench.check(case, np.sort(sample))
+                    row["rel_err"] = check_sample(bench, case, rng, args.check_experts)
                     row.update(distance=dist, hint=args.hint, round=rnd)
                     rows.append(row)
                     print(f"r{rnd} pf{dist}{'h' if args.hint else ''} {gemm} @{mean:g}: {row['ms']:.3f} ms "

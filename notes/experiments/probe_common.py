@@ -26,6 +26,16 @@ def measure_tile(bench, case, cfg, roof: float, iterations: int, read_pattern: b
     return bench.measure(case, cfg, roof, iterations, read_pattern=read_pattern)
 
 
+def check_sample(bench, case, rng, experts: int) -> float:
+    """Relative error against float64 on `experts` active experts drawn with `rng` (the output
+    of the last launch on `case`)."""
+    import numpy as np
+
+    active = np.flatnonzero(case.counts)
+    sample = rng.choice(active, size=min(experts, active.size), replace=False)
+    return bench.check(case, np.sort(sample))
+
+
 def edited(text: str, subs: dict) -> str:
     """`text` with each key replaced by its value; every key must occur exactly once, or the
     probe would time the shipped kernel under another name."""

@@ -8,7 +8,7 @@ import numpy as np
 
 from lab.gemm_bench import study_parser, write_json
 from lab.kernels import grouped_gemm as gg
-from probe_common import edit_kernel, measure_tile, start
+from probe_common import check_sample, edit_kernel, measure_tile, start
 
 BASE = "static constexpr int GS = R >= 4 ? 1 : (FUSE & 2) ? 2 : 4;"
 DW_BASE = "static constexpr int DW = FMAX >= 8 && FUSE == 0 ? 3 : FMAX >= 4 ? 2 : 1;"
@@ -76,10 +76,8 @@ def main():
                     row = measure_tile(bench, case, cfg, roof, args.iterations)
                     if row is None:
                         continue
-                    active = np.flatnonzero(case.counts)
-                    sample = rng.choice(active, size=min(args.check_experts, active.size), replace=False)
                     checked = variant in ("as-is", "rshift-imad")  # the others change the values
-                    row["rel_err"] = bench.check(case, np.sort(sample)) if checked else float("nan")
+                    row["rel_err"] = check_sample(bench, case, rng, args.check_experts) if checked else float("nan")
                     row.update(gs=gs, variant=variant, dw=dw or cfg.decoder_warps)
                     rows.append(row)
                     print(f"{variant:11s} GS {gs} DW {dw or cfg.decoder_warps} {gemm} @{mean:g} "
