@@ -156,8 +156,9 @@ def test_resident_ctas():
 
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
 def test_smem_mirror_equals_the_kernels_config(tmp_path):
-    """GemmConfig.smem_bytes and .threads (which size launches and grids) and Config<>::SMEM and
-    ::THREADS agree for every shipped and fused instantiation: static_asserts in one nvcc compile."""
+    """GemmConfig.smem_bytes, .threads and .stage_bytes (which size launches, grids and tensor
+    maps) agree with Config<>::SMEM, ::THREADS and ::STAGE_W for every shipped and fused
+    instantiation: static_asserts in one nvcc compile."""
     import subprocess
 
     cfgs = sorted(set(gg.SHIPPED_CONFIGS) | set(gg.SHIPPED_FUSED), key=str)
@@ -166,6 +167,7 @@ def test_smem_mirror_equals_the_kernels_config(tmp_path):
         conf = f"lab_gemm::Config<{c.warps}, {c.row_tiles}, {c.k_step}, {c.stages}, {c.max_frags}, {c.mma}, {c.fuse}>"
         lines.append(f'static_assert({conf}::SMEM == {c.smem_bytes}, "{c}");')
         lines.append(f'static_assert({conf}::THREADS == {c.threads}, "{c}");')
+        lines.append(f'static_assert({conf}::STAGE_W == {c.stage_bytes}, "{c}");')
     unit = tmp_path / "smem.cu"
     unit.write_text("\n".join(lines) + "\n")
     proc = subprocess.run([jit.nvcc_path(), "-std=c++17", "-arch=sm_90a", "-c", "-o", str(tmp_path / "smem.o"),

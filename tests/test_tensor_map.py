@@ -9,10 +9,6 @@ from lab.kernels import grouped_gemm as gg
 from lab.kernels import tensor_map as tm
 
 
-def stage_bytes_of(cfg: gg.GemmConfig) -> int:
-    return cfg.block_n // gg.ATOM_ROWS * (cfg.k_step // gg.ATOM_K) * gg.ATOM_BYTES
-
-
 @pytest.mark.parametrize("k_step", [64, 128, 256])
 def test_every_tile_stage_is_one_box_of_whole_rows(k_step):
     for warps in range(1, 17):
@@ -20,7 +16,7 @@ def test_every_tile_stage_is_one_box_of_whole_rows(k_step):
             if warps * rows > 32:
                 continue
             cfg = gg.GemmConfig(warps, rows, k_step, 2, 1)
-            sb = stage_bytes_of(cfg)
+            sb = cfg.stage_bytes
             geo = tm.stage_geometry(sb)
             assert geo.rows * geo.row_bytes == sb, cfg
             assert geo.rows <= tm.MAX_BOX and geo.elems <= tm.MAX_BOX and geo.row_bytes % 16 == 0, cfg
@@ -29,7 +25,7 @@ def test_every_tile_stage_is_one_box_of_whole_rows(k_step):
 
 def test_rows_are_256_bytes_for_the_shipped_stages():
     for cfg in gg.SHIPPED_CONFIGS:
-        geo = tm.stage_geometry(stage_bytes_of(cfg))
+        geo = tm.stage_geometry(cfg.stage_bytes)
         assert (geo.elem_bytes, geo.elems) == (1, 256), cfg  # the width measured in results/probes_gemm_v13.json
 
 

@@ -361,8 +361,8 @@ class GemmConfig:
     @property
     def smem_bytes(self) -> int:
         """Mirror of Config<>::SMEM in grouped_gemm.cu."""
-        katoms, ksteps, tokens = self.k_step // ATOM_K, self.k_step // 16, self.token_tile
-        stage_w = self.warps * self.row_tiles * katoms * ATOM_BYTES
+        ksteps, tokens = self.k_step // 16, self.token_tile
+        stage_w = self.stage_bytes
         stage_xq = tokens * (self.k_step // 2)
         stage_xs = tokens * (self.k_step // 16)
         xf = self.max_frags * ksteps * 32 * 8
@@ -377,9 +377,14 @@ class GemmConfig:
         return self.smem_bytes + 16 * ((4 * experts + 15) // 16)
 
     @property
+    def stage_bytes(self) -> int:
+        """Weight bytes of one pipeline stage (Config<>::STAGE_W): block_n rows x k_step."""
+        return self.warps * self.row_tiles * (self.k_step // ATOM_K) * ATOM_BYTES
+
+    @property
     def bytes_in_flight(self) -> int:
         """Weight bytes one CTA keeps requested ahead of its consumers."""
-        return self.stages * self.warps * self.row_tiles * (self.k_step // ATOM_K) * ATOM_BYTES
+        return self.stages * self.stage_bytes
 
     def validate(self, n: int | None = None, k: int | None = None) -> "GemmConfig":
         if self.fuse not in (0, FUSE_SWIGLU, FUSE_LAYER) or (self.fuse and self.block_n % 32):
@@ -401,7 +406,7 @@ class GemmConfig:
         if self.warps * self.row_tiles > 32:
             raise ValueError("warps * row_tiles must be at most 32 (one producer lane per row tile)")
         try:
-            tensor_map.stage_geometry(self.block_n // ATOM_ROWS * (self.k_step // ATOM_K) * ATOM_BYTES)
+            tensor_map.stage_geometry(self.stage_bytes)
         except ValueError as e:
             raise ValueError(f"{self}: {e}") from None
         if self.smem_bytes + 4096 > SMEM_LIMIT:

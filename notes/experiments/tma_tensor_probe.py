@@ -79,8 +79,7 @@ def encode_map(data_ptr: int, nbytes: int, row_bytes: int, stage_rows: int, prom
 
 
 def set_maps(cfg: gg.GemmConfig, prep: gg.PreparedWeights, row_bytes: int, promotion: int) -> None:
-    stage_w = cfg.warps * cfg.row_tiles * (cfg.k_step // 64) * gg.ATOM_BYTES
-    tmap = encode_map(prep.data.data.ptr, prep.data.nbytes, row_bytes, stage_w // row_bytes, promotion)
+    tmap = encode_map(prep.data.data.ptr, prep.data.nbytes, row_bytes, cfg.stage_bytes // row_bytes, promotion)
     host = np.frombuffer(tmap * 2, np.uint8)  # problem 1 of a plain launch has no experts
     glob = jit._module(gg.SOURCE, (cfg.expression_for(False),)).get_global("lab_tmap")
     glob.copy_from_host(host.ctypes.data, host.nbytes)
