@@ -289,8 +289,11 @@ __device__ __forceinline__ uint32_t decode_x(uint32_t x) {
 template <int W, int R, int BK, int STAGES, int FMAX, int MMA, int FUSE = 0>
 struct Config {
   // activation-decoder warps: a third for 64-token tiles (+1.5 points at @32); not with the fused
-  // epilogue, whose extra warps would then push registers below what the accumulators need
-  static constexpr int DW = FMAX >= 8 && FUSE == 0 ? 3 : FMAX >= 4 ? 2 : 1;
+  // epilogue, whose extra warps would then push registers below what the accumulators need.
+  // Fused CTAs of small token tiles take two (and one epilogue warp): in an 8-warp CTA warp w
+  // issues from scheduler w % 4, so a single decoder would put both resident CTAs' decode on one
+  // scheduler beside its two consumers.
+  static constexpr int DW = FMAX >= 8 && FUSE == 0 ? 3 : FMAX >= 4 || FUSE != 0 ? 2 : 1;
   // SwiGLU epilogue warps: they fill the CTA's last group of four warps (ptxas budgets registers
   // for whole groups, so a fifth group would cut every thread's registers)
   static constexpr int EW = !(FUSE & 1) ? 0 : (W + 1 + DW) % 4 ? 4 - (W + 1 + DW) % 4 : 2;

@@ -348,7 +348,7 @@ class GemmConfig:
     @property
     def decoder_warps(self) -> int:
         """Mirror of Config<>::DW."""
-        return 3 if self.max_frags >= 8 and not self.fuse else 2 if self.max_frags >= 4 else 1
+        return 3 if self.max_frags >= 8 and not self.fuse else 2 if self.max_frags >= 4 or self.fuse else 1
 
     @property
     def expression(self) -> str:
