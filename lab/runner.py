@@ -5,6 +5,7 @@
     runner.prepare(variant, layer)           the variant allocates, compiles, captures graphs
     runner.checked_run(variant, layer)       poisoned outputs, counter zeroed, run, sync, counter read
     runner.time(variant, layer, 20, 3)       -> Timing: warm-up, then CUDA events per iteration
+    runner.time_samples(variant, layer, 5, 3) -> the per-iteration ms (rounds across variants)
     runner.time_stages(variant, layer, 20, 3) -> {stage: Timing} from events around each stage
 
 A variant is an object with ``name``, ``expect`` (baseline / match / ceiling / approx),
@@ -25,7 +26,7 @@ import functools
 import numpy as np
 
 from .gpu import require_gpu
-from .timing import Timing, time_cuda
+from .timing import Timing, time_cuda, time_cuda_samples
 
 DOMAIN = "moe-lab"
 EXPECTS = ("baseline", "match", "ceiling", "approx")
@@ -226,6 +227,12 @@ class Runner:
         (multi-stream variants join back to `stream` inside run)."""
         return time_cuda(lambda: self.run(variant, layer), iterations=iterations, warmup=warmup,
                          stream=self.stream)
+
+    def time_samples(self, variant, layer, iterations: int = 20, warmup: int = 3):
+        """The per-iteration milliseconds behind `time` (for timing variants in interleaved
+        rounds, so that a drift of the machine's speed falls on all of them alike)."""
+        return time_cuda_samples(lambda: self.run(variant, layer), iterations=iterations, warmup=warmup,
+                                 stream=self.stream)
 
     def stage_spans(self, variant, layer) -> list[dict]:
         """One run with events around every stage: [{stage, start_ms, stop_ms}] in launch order,

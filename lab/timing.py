@@ -18,9 +18,22 @@ class Timing:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def of(cls, ms) -> "Timing":
+        """Median / min / max of per-iteration milliseconds."""
+        ms = np.asarray(ms, dtype=np.float64)
+        if ms.size == 0:
+            raise ValueError("Timing.of: no samples")
+        return cls(float(np.median(ms)), float(ms.min()), float(ms.max()), int(ms.size))
+
 
 def time_cuda(fn, iterations: int = 20, warmup: int = 3, stream=None) -> Timing:
     """Time `fn()` (which launches on `stream`) with a pair of events per iteration."""
+    return Timing.of(time_cuda_samples(fn, iterations, warmup, stream))
+
+
+def time_cuda_samples(fn, iterations: int = 20, warmup: int = 3, stream=None) -> np.ndarray:
+    """The milliseconds of each of `iterations` runs of `fn()` after `warmup` untimed ones."""
     import cupy as cp
 
     if iterations < 1:
@@ -35,5 +48,4 @@ def time_cuda(fn, iterations: int = 20, warmup: int = 3, stream=None) -> Timing:
         fn()
         stop.record(stream)
     stream.synchronize()
-    ms = np.array([cp.cuda.get_elapsed_time(a, b) for a, b in events])
-    return Timing(float(np.median(ms)), float(ms.min()), float(ms.max()), iterations)
+    return np.array([cp.cuda.get_elapsed_time(a, b) for a, b in events])

@@ -28,6 +28,7 @@ from tabulate import tabulate
 
 from lab import roofline
 from lab.checkpoint import CheckpointError, load_checkpoint
+from lab.timing import Timing
 from lab.problem import MoEProblem, make_routing, random_activations, random_weights, tokens_for_mean
 from lab.variants import NAMES
 
@@ -56,7 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--intermediate", type=int, help=f"I (default {DEFAULTS.intermediate}, or the checkpoint's)")
     ap.add_argument("--top-k", type=int, default=DEFAULTS.top_k)
     ap.add_argument("--iterations", type=int, default=20, help="timed iterations per variant (median, min, max)")
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3, help="untimed runs before each round's timed ones")
+    ap.add_argument("--rounds", type=int,
+                    help="the iterations are split over this many rounds that visit every variant in turn "
+                         "(default 4, or --iterations if fewer)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skew", type=float, default=0.0, help="routing skew: 0 uniform, else p ~ 1/rank**skew")
     ap.add_argument("--checkpoint", help="ModelOpt NVFP4 safetensors file (default: synthetic weights)")
@@ -79,10 +83,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [m for m in args.mean_tokens if not (np.isfinite(m) and m > 0)]
     if bad:
         ap.error(f"--mean-tokens: must be positive, got {bad}")
-    for name in ("experts", "hidden", "intermediate", "top_k", "iterations"):
+    for name in ("experts", "hidden", "intermediate", "top_k", "iterations", "rounds"):
         v = getattr(args, name)
         if v is not None and v < 1:
             ap.error(f"--{name.replace('_', '-')}: must be >= 1, got {v}")
+    if args.rounds is None:
+        args.rounds = min(4, args.iterations)
+    elif args.rounds > args.iterations:
+        ap.error(f"--rounds: at most --iterations ({args.iterations}), got {args.rounds}")
     if args.warmup < 0:
         ap.error(f"--warmup: must be >= 0, got {args.warmup}")
     if not (np.isfinite(args.skew) and args.skew >= 0):
@@ -221,6 +229,7 @@ def run_gpu(args, problem, weights, routings, cp) -> dict:
         experts = checks.sample_experts(routing.counts, n_check, seed=args.seed + i)
         rows_sel = checks.expert_rows(layer.offsets_host, experts)
         baseline, ref_out = None, None
+        timed: dict = {}
         for name in order:
             entry = table[name]
             v = make(name)
@@ -264,10 +273,19 @@ def run_gpu(args, problem, weights, routings, cp) -> dict:
                     rel = checks.approx_error(layer, ref_out, rows_sel)
                     entry["checks"].append({"mean": mean, "ok": True, "rel": rel})
                     log(f"  {name}: rel error vs float64 {rel:.2e}")
-            if name not in args.variants:
-                continue  # the baseline ran for the checks only
-            log(f"  {name}: timing {args.iterations} iterations")
-            t = runner.time(v, layer, args.iterations, args.warmup)
+            if name in args.variants:
+                timed[name] = v  # prepared and checked; timed below, with the others
+        # Interleaved rounds: every variant runs a share of the iterations in each round, so a
+        # drift of the machine's speed during the run falls on all of them alike.
+        per_round = -(-args.iterations // args.rounds)
+        samples: dict[str, list] = {name: [] for name in timed}
+        for r in range(args.rounds):
+            log(f"  timing round {r + 1}/{args.rounds}: {per_round} iterations of {len(timed)} variants")
+            for name, v in timed.items():
+                samples[name].append(runner.time_samples(v, layer, per_round, args.warmup))
+        for name, v in timed.items():
+            entry = table[name]
+            t = Timing.of(np.concatenate(samples[name]))
             entry["ms"][mean] = t.median_ms
             entry["timing"][mean] = t.as_dict()
             if mean == stage_mean:
@@ -277,7 +295,7 @@ def run_gpu(args, problem, weights, routings, cp) -> dict:
                     stages = {"mean_tokens": mean, "layer_ms": t.median_ms,
                               "stages": {k: s.as_dict() for k, s in st.items()}}
             log(f"  {name}: {t.median_ms:.3f} ms (min {t.min_ms:.3f}, max {t.max_ms:.3f})")
-        del layer, runner
+        del layer, runner, timed
         cp.get_default_memory_pool().free_all_blocks()
 
     return {"setup": setup, "read_roofline": roof, "table": table, "separate_checks": separate_checks,
@@ -328,7 +346,7 @@ def print_results(result, problem, routings, brows, lrows, srows, args) -> None:
     print(tabulate(sorted((k, str(v)) for k, v in setup.items()), headers=["setup", ""]))
     print(f"\nproblem: E={problem.experts} H={problem.hidden} I={problem.intermediate} top_k={problem.top_k} "
           f"gate/up global ratio {problem.gate_up_ratio:.4f}; skew {args.skew}; seed {args.seed}; "
-          f"{args.iterations} iterations after {args.warmup} warm-up")
+          f"{args.iterations} iterations in {args.rounds} interleaved rounds, {args.warmup} warm-up runs each")
     print_bytes(brows, result["gbps"], measured=True)
     roof = result["read_roofline"]
     print(f"\nread bandwidth (flat streaming read of {roof['bytes'] / 1e9:.3f} GB, this run): {result['gbps']:.0f} GB/s")

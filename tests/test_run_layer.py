@@ -65,6 +65,8 @@ def test_default_problem_bytes_match_the_study(run_layer, capsys):
     (["--mean-tokens", "nan"], "--mean-tokens"),
     (["--iterations", "0"], "--iterations"),
     (["--warmup", "-1"], "--warmup"),
+    (["--rounds", "0"], "--rounds"),
+    (["--iterations", "3", "--rounds", "4"], "--rounds: at most --iterations (3)"),
     (["--skew", "-0.5"], "--skew"),
     (["--check-experts", "4"], "--check-experts"),
     (["--hidden", "100"], "hidden must be a multiple of 64"),
@@ -79,6 +81,12 @@ def test_bad_arguments_exit_2_naming_the_flag(run_layer, capsys, argv, word):
         run_layer.main(argv)
     assert exc.value.code == 2
     assert word in capsys.readouterr().err
+
+
+def test_rounds_default_to_four_or_fewer_with_few_iterations(run_layer):
+    assert run_layer.parse_args([]).rounds == 4
+    assert run_layer.parse_args(["--iterations", "2"]).rounds == 2
+    assert run_layer.parse_args(["--iterations", "9", "--rounds", "3"]).rounds == 3
 
 
 def test_variants_are_deduplicated_in_order(run_layer):

@@ -154,6 +154,9 @@ def test_run_time_and_stage_times():
     t = r.time(v, NoLayer(), iterations=5, warmup=2)
     assert t.iterations == 5 and 0 <= t.min_ms <= t.median_ms <= t.max_ms
     assert float(v.x.get()[0]) == 1.0 + 7
+    ms = r.time_samples(v, NoLayer(), iterations=3, warmup=1)
+    assert ms.shape == (3,) and (ms >= 0).all()
+    assert float(v.x.get()[0]) == 1.0 + 7 + 4
     st = r.time_stages(v, NoLayer(), iterations=4, warmup=1)
     assert list(st) == ["first", "second"]
     assert all(s.iterations == 4 and s.median_ms >= 0 for s in st.values())
@@ -195,3 +198,12 @@ def test_checked_run_reports_non_finite_counts():
     with pytest.raises(NonFiniteError, match="bad: 3 non-finite"):
         r.checked_run(bad, NoLayer())
     r.checked_run(ok, NoLayer())  # the counter is zeroed before each checked run
+
+
+def test_timing_of_per_iteration_samples():
+    from lab.timing import Timing
+
+    t = Timing.of([1.5, 0.5, 1.0, 4.0])
+    assert (t.median_ms, t.min_ms, t.max_ms, t.iterations) == (1.25, 0.5, 4.0, 4)
+    with pytest.raises(ValueError, match="no samples"):
+        Timing.of([])

@@ -290,9 +290,8 @@ template <int W, int R, int BK, int STAGES, int FMAX, int MMA, int FUSE = 0>
 struct Config {
   // activation-decoder warps: a third for 64-token tiles (+1.5 points at @32); not with the fused
   // epilogue, whose extra warps would then push registers below what the accumulators need.
-  // Fused CTAs of small token tiles take two (and one epilogue warp): in an 8-warp CTA warp w
-  // issues from scheduler w % 4, so a single decoder would put both resident CTAs' decode on one
-  // scheduler beside its two consumers.
+  // Fused CTAs of small token tiles take two and one epilogue warp (same 8 warps): fused-layer
+  // @8 12-20 us faster; the plain 6-warp CTA gains nothing from a second one (notes/layer.md).
   static constexpr int DW = FMAX >= 8 && FUSE == 0 ? 3 : FMAX >= 4 || FUSE != 0 ? 2 : 1;
   // SwiGLU epilogue warps: they fill the CTA's last group of four warps (ptxas budgets registers
   // for whole groups, so a fifth group would cut every thread's registers)
