@@ -1,0 +1,53 @@
+"""Probe: some processes on the H200 time the layer 10-13% slower than others, for every variant
+or for some only, throughout the process. This times separate, cuda-graph, fused-swiglu and
+fused-layer in interleaved rounds, then drops the layer (runner, buffers, graphs) and builds it
+again, a few times in one process, with the flat read before each: whether a slow state follows
+the process, the buffers, the variant or the bandwidth."""
+import sys
+
+import cupy as cp
+import numpy as np
+
+from lab.gemm_bench import problem_of, study_parser, write_json
+from lab.kernels.stream_read import measure_read_roofline
+from lab.layer import load_layer, upload_weights
+from lab.problem import make_routing, random_activations, random_weights, tokens_for_mean
+from lab.runner import Runner
+from lab.variants import make
+
+
+def main():
+    ap = study_parser(__doc__, [8], 5)
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--variants", nargs="+", default=["separate", "cuda-graph", "fused-swiglu", "fused-layer"])
+    args = ap.parse_args()
+    problem = problem_of(args)
+    dweights = upload_weights(random_weights(problem, seed=args.seed))
+    mean = args.mean_tokens[0]
+    routing = make_routing(tokens_for_mean(mean, problem.experts, problem.top_k), problem.experts,
+                           problem.top_k, seed=args.seed)
+    x = random_activations(routing.tokens, problem.hidden, seed=args.seed)
+    rows = []
+    for trial in range(args.trials):
+        gbps = measure_read_roofline(iterations=5)["gbps"]
+        cp.get_default_memory_pool().free_all_blocks()
+        runner = Runner()
+        layer = load_layer(runner, dweights, routing, x)
+        vs = {name: make(name) for name in args.variants}
+        for v in vs.values():
+            runner.prepare(v, layer)
+        med = {name: [] for name in vs}
+        for _ in range(args.rounds):
+            for name, v in vs.items():
+                med[name].append(float(np.median(runner.time_samples(v, layer, args.iterations, 2))))
+        rows.append({"trial": trial, "flat_gbps": gbps, "round_medians_ms": med})
+        print(f"trial {trial}: flat {gbps:.0f} GB/s  " + "  ".join(
+            f"{n} " + "/".join(f"{m:.3f}" for m in ms) for n, ms in med.items()), flush=True)
+        del runner, layer, vs
+        cp.get_default_memory_pool().free_all_blocks()
+    write_json(args.json, "notes/experiments/slow_state_probe.py", rows=rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
