@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int,
                     help="the iterations are split over this many rounds that visit every variant in turn "
                          "(default 4, or --iterations if fewer)")
+    ap.add_argument("--settle-ms", type=float, default=500.0,
+                    help="idle pause before each variant's burst of a round (0: sustained, power-capped load)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skew", type=float, default=0.0, help="routing skew: 0 uniform, else p ~ 1/rank**skew")
     ap.add_argument("--checkpoint", help="ModelOpt NVFP4 safetensors file (default: synthetic weights)")
@@ -91,6 +93,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.rounds = min(4, args.iterations)
     elif args.rounds > args.iterations:
         ap.error(f"--rounds: at most --iterations ({args.iterations}), got {args.rounds}")
+    if not (np.isfinite(args.settle_ms) and 0 <= args.settle_ms <= 10_000):
+        ap.error(f"--settle-ms: must be in 0..10000, got {args.settle_ms}")
     if args.warmup < 0:
         ap.error(f"--warmup: must be >= 0, got {args.warmup}")
     if not (np.isfinite(args.skew) and args.skew >= 0):
@@ -276,12 +280,17 @@ def run_gpu(args, problem, weights, routings, cp) -> dict:
             if name in args.variants:
                 timed[name] = v  # prepared and checked; timed below, with the others
         # Interleaved rounds: every variant runs a share of the iterations in each round, so a
-        # drift of the machine's speed during the run falls on all of them alike.
+        # drift of the machine's speed during the run falls on all of them alike. Each burst
+        # follows an idle pause: under back-to-back load the layer draws ~750 W, the 700 W power
+        # cap lowers the SM clock and every variant slows by 5-10% (the flat read does not:
+        # notes/layer.md); --settle-ms 0 measures that sustained state instead.
         per_round = -(-args.iterations // args.rounds)
         samples: dict[str, list] = {name: [] for name in timed}
         for r in range(args.rounds):
             log(f"  timing round {r + 1}/{args.rounds}: {per_round} iterations of {len(timed)} variants")
             for name, v in timed.items():
+                runner.synchronize()
+                time.sleep(args.settle_ms / 1000)  # every burst starts from the same power state
                 samples[name].append(runner.time_samples(v, layer, per_round, args.warmup))
         for name, v in timed.items():
             entry = table[name]
@@ -289,6 +298,8 @@ def run_gpu(args, problem, weights, routings, cp) -> dict:
             entry["ms"][mean] = t.median_ms
             entry["timing"][mean] = t.as_dict()
             if mean == stage_mean:
+                runner.synchronize()
+                time.sleep(args.settle_ms / 1000)
                 st = runner.time_stages(v, layer, args.iterations, args.warmup)
                 entry["stages"] = {k: s.median_ms for k, s in st.items()}
                 if name == "separate":
@@ -346,7 +357,8 @@ def print_results(result, problem, routings, brows, lrows, srows, args) -> None:
     print(tabulate(sorted((k, str(v)) for k, v in setup.items()), headers=["setup", ""]))
     print(f"\nproblem: E={problem.experts} H={problem.hidden} I={problem.intermediate} top_k={problem.top_k} "
           f"gate/up global ratio {problem.gate_up_ratio:.4f}; skew {args.skew}; seed {args.seed}; "
-          f"{args.iterations} iterations in {args.rounds} interleaved rounds, {args.warmup} warm-up runs each")
+          f"{args.iterations} iterations in {args.rounds} interleaved rounds, {args.warmup} warm-up runs each, "
+          f"{args.settle_ms:g} ms idle before each burst")
     print_bytes(brows, result["gbps"], measured=True)
     roof = result["read_roofline"]
     print(f"\nread bandwidth (flat streaming read of {roof['bytes'] / 1e9:.3f} GB, this run): {result['gbps']:.0f} GB/s")

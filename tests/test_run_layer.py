@@ -66,6 +66,8 @@ def test_default_problem_bytes_match_the_study(run_layer, capsys):
     (["--iterations", "0"], "--iterations"),
     (["--warmup", "-1"], "--warmup"),
     (["--rounds", "0"], "--rounds"),
+    (["--settle-ms", "-1"], "--settle-ms"),
+    (["--settle-ms", "nan"], "--settle-ms"),
     (["--iterations", "3", "--rounds", "4"], "--rounds: at most --iterations (3)"),
     (["--skew", "-0.5"], "--skew"),
     (["--check-experts", "4"], "--check-experts"),
