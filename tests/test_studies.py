@@ -111,6 +111,8 @@ def test_probe_edits_still_find_their_places_in_the_kernel(monkeypatch):
         common.edited(src, subs)
     for probe in ("dw_probe", "dw_cta_probe"):
         common.edited(src, {load_experiment(probe, monkeypatch).BASE: ""})
+    for subs in load_experiment("fused_epilogue_probe", monkeypatch).VARIANTS.values():
+        common.edited(src, subs)
     # split_probe, l2_prefetch_probe and tma_tensor_probe edit the 1-D bulk copy of the kernel before
     # its tensor copies (their docstrings say which commit to check out)
     wgmma = load_experiment("wgmma_probe", monkeypatch)

@@ -7,7 +7,7 @@ from lab.gemm_bench import study_parser
 from lab.kernels import grouped_gemm as gg
 from probe_common import edit_kernel, measure_tile, start
 
-BASE = "static constexpr int DW = FMAX >= 8 && FUSE == 0 ? 3 : FMAX >= 4 ? 2 : 1;"
+BASE = "static constexpr int DW = FMAX >= 8 && FUSE == 0 ? 3 : FMAX >= 4 || FUSE != 0 ? 2 : 1;"
 
 
 def tile(text):

@@ -2,8 +2,9 @@
 0.682 ms but fused-swiglu's w13 + SwiGLU stage stays at 0.708 ms. Variants (kernel edited in
 memory; timing only where the values change): `epi-off`, the epilogue warps take each h tile and
 hand it back without the SwiGLU and quantize work (a_q keeps the previous run's values); `sleep-100`,
-the epilogue warps poll for the next tile every 0.1 us instead of 1 us (same values); `dw2`, fused
-CTAs take two decoder warps and one epilogue warp (same values). Times whole
+the epilogue warps poll for the next tile every 0.1 us instead of 1 us (same values); `dw1`, fused
+CTAs of small token tiles take one decoder warp and two epilogue warps, the form before ffb00f2
+(same values). Times whole
 variants through the runner, with their stage table."""
 import sys
 
@@ -18,8 +19,9 @@ VARIANTS = {
     "as-is": {},
     "epi-off": {"item < ntok * Q; item += 32 * C::EW) {": "item < 0 * ntok; item += 32 * C::EW) {"},
     "sleep-100": {"    __nanosleep(1000);\n": "    __nanosleep(100);\n"},
-    # two decoder warps and one epilogue warp in fused CTAs (notes/experiments/fused_dw2.patch)
-    "dw2": {"FMAX >= 8 && FUSE == 0 ? 3 : FMAX >= 4 ? 2 : 1;": "FMAX >= 8 && FUSE == 0 ? 3 : FMAX >= 4 || FUSE != 0 ? 2 : 1;"},
+    # one decoder warp and two epilogue warps in fused CTAs of 8-16-token tiles, as before ffb00f2
+    # (that commit shipped the two-decoder form the probe's earlier `dw2` variant measured)
+    "dw1": {"FMAX >= 8 && FUSE == 0 ? 3 : FMAX >= 4 || FUSE != 0 ? 2 : 1;": "FMAX >= 8 && FUSE == 0 ? 3 : FMAX >= 4 ? 2 : 1;"},
 }
 
 

@@ -11,7 +11,7 @@ from lab.kernels import grouped_gemm as gg
 from probe_common import check_sample, edit_kernel, measure_tile, start
 
 BASE = "static constexpr int GS = R >= 4 ? 1 : (FUSE & 2) ? 2 : 4;"
-DW_BASE = "static constexpr int DW = FMAX >= 8 && FUSE == 0 ? 3 : FMAX >= 4 ? 2 : 1;"
+DW_BASE = "static constexpr int DW = FMAX >= 8 && FUSE == 0 ? 3 : FMAX >= 4 || FUSE != 0 ? 2 : 1;"
 SHIPPED_DW = gg.GemmConfig.decoder_warps
 SCALE = ("a[0] = hmul2_lo(p0, s2);\n  a[1] = hmul2_hi(p1, s2);\n  a[2] = hmul2_lo(p2, s2);\n"
          "  a[3] = hmul2_hi(p3, s2);")
