@@ -49,3 +49,12 @@ def time_cuda_samples(fn, iterations: int = 20, warmup: int = 3, stream=None) ->
         stop.record(stream)
     stream.synchronize()
     return np.array([cp.cuda.get_elapsed_time(a, b) for a, b in events])
+
+
+def time_sustained(fn, run_ms: float, sustain_ms: float, iterations: int = 20, stream=None) -> Timing:
+    """Time `fn()` after about `sustain_ms` of back-to-back runs (each about `run_ms`): the state
+    a GPU reaches under held load, where the power cap may have lowered its clocks."""
+    if not (run_ms > 0 and sustain_ms >= 0):
+        raise ValueError(f"run_ms must be > 0 and sustain_ms >= 0, got {run_ms}, {sustain_ms}")
+    warm = max(1, int(np.ceil(sustain_ms / run_ms)))
+    return time_cuda(fn, iterations=iterations, warmup=warm, stream=stream)

@@ -8,9 +8,13 @@ For w13 and w2 of the study's problem at each mean tokens per expert it times
   - cuBLAS on fp16 weights dequantized at load (e2m1 x e4m3 is exact in fp16), strided-batched
     over experts padded to the largest count: the row a user would pick instead,
 and prints one table (gemm, tokens, ms, GB/s, % of roofline, % of same-pattern read).
+Every figure is a burst (20 runs between host-side checks). With `--sustain-ms` the flat read
+and each GEMM are also timed after that long of back-to-back runs: held load trips the H200's
+700 W power cap, which slows the GEMM by ~10% and the flat read not at all (notes/gemm.md v15).
 "Bytes" are what the GEMM must move: weights of experts with tokens, activations in, fp32 out.
 
     python scripts/bench_gemm.py --json results/bench_gemm.json
+    python scripts/bench_gemm.py --sustain-ms 1000 --no-cublas --json results/bench_gemm_sustained.json
     python scripts/bench_gemm.py --mean-tokens 8 --config 4,4,128,4 --config 8,2,128,4,1 --config 4,4,128,3,0,2
 """
 
@@ -27,7 +31,8 @@ from lab.device_info import setup_info
 from lab.gemm_bench import GemmBench, log, problem_of, study_parser, write_json
 from lab.kernels import grouped_gemm as gg
 from lab.kernels.stream_read import measure_read_roofline
-from lab.timing import time_cuda
+from lab.kernels.stream_read import stream_read
+from lab.timing import time_cuda, time_sustained
 
 TAG = "bench_gemm"
 
@@ -49,7 +54,11 @@ def main(argv=None) -> int:
                     help="override the tile: warps,row_tiles,k_step,stages[,mma[,ctas_per_sm]] (token tile from "
                          "the heuristic; mma 0 = mma.sync, 1 = wgmma; ctas_per_sm 0 = as many as fit); repeat to "
                          "time several tiles in one run")
+    ap.add_argument("--sustain-ms", type=float, default=0.0,
+                    help="also time the flat read and each GEMM after this many ms of back-to-back runs (0: off)")
     args = ap.parse_args(argv)
+    if not (np.isfinite(args.sustain_ms) and 0 <= args.sustain_ms <= 60_000):
+        ap.error(f"--sustain-ms: must be in 0..60000, got {args.sustain_ms}")
 
     problem = problem_of(args)
     setup = setup_info()
@@ -58,6 +67,10 @@ def main(argv=None) -> int:
     roof = measure_read_roofline(iterations=args.iterations)
     bw = roof["gbps"]
     log(TAG, f"read roofline {bw:.0f} GB/s")
+    if args.sustain_ms:
+        roof["sustained"] = sustained_read(args)
+        cp_pool_free()
+        log(TAG, f"flat read after {args.sustain_ms:g} ms of back-to-back reads: {roof['sustained']['gbps']:.0f} GB/s")
     bench = GemmBench(problem, args.seed, TAG)
     cp = bench.cp
 
@@ -74,6 +87,12 @@ def main(argv=None) -> int:
                                         ctas_per_sm=rest[1] if len(rest) > 1 else 0).validate(case.n, case.k)
                 log(TAG, f"{gemm} mean {mean}: {case.rows} rows, max count {case.counts.max()}, {cfg}")
                 row = bench.measure(case, cfg, bw, args.iterations)
+                if args.sustain_ms:
+                    prep = bench.prepared(gemm, (cfg.block_n, cfg.k_step))
+                    t = time_sustained(lambda: gg.grouped_gemm(prep, case.d_xp, case.d_xs, case.d_off, case.d_alpha,
+                                                               case.out, cfg), row["ms"], args.sustain_ms,
+                                       args.iterations)
+                    row.update({"sustained_ms": t.median_ms, "sustained_roof_pct": row["roof_pct"] * row["ms"] / t.median_ms})
                 if args.check_experts:
                     pool = np.flatnonzero(case.counts)
                     sample = rng.choice(pool, size=min(args.check_experts, pool.size), replace=False)
@@ -91,16 +110,38 @@ def main(argv=None) -> int:
 
     table = [[r["gemm"], r["mean_tokens"], "{warps},{row_tiles},{k_step},{stages},{max_frags},{mma},{ctas_per_sm}".format(**r["config"]),
               f"{r['ms']:.3f}", f"{r['gbps']:.0f}", f"{r['roof_pct']:.1f}", f"{r['pattern_pct']:.1f}",
-              f"{r['read_pattern_ms']:.3f}", f"{r.get('cublas_ms', float('nan')):.3f}"] for r in rows_out]
-    print(f"read roofline: {bw:.0f} GB/s (flat streaming read, {roof['bytes'] / 1e9:.3f} GB)")
+              f"{r['read_pattern_ms']:.3f}", f"{r.get('cublas_ms', float('nan')):.3f}"]
+             + ([f"{r['sustained_ms']:.3f}", f"{r['sustained_roof_pct']:.1f}"] if args.sustain_ms else [])
+             for r in rows_out]
+    print(f"read roofline: {bw:.0f} GB/s (flat streaming read, {roof['bytes'] / 1e9:.3f} GB)"
+          + (f"; {roof['sustained']['gbps']:.0f} GB/s after {args.sustain_ms:g} ms of back-to-back reads"
+             if args.sustain_ms else ""))
     print(tabulate(table, headers=["gemm", "tokens/expert", "tile W,R,BK,S,F,mma,ctas", "ms", "GB/s", "% roofline",
-                                   "% same-pattern read", "read-pattern ms", "cublas-fp16 ms"]))
+                                   "% same-pattern read", "read-pattern ms", "cublas-fp16 ms"]
+                   + (["sustained ms", "sustained % roofline"] if args.sustain_ms else [])))
     for c in checks:
         print(f"check {c['gemm']} mean {c['mean']}: rel Frobenius {c['rel_frobenius']:.2e} on {len(c['experts'])} experts")
     write_json(args.json, "scripts/bench_gemm.py", setup=setup,
                read_roofline=roof, rows=rows_out, checks=checks)
     bad = any(c["rel_frobenius"] > 1e-5 for c in checks) or any(r["unwritten"] for r in rows_out)
     return 1 if bad else 0
+
+
+def cp_pool_free() -> None:
+    import cupy as cp
+
+    cp.get_default_memory_pool().free_all_blocks()
+
+
+def sustained_read(args, nbytes: int = 4_077_000_000) -> dict:
+    """The flat read timed after `args.sustain_ms` of back-to-back reads."""
+    import cupy as cp
+
+    buf = cp.random.default_rng(args.seed).integers(0, 2**31 - 1, size=-(-nbytes // 16) * 4, dtype=cp.int32)
+    sink = cp.zeros(1, dtype=cp.uint32)
+    first = time_cuda(lambda: stream_read(buf, sink), iterations=3, warmup=1)
+    t = time_sustained(lambda: stream_read(buf, sink), first.median_ms, args.sustain_ms, args.iterations)
+    return {"ms": t.median_ms, "gbps": buf.nbytes / (t.median_ms * 1e-3) / 1e9, "sustain_ms": args.sustain_ms}
 
 
 def dequant_fp16(cp, packed, scales, chunk: int = 16):

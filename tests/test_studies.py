@@ -125,3 +125,32 @@ def test_probe_edits_still_find_their_places_in_the_kernel(monkeypatch):
     assert common.edited(src, layer.LAYER_EDITS).count("LAB_STAMP(") == len(timeline.EVENTS) + 4
     with pytest.raises(RuntimeError, match="places match"):
         common.edited(src, {"no such line in the kernel": ""})
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "90000"])
+def test_bench_gemm_refuses_a_bad_sustain_before_touching_a_gpu(capsys, value):
+    bg = load("bench_gemm")
+    with pytest.raises(SystemExit) as exc:
+        bg.main(["--sustain-ms", value])
+    assert exc.value.code == 2 and "--sustain-ms" in capsys.readouterr().err
+
+
+def test_time_sustained_warms_up_for_the_asked_time():
+    from lab import timing
+
+    seen = {}
+
+    def fake(fn, iterations, warmup, stream):
+        seen.update(iterations=iterations, warmup=warmup)
+        return timing.Timing(1.0, 1.0, 1.0, iterations)
+
+    orig, timing.time_cuda = timing.time_cuda, fake
+    try:
+        timing.time_sustained(lambda: None, run_ms=0.7, sustain_ms=1000, iterations=20)
+        assert seen == {"iterations": 20, "warmup": 1429}  # ceil(1000 / 0.7)
+        timing.time_sustained(lambda: None, run_ms=0.7, sustain_ms=0, iterations=5)
+        assert seen["warmup"] == 1
+        with pytest.raises(ValueError, match="run_ms"):
+            timing.time_sustained(lambda: None, run_ms=0, sustain_ms=10)
+    finally:
+        timing.time_cuda = orig
