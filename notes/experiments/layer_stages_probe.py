@@ -1,0 +1,62 @@
+"""Probe: pipeline depth of the 8-16-token tiles in the whole layer. The heuristic gives them
+three stages (two CTAs per SM, ~54 KB of weights in flight each); four fit beside the fused
+kernel's h tile (111 KB per CTA) and were level for the plain GEMMs with tensor copies
+(notes/gemm.md v14). Untested for the fused kernels, whose epilogue warp and h hand-off change
+what a stage waits for. `--stages 3 4 3 4` builds the layer with each depth in turn (plain and
+fused kernels alike) and times the variants in settled bursts, as run_layer.py does."""
+import sys
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from lab import layer as layer_mod
+from lab.gemm_bench import problem_of, study_parser, write_json
+from lab.kernels import grouped_gemm as gg
+from lab.kernels.stream_read import measure_read_roofline
+from lab.layer import load_layer, upload_weights
+from lab.problem import make_routing, random_activations, random_weights, tokens_for_mean
+from lab.runner import Runner
+from lab.variants import make
+
+SHIPPED = gg.heuristic
+
+
+def main():
+    ap = study_parser(__doc__, [8], 20)
+    ap.add_argument("--stages", type=int, nargs="+", default=[3, 4, 3, 4])
+    ap.add_argument("--variants", nargs="+", default=["cuda-graph", "fused-swiglu", "fused-layer"])
+    ap.add_argument("--settle-ms", type=float, default=500.0)
+    args = ap.parse_args()
+    problem = problem_of(args)
+    gbps = measure_read_roofline(iterations=args.iterations)["gbps"]
+    print(f"roofline {gbps:.0f} GB/s", flush=True)
+    dweights = upload_weights(random_weights(problem, seed=args.seed))
+    rows = []
+    for stages in args.stages:
+        def heuristic(n, k, counts, layout=None, stages=stages):
+            cfg = SHIPPED(n, k, counts, layout)
+            return replace(cfg, stages=stages).validate(n, k) if cfg.max_frags <= 2 else cfg
+        layer_mod.gg.heuristic = heuristic
+        for mean in args.mean_tokens:
+            routing = make_routing(tokens_for_mean(mean, problem.experts, problem.top_k), problem.experts,
+                                   problem.top_k, seed=args.seed)
+            runner = Runner()
+            layer = load_layer(runner, dweights, routing,
+                               random_activations(routing.tokens, problem.hidden, seed=args.seed))
+            for name in args.variants:
+                v = make(name)
+                runner.prepare(v, layer)
+                runner.synchronize()
+                time.sleep(args.settle_ms / 1000)
+                ms = float(np.median(runner.time_samples(v, layer, args.iterations, 3)))
+                rows.append({"stages": stages, "variant": name, "mean_tokens": mean, "ms": ms,
+                             "config": str(layer.w13_cfg) if hasattr(layer, "w13_cfg") else None})
+                print(f"stages {stages} {name:13s} @{mean:g}: {ms:.4f} ms", flush=True)
+            del runner, layer
+    layer_mod.gg.heuristic = SHIPPED
+    write_json(args.json, "notes/experiments/layer_stages_probe.py", roofline_gbps=gbps, rows=rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
