@@ -135,7 +135,7 @@ def test_bench_gemm_refuses_a_bad_sustain_before_touching_a_gpu(capsys, value):
     assert exc.value.code == 2 and "--sustain-ms" in capsys.readouterr().err
 
 
-def test_time_sustained_warms_up_for_the_asked_time():
+def test_time_sustained_warms_up_for_the_asked_time(monkeypatch):
     from lab import timing
 
     seen = {}
@@ -144,13 +144,10 @@ def test_time_sustained_warms_up_for_the_asked_time():
         seen.update(iterations=iterations, warmup=warmup)
         return timing.Timing(1.0, 1.0, 1.0, iterations)
 
-    orig, timing.time_cuda = timing.time_cuda, fake
-    try:
-        timing.time_sustained(lambda: None, run_ms=0.7, sustain_ms=1000, iterations=20)
-        assert seen == {"iterations": 20, "warmup": 1429}  # ceil(1000 / 0.7)
-        timing.time_sustained(lambda: None, run_ms=0.7, sustain_ms=0, iterations=5)
-        assert seen["warmup"] == 1
-        with pytest.raises(ValueError, match="run_ms"):
-            timing.time_sustained(lambda: None, run_ms=0, sustain_ms=10)
-    finally:
-        timing.time_cuda = orig
+    monkeypatch.setattr(timing, "time_cuda", fake)
+    timing.time_sustained(lambda: None, run_ms=0.7, sustain_ms=1000, iterations=20)
+    assert seen == {"iterations": 20, "warmup": 1429}  # ceil(1000 / 0.7)
+    timing.time_sustained(lambda: None, run_ms=0.7, sustain_ms=0, iterations=5)
+    assert seen["warmup"] == 1
+    with pytest.raises(ValueError, match="run_ms"):
+        timing.time_sustained(lambda: None, run_ms=0, sustain_ms=10)

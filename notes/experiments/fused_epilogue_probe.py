@@ -9,11 +9,10 @@ variants through the runner, with their stage table."""
 import sys
 
 from lab.gemm_bench import problem_of, study_parser, write_json
-from lab.layer import load_layer, upload_weights
-from lab.problem import make_routing, random_activations, random_weights, tokens_for_mean
-from lab.runner import Runner
+from lab.layer import upload_weights
+from lab.problem import random_weights
 from lab.variants import make
-from probe_common import edit_kernel
+from probe_common import edit_kernel, study_layer
 
 VARIANTS = {
     "as-is": {},
@@ -36,11 +35,7 @@ def main():
     for name in args.variants:
         edit_kernel(VARIANTS[name])
         for mean in args.mean_tokens:
-            routing = make_routing(tokens_for_mean(mean, problem.experts, problem.top_k), problem.experts,
-                                   problem.top_k, seed=args.seed)
-            runner = Runner()
-            layer = load_layer(runner, dweights, routing,
-                               random_activations(routing.tokens, problem.hidden, seed=args.seed))
+            runner, layer = study_layer(problem, dweights, mean, args.seed)
             for lv in args.layer_variants:
                 v = make(lv)
                 runner.prepare(v, layer)

@@ -10,14 +10,13 @@ from dataclasses import replace
 
 import numpy as np
 
-from lab import layer as layer_mod
 from lab.gemm_bench import problem_of, study_parser, write_json
 from lab.kernels import grouped_gemm as gg
 from lab.kernels.stream_read import measure_read_roofline
-from lab.layer import load_layer, upload_weights
-from lab.problem import make_routing, random_activations, random_weights, tokens_for_mean
-from lab.runner import Runner
+from lab.layer import upload_weights
+from lab.problem import random_weights
 from lab.variants import make
+from probe_common import study_layer
 
 SHIPPED = gg.heuristic
 
@@ -37,13 +36,9 @@ def main():
         def heuristic(n, k, counts, layout=None, stages=stages):
             cfg = SHIPPED(n, k, counts, layout)
             return replace(cfg, stages=stages).validate(n, k) if cfg.max_frags <= 2 else cfg
-        layer_mod.gg.heuristic = heuristic
+        gg.heuristic = heuristic  # load_layer asks the module for its tiles
         for mean in args.mean_tokens:
-            routing = make_routing(tokens_for_mean(mean, problem.experts, problem.top_k), problem.experts,
-                                   problem.top_k, seed=args.seed)
-            runner = Runner()
-            layer = load_layer(runner, dweights, routing,
-                               random_activations(routing.tokens, problem.hidden, seed=args.seed))
+            runner, layer = study_layer(problem, dweights, mean, args.seed)
             for name in args.variants:
                 v = make(name)
                 runner.prepare(v, layer)
@@ -54,7 +49,7 @@ def main():
                              "config": str(layer.w13_cfg) if hasattr(layer, "w13_cfg") else None})
                 print(f"stages {stages} {name:13s} @{mean:g}: {ms:.4f} ms", flush=True)
             del runner, layer
-    layer_mod.gg.heuristic = SHIPPED
+    gg.heuristic = SHIPPED
     write_json(args.json, "notes/experiments/layer_stages_probe.py", roofline_gbps=gbps, rows=rows)
 
 

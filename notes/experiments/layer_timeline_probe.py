@@ -12,11 +12,10 @@ import numpy as np
 
 from lab.gemm_bench import study_parser
 from lab.kernels import grouped_gemm as gg, jit
-from lab.layer import load_layer, upload_weights
-from lab.problem import make_routing, random_activations, random_weights, tokens_for_mean
-from lab.runner import Runner
+from lab.layer import upload_weights
+from lab.problem import random_weights
 from lab.variants import make
-from probe_common import edit_kernel
+from probe_common import edit_kernel, study_layer
 from timeline_probe import EDITS, MAX_CTAS, SLOTS, summary
 
 LAYER_EDITS = {
@@ -54,11 +53,7 @@ def main():
     dweights = upload_weights(random_weights(problem, seed=args.seed))
     report = []
     for mean in args.mean_tokens:
-        routing = make_routing(tokens_for_mean(mean, problem.experts, problem.top_k), problem.experts,
-                               problem.top_k, seed=args.seed)
-        runner = Runner()
-        layer = load_layer(runner, dweights, routing, random_activations(routing.tokens, problem.hidden,
-                                                                          seed=args.seed))
+        runner, layer = study_layer(problem, dweights, mean, args.seed)
         v = make(args.variant)
         runner.prepare(v, layer)
         t = runner.time(v, layer, iterations=args.iterations, warmup=2)

@@ -36,6 +36,20 @@ def check_sample(bench, case, rng, experts: int) -> float:
     return bench.check(case, np.sort(sample))
 
 
+def study_layer(problem, dweights, mean: float, seed: int):
+    """(Runner, Layer) of the study's routing at `mean` tokens per expert, activations drawn with
+    `seed`, on weights already uploaded: what the layer probes time."""
+    from lab.layer import load_layer
+    from lab.problem import make_routing, random_activations, tokens_for_mean
+    from lab.runner import Runner
+
+    routing = make_routing(tokens_for_mean(mean, problem.experts, problem.top_k), problem.experts,
+                           problem.top_k, seed=seed)
+    runner = Runner()
+    return runner, load_layer(runner, dweights, routing, random_activations(routing.tokens, problem.hidden,
+                                                                            seed=seed))
+
+
 def edited(text: str, subs: dict) -> str:
     """`text` with each key replaced by its value; every key must occur exactly once, or the
     probe would time the shipped kernel under another name."""
