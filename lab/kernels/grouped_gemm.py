@@ -485,11 +485,20 @@ SHIPPED_CONFIGS = tuple(
     for f in MAX_FRAGS_CHOICES)
 
 
+# Fused tiles of 8-16 tokens take at least four stages where the plain ones take three:
+# fused-layer @8 1.0155 against 1.023 ms, bits unchanged (notes/layer.md v15, run H); the plain
+# GEMMs keep three, which four cost 1-1.6 points at @2.
+FUSED_SMALL_STAGES = 4
+
+
 @functools.lru_cache(maxsize=None)
 def fused_config(cfg: GemmConfig, fuse: int) -> GemmConfig:
     """`cfg` with the fused epilogue: one to three more warps and the h tile in shared memory
-    (a stage fewer wherever the two would not fit). Cached: launchers ask on every launch."""
+    (a stage fewer wherever the two would not fit), and for tiles of up to 16 tokens at least
+    FUSED_SMALL_STAGES stages. Cached: launchers ask on every launch."""
     fused = replace(cfg, fuse=fuse)
+    if cfg.max_frags <= 2:
+        fused = replace(fused, stages=max(fused.stages, FUSED_SMALL_STAGES))
     while fused.smem_bytes + 4096 > SMEM_LIMIT and fused.stages > 2:
         fused = replace(fused, stages=fused.stages - 1)
     return fused.validate()
