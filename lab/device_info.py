@@ -36,6 +36,38 @@ def _smi_clocks() -> dict:
         return {}
 
 
+# Read before and after timing: the H200's 700 W cap lowers the SM clock under load, more so on
+# a hot board, and the layer's fastest variants lose most (notes/layer.md v16).
+_STATE_FIELDS = (("temperature.gpu", "temp_c"), ("power.draw", "power_w"), ("power.limit", "power_limit_w"),
+                 ("clocks.sm", "sm_clock_mhz"), ("clocks_event_reasons.sw_power_cap", "sw_power_cap"))
+
+
+def parse_gpu_state(line: str) -> dict:
+    """One `nvidia-smi --query-gpu=<_STATE_FIELDS> --format=csv,noheader,nounits` line -> dict
+    (numbers as floats where they parse; 'Active' / 'Not Active' kept as text)."""
+    values = [v.strip() for v in line.split(",")]
+    if len(values) != len(_STATE_FIELDS):
+        raise ValueError(f"expected {len(_STATE_FIELDS)} fields, got {line!r}")
+    out = {}
+    for (_, key), v in zip(_STATE_FIELDS, values):
+        try:
+            out[key] = float(v)
+        except ValueError:
+            out[key] = v
+    return out
+
+
+def gpu_state() -> dict:
+    """Temperature, power draw and limit, SM clock and the power-cap reason now ({} without
+    nvidia-smi)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=" + ",".join(f for f, _ in _STATE_FIELDS),
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+        return parse_gpu_state(out.stdout.strip().splitlines()[0])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return {}
+
+
 def setup_info() -> dict:
     """A dict of the device and software; works (with fewer keys) without a GPU."""
     info = {"lab_commit": lab_commit()}
@@ -55,6 +87,10 @@ def setup_info() -> dict:
             "cuda_driver": cp.cuda.runtime.driverGetVersion(),
         })
         info.update(_smi_clocks())
+        state = gpu_state()
+        if state:
+            info["temp_c_at_start"] = state["temp_c"]
+            info["power_limit_w"] = state["power_limit_w"]
     except Exception as exc:  # no cupy, no device: the setup table says so
         info["gpu"] = f"none ({type(exc).__name__})"
     return info

@@ -193,7 +193,7 @@ def correct_label(entry: dict) -> str:
 
 def run_gpu(args, problem, weights, routings, cp) -> dict:
     from lab import checks
-    from lab.device_info import setup_info
+    from lab.device_info import gpu_state, setup_info
     from lab.kernels.stream_read import measure_read_roofline
     from lab.layer import load_layer, upload_weights
     from lab.runner import Runner
@@ -220,7 +220,7 @@ def run_gpu(args, problem, weights, routings, cp) -> dict:
         order.insert(0, "separate")  # the baseline every other variant is compared with
     table = {name: {"variant": name, "expect": make(name).expect, "ms": {}, "timing": {}, "checks": [],
                     "errors": [], "skipped": None, "checksum": {}, "stages": {}} for name in order}
-    separate_checks, stages = {}, None
+    separate_checks, stages, gpu_states = {}, None, {}
     stage_mean = args.stage_mean if args.stage_mean in routings else next(iter(routings))
 
     for i, (mean, routing) in enumerate(routings.items()):
@@ -286,12 +286,18 @@ def run_gpu(args, problem, weights, routings, cp) -> dict:
         # notes/layer.md); --settle-ms 0 measures that sustained state instead.
         per_round = -(-args.iterations // args.rounds)
         samples: dict[str, list] = {name: [] for name in timed}
+        gpu_states[mean] = {"before_timing": gpu_state()}
         for r in range(args.rounds):
             log(f"  timing round {r + 1}/{args.rounds}: {per_round} iterations of {len(timed)} variants")
             for name, v in timed.items():
                 runner.synchronize()
                 time.sleep(args.settle_ms / 1000)  # every burst starts from the same power state
                 samples[name].append(runner.time_samples(v, layer, per_round, args.warmup))
+        gpu_states[mean]["after_timing"] = gpu_state()
+        for when, st in gpu_states[mean].items():
+            if st:
+                log(f"  gpu {when.replace('_', ' ')}: {st['temp_c']:g} C, {st['power_w']:g} of "
+                    f"{st['power_limit_w']:g} W, SM {st['sm_clock_mhz']:g} MHz, power cap {st['sw_power_cap']}")
         for name, v in timed.items():
             entry = table[name]
             t = Timing.of(np.concatenate(samples[name]))
@@ -310,7 +316,7 @@ def run_gpu(args, problem, weights, routings, cp) -> dict:
         cp.get_default_memory_pool().free_all_blocks()
 
     return {"setup": setup, "read_roofline": roof, "table": table, "separate_checks": separate_checks,
-            "stages": stages, "gbps": gbps}
+            "stages": stages, "gbps": gbps, "gpu_states": gpu_states}
 
 
 def layer_rows(result: dict, problem, routings, variants) -> list[dict]:
@@ -430,7 +436,7 @@ def main(argv=None) -> int:
             "setup": result["setup"], "problem": vars(problem),
             "checkpoint": report.as_dict() if report else None,
             "read_roofline": result["read_roofline"], "bytes": brows, "layer": lrows, "stages": srows,
-            "separate_checks": result["separate_checks"]})
+            "separate_checks": result["separate_checks"], "gpu_states": result["gpu_states"]})
         log(f"wrote {args.json}")
     failed = [r["variant"] for r in lrows if r["correct"].startswith(("MISMATCH", "ERROR", "baseline, FAILED"))]
     failed += [f"separate checks at mean {m:g}" for m, r in result["separate_checks"].items() if not r["ok"]]

@@ -134,3 +134,14 @@ def test_correct_column_labels(run_layer):
     assert label({**base, "expect": "match"}) == "unchecked"
     assert label({**base, "expect": "match", "skipped": "needs x"}) == "skipped: needs x"
     assert label({**base, "expect": "match", "errors": ["boom"]}) == "ERROR: boom"
+
+
+def test_gpu_state_line_parses_and_a_wrong_line_is_refused():
+    from lab.device_info import gpu_state, parse_gpu_state
+
+    st = parse_gpu_state("41, 612.35, 700.00, 1785, Active")
+    assert st == {"temp_c": 41.0, "power_w": 612.35, "power_limit_w": 700.0, "sm_clock_mhz": 1785.0,
+                  "sw_power_cap": "Active"}
+    with pytest.raises(ValueError, match="expected 5 fields"):
+        parse_gpu_state("41, 612.35")
+    assert isinstance(gpu_state(), dict)  # {} where nvidia-smi is missing, never an exception
