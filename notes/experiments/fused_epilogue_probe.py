@@ -4,8 +4,9 @@ memory; timing only where the values change): `epi-off`, the epilogue warps take
 hand it back without the SwiGLU and quantize work (a_q keeps the previous run's values); `sleep-100`,
 the epilogue warps poll for the next tile every 0.1 us instead of 1 us (same values); `dw1`, fused
 CTAs of small token tiles take one decoder warp and two epilogue warps, the form before ffb00f2
-(same values). Times whole
-variants through the runner, with their stage table."""
+(same values); for fused-layer's w2 phase, `no-ready` (producers do not wait on ready[e]; timing
+only, a unit may read a_q before it is written) and `no-bf16` (the w2 epilogue stores no bf16
+output). Times whole variants through the runner, with their stage table."""
 import sys
 
 from lab.gemm_bench import problem_of, study_parser, write_json
@@ -21,6 +22,9 @@ VARIANTS = {
     # one decoder warp and two epilogue warps in fused CTAs of 8-16-token tiles, as before ffb00f2
     # (that commit shipped the two-decoder form the probe's earlier `dw2` variant measured)
     "dw1": {"FMAX >= 8 && FUSE == 0 ? 3 : FMAX >= 4 || FUSE != 0 ? 2 : 1;": "FMAX >= 8 && FUSE == 0 ? 3 : FMAX >= 4 ? 2 : 1;"},
+    "no-ready": {"while (load_acquire(ready + e) < target) __nanosleep(64);":
+                 "while (target < 0 && load_acquire(ready + e) < target) __nanosleep(64);"},
+    "no-bf16": {"if (out_b != nullptr) {": "if (out_b != nullptr && ntok < 0) {"},
 }
 
 
