@@ -6,7 +6,10 @@ the epilogue warps poll for the next tile every 0.1 us instead of 1 us (same val
 CTAs of small token tiles take one decoder warp and two epilogue warps, the form before ffb00f2
 (same values); for fused-layer's w2 phase, `no-ready` (producers do not wait on ready[e]; timing
 only, a unit may read a_q before it is written) and `no-bf16` (the w2 epilogue stores no bf16
-output). Times whole variants through the runner, with their stage table."""
+output); `no-fence` (the epilogue warps publish ready[e] without their __threadfence: timing
+only, the release is then not guaranteed to cover every lane's a_q); `no-handoff` (consumers
+hand no h tile to the epilogue warps, with no-ready: nothing else could finish); `floor`
+(no-fence, epi-off and no-bf16 together). Times whole variants through the runner, with their stage table."""
 import sys
 
 from lab.gemm_bench import problem_of, study_parser, write_json
@@ -25,7 +28,13 @@ VARIANTS = {
     "no-ready": {"while (load_acquire(ready + e) < target) __nanosleep(64);":
                  "while (target < 0 && load_acquire(ready + e) < target) __nanosleep(64);"},
     "no-bf16": {"if (out_b != nullptr) {": "if (out_b != nullptr && ntok < 0) {"},
+    "no-fence": {"          __threadfence();\n          __syncwarp();": "          __syncwarp();"},
 }
+VARIANTS["no-handoff"] = {
+    **VARIANTS["no-ready"],
+    "if (kc == kchunks - 1 && unit_p == 0) {":
+        "if (kc == kchunks - 1 && unit_p == 0) { zero_acc(); next_stage(); continue; }\n      if (false) {"}
+VARIANTS["floor"] = {**VARIANTS["no-fence"], **VARIANTS["epi-off"], **VARIANTS["no-bf16"]}
 
 
 def main():
