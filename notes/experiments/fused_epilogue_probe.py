@@ -11,6 +11,9 @@ only, the release is then not guaranteed to cover every lane's a_q); `no-handoff
 hand no h tile to the epilogue warps, with no-ready: nothing else could finish); `floor`
 (no-fence, epi-off and no-bf16 together). Times whole variants through the runner, with their stage table."""
 import sys
+import time
+
+import numpy as np
 
 from lab.gemm_bench import problem_of, study_parser, write_json
 from lab.layer import upload_weights
@@ -40,6 +43,8 @@ VARIANTS["floor"] = {**VARIANTS["no-fence"], **VARIANTS["epi-off"], **VARIANTS["
 def main():
     ap = study_parser(__doc__, [8], 10)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--settle-ms", type=float, default=0.0,
+                    help="idle pause before each timed burst (500: every burst from the uncapped state)")
     ap.add_argument("--layer-variants", nargs="+", default=["cuda-graph", "fused-swiglu", "fused-layer"])
     args = ap.parse_args()
     problem = problem_of(args)
@@ -52,15 +57,18 @@ def main():
             for lv in args.layer_variants:
                 v = make(lv)
                 runner.prepare(v, layer)
-                t = runner.time(v, layer, iterations=args.iterations, warmup=2)
-                try:
-                    st = {k: s.median_ms for k, s in runner.time_stages(v, layer, iterations=args.iterations,
-                                                                          warmup=1).items()}
-                except Exception as e:  # a variant without stage events
-                    print(f"  (no stage table for {lv}: {e})")
-                    st = {}
-                rows.append({"edit": name, "variant": lv, "mean_tokens": mean, "ms": t.median_ms, "stages": st})
-                print(f"{name:10s} {lv:13s} @{mean:g}: {t.median_ms:.3f} ms  stages "
+                runner.synchronize()
+                time.sleep(args.settle_ms / 1000)
+                ms = float(np.median(runner.time_samples(v, layer, args.iterations, 3)))
+                st = {}
+                if args.settle_ms == 0:  # with settled bursts the stage table's burst would heat the next
+                    try:
+                        st = {k: s.median_ms for k, s in runner.time_stages(v, layer, iterations=args.iterations,
+                                                                              warmup=1).items()}
+                    except Exception as e:  # a variant without stage events
+                        print(f"  (no stage table for {lv}: {e})")
+                rows.append({"edit": name, "variant": lv, "mean_tokens": mean, "ms": ms, "stages": st})
+                print(f"{name:10s} {lv:13s} @{mean:g}: {ms:.4f} ms  stages "
                       + "  ".join(f"{k} {v:.3f}" for k, v in st.items()), flush=True)
     write_json(args.json, "notes/experiments/fused_epilogue_probe.py", rows=rows)
 
