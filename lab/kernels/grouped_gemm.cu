@@ -898,10 +898,10 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
                 }
                 if constexpr ((FUSE & 2) != 0) {
                   if (out_b != nullptr) {
-                    const uint32_t b0 = lab_act::bf16_bits(v0), b1 = lab_act::bf16_bits(v1);
-                    out_b[at] = (unsigned short)b0;
-                    out_b[at + 8] = (unsigned short)b1;
-                    bad += lab_act::bf16_nonfinite(b0) + lab_act::bf16_nonfinite(b1);
+                    const uint32_t b = lab_act::bf16x2_bits(v0, v1);
+                    out_b[at] = (unsigned short)b;
+                    out_b[at + 8] = (unsigned short)(b >> 16);
+                    bad += lab_act::bf16x2_nonfinite(b);
                   }
                 }
               }

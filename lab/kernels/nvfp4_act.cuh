@@ -50,6 +50,20 @@ __device__ __forceinline__ uint32_t bf16_bits(float v) {
 }
 __device__ __forceinline__ bool bf16_nonfinite(uint32_t b) { return (b & 0x7f80u) == 0x7f80u; }
 
+// Two of bf16_bits at once, v0 in the low half: cvt.rn.bf16x2.f32 rounds to nearest even,
+// keeps subnormals and overflows to Inf exactly as bf16_bits does, in one instruction for the
+// pair (the w2 epilogue is issue bound: ~5 us of fused-layer went to the per-value form). Its
+// NaN is canonical, so a pair holding a NaN takes bf16_bits' path.
+__device__ __forceinline__ uint32_t bf16x2_bits(float v0, float v1) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(v1), "f"(v0));  // first source -> high half
+  if (v0 != v0 || v1 != v1) r = bf16_bits(v0) | (bf16_bits(v1) << 16);
+  return r;
+}
+__device__ __forceinline__ uint32_t bf16x2_nonfinite(uint32_t b) {
+  return ((b & 0x7f80u) == 0x7f80u) + ((b & 0x7f800000u) == 0x7f800000u);
+}
+
 // A 16-element block's scale from its amax (the max of |x| over the block, NaN ignored):
 // returns the e4m3 code and sets denom = decoded scale * g. six_g = 6 * g rounded once.
 __device__ __forceinline__ uint32_t block_scale(float amax, float g, float six_g, float& denom) {

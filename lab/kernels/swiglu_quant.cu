@@ -106,9 +106,9 @@ __global__ void to_bf16(const float* __restrict__ x, uint16_t* __restrict__ y, s
   uint32_t bad = 0;
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (size_t)gridDim.x * blockDim.x) {
     const float4 v = reinterpret_cast<const float4*>(x)[i];
-    const uint32_t b0 = bf16_bits(v.x), b1 = bf16_bits(v.y), b2 = bf16_bits(v.z), b3 = bf16_bits(v.w);
-    bad += bf16_nonfinite(b0) + bf16_nonfinite(b1) + bf16_nonfinite(b2) + bf16_nonfinite(b3);
-    reinterpret_cast<uint2*>(y)[i] = make_uint2(b0 | (b1 << 16), b2 | (b3 << 16));
+    const uint32_t b01 = bf16x2_bits(v.x, v.y), b23 = bf16x2_bits(v.z, v.w);
+    bad += bf16x2_nonfinite(b01) + bf16x2_nonfinite(b23);
+    reinterpret_cast<uint2*>(y)[i] = make_uint2(b01, b23);
   }
   if (bad) atomicAdd(nonfinite, bad);
 }

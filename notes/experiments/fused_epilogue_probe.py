@@ -9,7 +9,8 @@ only, a unit may read a_q before it is written) and `no-bf16` (the w2 epilogue s
 output); `no-fence` (the epilogue warps publish ready[e] without their __threadfence: timing
 only, the release is then not guaranteed to cover every lane's a_q); `no-handoff` (consumers
 hand no h tile to the epilogue warps, with no-ready: nothing else could finish); `floor`
-(no-fence, epi-off and no-bf16 together). Times whole variants through the runner, with their stage table."""
+(no-fence, epi-off and no-bf16 together); `bf16-single` (the bf16 conversion one value at a
+time, as before bf16x2_bits; same bits). Times whole variants through the runner, with their stage table."""
 import sys
 import time
 
@@ -37,7 +38,13 @@ VARIANTS["no-handoff"] = {
     **VARIANTS["no-ready"],
     "if (kc == kchunks - 1 && unit_p == 0) {":
         "if (kc == kchunks - 1 && unit_p == 0) { zero_acc(); next_stage(); continue; }\n      if (false) {"}
+# the w2 epilogue's bf16 conversion one value at a time, as before bf16x2_bits (same bits)
+VARIANTS["bf16-single"] = {
+    "const uint32_t b = lab_act::bf16x2_bits(v0, v1);\n": "const uint32_t b = lab_act::bf16_bits(v0) | (lab_act::bf16_bits(v1) << 16);\n",
+    "bad += lab_act::bf16x2_nonfinite(b);":
+        "bad += lab_act::bf16_nonfinite(b & 0xffffu) + lab_act::bf16_nonfinite(b >> 16);"}
 VARIANTS["floor"] = {**VARIANTS["no-fence"], **VARIANTS["epi-off"], **VARIANTS["no-bf16"]}
+VARIANTS["floor-no-handoff"] = {**VARIANTS["floor"], **VARIANTS["no-handoff"]}
 
 
 def main():
