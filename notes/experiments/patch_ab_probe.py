@@ -29,10 +29,11 @@ SHIPPED_DIR = jit.KERNEL_DIR
 
 
 def patched_kernels(patch: Path) -> Path:
-    """A copy of lab/kernels with `patch` applied (git apply, which works outside a repository)."""
+    """A copy of lab/kernels with `patch`'s hunks for it applied (git apply, which works outside a
+    repository; hunks for other files, tests say, are left out)."""
     root = Path(tempfile.mkdtemp(prefix="lab_patch_"))
     shutil.copytree(SHIPPED_DIR, root / "lab" / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run(["git", "apply", str(patch.resolve())], cwd=root, check=True)
+    subprocess.run(["git", "apply", "--include=lab/kernels/*", str(patch.resolve())], cwd=root, check=True)
     return root / "lab" / "kernels"
 
 
