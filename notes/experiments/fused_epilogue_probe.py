@@ -12,15 +12,12 @@ hand no h tile to the epilogue warps, with no-ready: nothing else could finish);
 (no-fence, epi-off and no-bf16 together); `bf16-single` (the bf16 conversion one value at a
 time, as before bf16x2_bits; same bits). Times whole variants through the runner, with their stage table."""
 import sys
-import time
-
-import numpy as np
 
 from lab.gemm_bench import problem_of, study_parser, write_json
 from lab.layer import upload_weights
 from lab.problem import random_weights
 from lab.variants import make
-from probe_common import edit_kernel, study_layer
+from probe_common import edit_kernel, settled_ms, study_layer
 
 VARIANTS = {
     "as-is": {},
@@ -63,10 +60,7 @@ def main():
             runner, layer = study_layer(problem, dweights, mean, args.seed)
             for lv in args.layer_variants:
                 v = make(lv)
-                runner.prepare(v, layer)
-                runner.synchronize()
-                time.sleep(args.settle_ms / 1000)
-                ms = float(np.median(runner.time_samples(v, layer, args.iterations, 3)))
+                ms = settled_ms(runner, v, layer, args.iterations, args.settle_ms)
                 st = {}
                 if args.settle_ms == 0:  # with settled bursts the stage table's burst would heat the next
                     try:

@@ -7,10 +7,7 @@ fused kernels alike) and times the variants in settled bursts, as run_layer.py d
 `--fused-stages 3 4 3 4` leaves the plain heuristic as shipped and sets the floor that
 fused_config gives fused tiles of <= 16 tokens (FUSED_SMALL_STAGES; 3 = the kernels before it)."""
 import sys
-import time
 from dataclasses import replace
-
-import numpy as np
 
 from lab.gemm_bench import problem_of, study_parser, write_json
 from lab.kernels import grouped_gemm as gg
@@ -18,7 +15,7 @@ from lab.kernels.stream_read import measure_read_roofline
 from lab.layer import upload_weights
 from lab.problem import random_weights
 from lab.variants import make
-from probe_common import study_layer
+from probe_common import settled_ms, study_layer
 
 SHIPPED = gg.heuristic
 
@@ -50,10 +47,7 @@ def main():
             runner, layer = study_layer(problem, dweights, mean, args.seed)
             for name in args.variants:
                 v = make(name)
-                runner.prepare(v, layer)
-                runner.synchronize()
-                time.sleep(args.settle_ms / 1000)
-                ms = float(np.median(runner.time_samples(v, layer, args.iterations, 3)))
+                ms = settled_ms(runner, v, layer, args.iterations, args.settle_ms)
                 rows.append({"stages": stages, "fused_floor": bool(args.fused_stages), "variant": name, "mean_tokens": mean, "ms": ms,
                              "config": str(layer.w13_cfg) if hasattr(layer, "w13_cfg") else None})
                 print(f"stages {stages} {name:13s} @{mean:g}: {ms:.4f} ms", flush=True)

@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ from lab.kernels.stream_read import measure_read_roofline
 from lab.layer import upload_weights
 from lab.problem import random_weights
 from lab.variants import make
-from probe_common import study_layer
+from probe_common import settled_ms, study_layer
 
 SHIPPED_DIR = jit.KERNEL_DIR
 
@@ -74,9 +73,7 @@ def main():
                     if i == 0 and key not in reference:
                         reference[key] = bits
                     same = bool(np.array_equal(bits, reference[key]))
-                    runner.synchronize()
-                    time.sleep(args.settle_ms / 1000)
-                    ms = float(np.median(runner.time_samples(v, layer, args.iterations, 3)))
+                    ms = settled_ms(runner, v, layer, args.iterations, args.settle_ms, prepare=False)
                     rows.append({"tree": names[i], "variant": name, "mean_tokens": mean, "ms": ms,
                                  "bits_equal_shipped": same})
                     print(f"{names[i]:28s} {name:13s} @{mean:g}: {ms:.4f} ms  bits "

@@ -50,6 +50,20 @@ def study_layer(problem, dweights, mean: float, seed: int):
                                                                             seed=seed))
 
 
+def settled_ms(runner, variant, layer, iterations: int, settle_ms: float, prepare: bool = True) -> float:
+    """Median ms of one burst of `variant` (3 warm-up runs) after an idle pause of `settle_ms`,
+    so that every burst starts uncapped (notes/layer.md v15); prepares it first unless told not to."""
+    import time
+
+    import numpy as np
+
+    if prepare:
+        runner.prepare(variant, layer)
+    runner.synchronize()
+    time.sleep(settle_ms / 1000)
+    return float(np.median(runner.time_samples(variant, layer, iterations, 3)))
+
+
 def edited(text: str, subs: dict) -> str:
     """`text` with each key replaced by its value; every key must occur exactly once, or the
     probe would time the shipped kernel under another name."""

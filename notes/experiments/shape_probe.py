@@ -11,10 +11,7 @@ nothing numerically either: the results stay exact, the probe just does not chec
     python notes/experiments/shape_probe.py --shapes as-is all dw2 idle hsmem stages4 as-is
 """
 import sys
-import time
 from dataclasses import replace
-
-import numpy as np
 
 from lab.gemm_bench import problem_of, study_parser, write_json
 from lab.kernels import grouped_gemm as gg
@@ -22,7 +19,7 @@ from lab.kernels.stream_read import measure_read_roofline
 from lab.layer import upload_weights
 from lab.problem import random_weights
 from lab.variants import make
-from probe_common import edit_kernel, study_layer
+from probe_common import edit_kernel, settled_ms, study_layer
 
 SRC = {
     "dw2": {"static constexpr int DW = FMAX >= 8 && FUSE == 0 ? 3 : FMAX >= 4 || FUSE != 0 ? 2 : 1;":
@@ -86,10 +83,7 @@ def main():
                 runner, layer = study_layer(problem, dweights, mean, args.seed)
                 for name in args.variants:
                     v = make(name)
-                    runner.prepare(v, layer)
-                    runner.synchronize()
-                    time.sleep(args.settle_ms / 1000)
-                    ms = float(np.median(runner.time_samples(v, layer, args.iterations, 3)))
+                    ms = settled_ms(runner, v, layer, args.iterations, args.settle_ms)
                     cfg = gg.GemmConfig(4, 4, 128, 3, 2, 0)
                     rows.append({"shape": shape, "variant": name, "mean_tokens": mean, "ms": ms,
                                  "plain_threads": cfg.threads, "plain_smem": cfg.smem_bytes,
