@@ -36,8 +36,9 @@ def _smi_clocks() -> dict:
         return {}
 
 
-# Read before and after timing: the H200's 700 W cap lowers the SM clock under load, more so on
-# a hot board, and the layer's fastest variants lose most (notes/layer.md v16).
+# Read before and after timing: under held load the H200's 700 W cap lowers the SM clock, and
+# boards of one memory speed time the fused layer 1% apart for a reason not yet known
+# (notes/layer.md v16); the readings are there to tell.
 _STATE_FIELDS = (("temperature.gpu", "temp_c"), ("power.draw", "power_w"), ("power.limit", "power_limit_w"),
                  ("clocks.sm", "sm_clock_mhz"), ("clocks_event_reasons.sw_power_cap", "sw_power_cap"))
 
@@ -55,6 +56,15 @@ def parse_gpu_state(line: str) -> dict:
         except ValueError:
             out[key] = v
     return out
+
+
+def describe_gpu_state(st: dict) -> str:
+    """One line of a gpu_state() reading; a field nvidia-smi left as text ('[N/A]') prints as is."""
+    def v(key, unit=""):
+        x = st.get(key, "?")
+        return f"{x:g}{unit}" if isinstance(x, float) else f"{x}{unit}"
+    return (f"{v('temp_c', ' C')}, {v('power_w')} of {v('power_limit_w', ' W')}, SM {v('sm_clock_mhz', ' MHz')}, "
+            f"power cap {v('sw_power_cap')}")
 
 
 def gpu_state() -> dict:

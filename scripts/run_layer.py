@@ -193,7 +193,7 @@ def correct_label(entry: dict) -> str:
 
 def run_gpu(args, problem, weights, routings, cp) -> dict:
     from lab import checks
-    from lab.device_info import gpu_state, setup_info
+    from lab.device_info import describe_gpu_state, gpu_state, setup_info
     from lab.kernels.stream_read import measure_read_roofline
     from lab.layer import load_layer, upload_weights
     from lab.runner import Runner
@@ -296,8 +296,7 @@ def run_gpu(args, problem, weights, routings, cp) -> dict:
         gpu_states[mean]["after_timing"] = gpu_state()
         for when, st in gpu_states[mean].items():
             if st:
-                log(f"  gpu {when.replace('_', ' ')}: {st['temp_c']:g} C, {st['power_w']:g} of "
-                    f"{st['power_limit_w']:g} W, SM {st['sm_clock_mhz']:g} MHz, power cap {st['sw_power_cap']}")
+                log(f"  gpu {when.replace('_', ' ')}: {describe_gpu_state(st)}")
         for name, v in timed.items():
             entry = table[name]
             t = Timing.of(np.concatenate(samples[name]))

@@ -145,3 +145,12 @@ def test_gpu_state_line_parses_and_a_wrong_line_is_refused():
     with pytest.raises(ValueError, match="expected 5 fields"):
         parse_gpu_state("41, 612.35")
     assert isinstance(gpu_state(), dict)  # {} where nvidia-smi is missing, never an exception
+
+
+def test_gpu_state_line_prints_fields_nvidia_smi_left_as_text():
+    from lab.device_info import describe_gpu_state, parse_gpu_state
+
+    assert describe_gpu_state(parse_gpu_state("41, 612.35, 700.00, 1785, Active")) == \
+        "41 C, 612.35 of 700 W, SM 1785 MHz, power cap Active"
+    assert describe_gpu_state(parse_gpu_state("[N/A], [N/A], 700.00, 1980, Not Active")) == \
+        "[N/A] C, [N/A] of 700 W, SM 1980 MHz, power cap Not Active"
