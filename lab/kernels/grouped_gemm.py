@@ -486,8 +486,9 @@ SHIPPED_CONFIGS = tuple(
 
 
 # Fused tiles of 8-16 tokens take at least four stages where the plain ones take three:
-# fused-layer @8 1.0155 against 1.023 ms, bits unchanged (notes/layer.md v15, run H); the plain
-# GEMMs keep three, which four cost 1-1.6 points at @2.
+# fused-layer @8 1.020-1.022 against 1.026-1.027 ms with three, alternating in one process, bits
+# unchanged (notes/layer.md v16, run A of results/probes_layer_v16.json); the plain GEMMs keep
+# three, which four cost 1-1.6 points at @2 and did not speed up cuda-graph or separate at @8.
 FUSED_SMALL_STAGES = 4
 
 
