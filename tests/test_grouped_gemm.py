@@ -140,6 +140,10 @@ def test_config_validation_names_the_problem():
         gg.GemmConfig(warps=8, row_tiles=4, k_step=256, stages=12, max_frags=8).validate()
     with pytest.raises(ValueError, match="multiple of the block"):
         gg.GemmConfig(warps=8, row_tiles=2).validate(n=192, k=256)
+    cfg = gg.GemmConfig(warps=4, row_tiles=1)  # 64-row blocks; the unit ring holds 15 bits of block
+    cfg.validate(n=((1 << 15) - 1) * cfg.block_n, k=256)
+    with pytest.raises(ValueError, match="row blocks"):
+        cfg.validate(n=(1 << 15) * cfg.block_n, k=256)
 
 
 def test_shipped_configs_fit():

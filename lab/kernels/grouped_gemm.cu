@@ -513,12 +513,15 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
   int* active = reinterpret_cast<int*>(smem + C::SMEM);  // experts with tokens, in order
   __shared__ int warp_count[C::THREADS / 32];
   __shared__ int n_active_s;
-  // Units in the order this CTA's producer claimed them (-1: no more). Consumers and decoders
-  // read entry i when they reach unit i's first stage, published by that stage's barriers; the
-  // producer runs at most STAGES stages (so at most STAGES units) ahead.
+  // Units in the order this CTA's producer claimed them, as {p << 16 | row block, expert, first
+  // row, tokens} (row blocks < 2^15: GemmConfig.validate), x = -1 when there are no more.
+  // Consumers and decoders read entry i when they reach unit i's first stage, published by that
+  // stage's barriers; the producer runs at most STAGES stages (so at most STAGES units) ahead. The
+  // producer loads the expert's offsets anyway, so the other warps start a unit without an L2
+  // round trip of their own.
   constexpr int RING = 16;
   static_assert(STAGES < RING, "unit ring too small");
-  __shared__ int unit_ring[RING];
+  __shared__ int4 unit_ring[RING];
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -610,7 +613,7 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
         const bool first = pass == 0 && kc == 0;
         if (it >= STAGES) mbar_wait(empty0 + 8 * s, phase ^ 1);
         if (lane == 0) {
-          if (first) unit_ring[useq % RING] = done ? -1 : u;
+          if (first) unit_ring[useq % RING] = done ? make_int4(-1, 0, 0, 0) : make_int4((p << 16) | nb, e, row0, count);
           mbar_arrive(raw0 + 8 * s);  // release: the ring entry before any barrier of this stage
           if (done) {
             mbar_arrive(full0 + 8 * s);
@@ -708,16 +711,14 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
     for (int useq = 0;;) {
       mbar_wait(raw0 + 8 * s, phase);
       if (kc == 0 && pass == 0) {
-        const int u = unit_ring[useq % RING];
+        const int4 ent = unit_ring[useq % RING];
         ++useq;
-        if (u < 0) {
+        if (ent.x < 0) {
           mbar_arrive(full0 + 8 * s);
           goto finish;
         }
-        const Unit un = unit_of(u);
-        const int p = un.p;
-        const int* offsets = LAB_P(offsets);
-        count = offsets[un.e + 1] - offsets[un.e];
+        const int p = ent.x >> 16;
+        count = ent.w;
         kchunks = LAB_P(K) / BK;
         passes = (count + C::TOKENS - 1) / C::TOKENS;
       }
@@ -791,9 +792,9 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
   for (int useq = 0;;) {
     mbar_wait(full0 + 8 * s, phase);
     if (kc == 0 && pass == 0) {
-      const int u = unit_ring[useq % RING];
+      const int4 ent = unit_ring[useq % RING];
       ++useq;
-      if (u < 0) {
+      if (ent.x < 0) {
         if constexpr (C::EW != 0) {  // stop the epilogue warps once they are done with the last tile
           if (epi_it > 0) mbar_wait(epi_empty, (epi_it - 1) & 1);
           if (warp == 0 && lane == 0) epi_meta[4] = -1;
@@ -801,14 +802,12 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
         }
         break;
       }
-      const Unit un = unit_of(u);
-      const int p = un.p, e = un.e;
-      const int* offsets = LAB_P(offsets);
+      const int p = ent.x >> 16, e = ent.y;
       unit_p = p;
       unit_e = e;
-      nb = un.nb;
-      row0 = offsets[e];
-      count = offsets[e + 1] - row0;
+      nb = ent.x & 0xffff;
+      row0 = ent.z;
+      count = ent.w;
       kchunks = LAB_P(K) / BK;
       passes = (count + C::TOKENS - 1) / C::TOKENS;
       out_scale = LAB_P(alpha)[e];

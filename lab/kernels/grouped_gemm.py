@@ -413,6 +413,8 @@ class GemmConfig:
             raise ValueError(f"{self}: needs {self.smem_bytes} B of shared memory, limit {SMEM_LIMIT}")
         if n is not None and n % self.block_n:
             raise ValueError(f"N={n} is not a multiple of the block's {self.block_n} rows ({self})")
+        if n is not None and n // self.block_n >= 1 << 15:  # the unit ring packs the row block in 15 bits
+            raise ValueError(f"N={n} has {n // self.block_n} row blocks of {self.block_n}; at most {(1 << 15) - 1}")
         if k is not None and k % self.k_step:
             raise ValueError(f"K={k} is not a multiple of k_step={self.k_step} ({self})")
         return self
