@@ -198,6 +198,10 @@ def test_fused_launches_reject_bad_arguments_before_launch():
     with pytest.raises(ValueError, match="out_bf16"):
         gg.fused_layer(d["w13_paired"], d["xq"], d["xs"], d["offsets"], d["alpha13"], d["w2"], d["alpha2"], fz, cfgp)
     fz2 = _fusion(cp, d, with_bf16=True)
+    strided = cp.full((fz2.out_bf16.shape[0], 2 * fz2.out_bf16.shape[1]), 0xFFFF, cp.uint16)[:, ::2]
+    with pytest.raises(ValueError, match="out_bf16: expected a C-contiguous"):
+        gg.fused_layer(d["w13_paired"], d["xq"], d["xs"], d["offsets"], d["alpha13"], d["w2"], d["alpha2"],
+                       replace(fz2, out_bf16=strided), cfgp)
     with pytest.raises(ValueError, match="share one offsets"):
         gg._launch([(d["w13_paired"], d["xq"], d["xs"], d["offsets"], d["alpha13"], None),
                     (d["w2"], fz2.a_packed, fz2.a_scales, d["offsets"].copy(), d["alpha2"], None)],

@@ -485,7 +485,7 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
     uint8_t* __restrict__ a_packed, uint8_t* __restrict__ a_scales,
     // FUSE bit 1 (problem 1 = w2 of the same experts): a unit of expert e starts reading its
     // activations once ready[e] counts every (w13 block, pass, warp) of e; problem 1's output
-    // also as bf16 bits into out1_bf16 when not null (out1 may then be null).
+    // goes to out1_bf16 as bf16 bits, written by the epilogue warps (out1 is not written).
     int* __restrict__ ready, unsigned short* __restrict__ out1_bf16,
     unsigned int* __restrict__ nonfinite) {  // SwiGLU values or bf16 outputs that are not finite
   // A unit of problem p reads that problem's arguments: kernel parameters selected, not copied.
@@ -508,8 +508,9 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
   const uint32_t epi_full = smem_addr(bars + 3 * STAGES);   // consumers -> epilogue warps: h tile ready
   const uint32_t epi_empty = smem_addr(bars + 3 * STAGES + 1);  // epilogue warps -> consumers: tile free
   float* htile = reinterpret_cast<float*>(smem + C::OFF_H);
-  // the tile's pass: token 0 of it, tokens, first row, first column along I, expert (-1: stop)
-  __shared__ int epi_meta[5];
+  // the tile's pass: token 0 of it, tokens, first row, first column (along I for w13, along the
+  // output for w2), expert (-1: stop), problem
+  __shared__ int epi_meta[6];
   int* active = reinterpret_cast<int*>(smem + C::SMEM);  // experts with tokens, in order
   __shared__ int warp_count[C::THREADS / 32];
   __shared__ int n_active_s;
@@ -671,6 +672,23 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
         mbar_wait_sleep(epi_full, it & 1);
         const int tok0 = epi_meta[0], ntok = epi_meta[1], row0 = epi_meta[2], col0 = epi_meta[3], e = epi_meta[4];
         if (e < 0) break;
+        if constexpr ((FUSE & 2) != 0) {
+          if (epi_meta[5] != 0) {
+            // A w2 tile: the output values the consumers computed, as bf16. Item = two adjacent
+            // columns of one token, consecutive along the row across lanes: one 4-byte store each,
+            // a warp's 32 of them one 128-byte line.
+            constexpr int PAIRS = C::BN / 2;
+            for (int item = ew * 32 + lane; item < ntok * PAIRS; item += 32 * C::EW) {
+              const int tr = item / PAIRS, cp = item - tr * PAIRS;
+              const float2 v = *reinterpret_cast<const float2*>(htile + tr * C::H_STRIDE + 2 * cp);
+              const uint32_t b = lab_act::bf16x2_bits(v.x, v.y);
+              *reinterpret_cast<uint32_t*>(out1_bf16 + (size_t)(row0 + tok0 + tr) * N1 + col0 + 2 * cp) = b;
+              bad += lab_act::bf16x2_nonfinite(b);
+            }
+            mbar_arrive(epi_empty);
+            continue;
+          }
+        }
         const float gs = gate_global[e], us = up_global[e];
         for (int item = ew * 32 + lane; item < ntok * Q; item += 32 * C::EW) {  // quads are all in or out
           const int tr = item / Q, c4 = item - tr * Q;
@@ -785,7 +803,6 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
   uint32_t phase = 0;
   float out_scale = 0.f;
   float* out = out0;
-  uint32_t bad = 0;  // non-finite bf16 outputs this thread produced (FUSE bit 1)
   int epi_it = 0;    // h tiles handed to the epilogue warps
   // Stage s of the ring (phase: its use's parity); kc, pass: this stage's place in its unit.
   auto next_stage = [&]() { advance_stage<STAGES>(kc, pass, s, phase, kchunks, passes); };
@@ -844,12 +861,14 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
     mbar_arrive(empty0 + 8 * s);
 
     if constexpr (C::EW != 0) {
-      if (kc == kchunks - 1 && unit_p == 0) {
-        // Hand h of this pass to the epilogue warps (D rows are weight rows, columns tokens).
+      if (kc == kchunks - 1 && ((FUSE & 2) != 0 || unit_p == 0)) {
+        // Hand this pass's values to the epilogue warps (D rows are weight rows, columns tokens):
+        // h for SwiGLU, or in the fused layer the w2 output for its bf16 stores, which keeps the
+        // conversion, the non-finite count and the scattered 2-byte stores off the consumers.
         if (epi_it > 0) mbar_wait(epi_empty, (epi_it - 1) & 1);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-          const int n = (r * W + warp) * 16 + g;  // column within the block: gate half, then up half
+          const int n = (r * W + warp) * 16 + g;  // column within the block (w13: gate half, then up half)
 #pragma unroll
           for (int f = 0; f < FMAX; ++f) {
             if (f < frags) {
@@ -865,8 +884,9 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
           epi_meta[0] = tok0;
           epi_meta[1] = ntok;
           epi_meta[2] = row0;
-          epi_meta[3] = nb * (C::BN / 2);
+          epi_meta[3] = unit_p ? nb * C::BN : nb * (C::BN / 2);
           epi_meta[4] = unit_e;
+          epi_meta[5] = unit_p;
         }
         mbar_arrive(epi_full);
         ++epi_it;
@@ -875,9 +895,8 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
         continue;
       }
     }
-    if (kc == kchunks - 1) {
+    if (kc == kchunks - 1) {  // (the fused layer hands every pass off above)
       // Epilogue: D rows are weight rows (output columns), D columns are tokens.
-      unsigned short* out_b = (FUSE & 2) && unit_p == 1 ? out1_bf16 : nullptr;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const int n = (nb * (W * R) + r * W + warp) * 16 + g;
@@ -895,14 +914,6 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
                   out[at] = v0;
                   out[at + 8] = v1;
                 }
-                if constexpr ((FUSE & 2) != 0) {
-                  if (out_b != nullptr) {
-                    const uint32_t b = lab_act::bf16x2_bits(v0, v1);
-                    out_b[at] = (unsigned short)b;
-                    out_b[at + 8] = (unsigned short)(b >> 16);
-                    bad += lab_act::bf16x2_nonfinite(b);
-                  }
-                }
               }
             }
           }
@@ -911,9 +922,6 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
       zero_acc();
     }
     next_stage();
-  }
-  if constexpr ((FUSE & 2) != 0) {
-    if (bad) atomicAdd(nonfinite, bad);
   }
   }
 

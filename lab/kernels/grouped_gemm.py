@@ -615,6 +615,10 @@ def _check_fusion(fz: Fusion, w13: PreparedWeights, rows: int, cfg: GemmConfig, 
         if fz.out_bf16 is None or tuple(fz.out_bf16.shape) != (rows, w2.n) or fz.out_bf16.dtype != cp.uint16:
             got = None if fz.out_bf16 is None else (tuple(fz.out_bf16.shape), fz.out_bf16.dtype)
             raise ValueError(f"out_bf16: expected ({rows}, {w2.n}) uint16, got {got}")
+        if not fz.out_bf16.flags.c_contiguous or fz.out_bf16.data.ptr % 4:
+            # the epilogue warps store two adjacent bf16 values as one 4-byte word
+            raise ValueError(f"out_bf16: expected a C-contiguous array at a 4-byte aligned address, got "
+                             f"strides {fz.out_bf16.strides} at {fz.out_bf16.data.ptr:#x}")
         # ready[e] counts (w13 block, pass, warp) triples; the largest count must fit an int32
         most = (w13.n // cfg.block_n) * cfg.warps * -(-rows // cfg.token_tile)
         if most >= 2 ** 31:
@@ -632,14 +636,15 @@ def swiglu_gemm(w13: PreparedWeights, x_packed, x_scales, offsets, alpha, fusion
 
 
 def fused_layer(w13: PreparedWeights, x_packed, x_scales, offsets, w13_alpha, w2: PreparedWeights, w2_alpha,
-                fusion: Fusion, cfg: GemmConfig, stream=None, out=None) -> None:
+                fusion: Fusion, cfg: GemmConfig, stream=None) -> None:
     """The whole layer in one persistent launch: w13 units with the SwiGLU epilogue, then w2
     units on its a_q, each w2 expert starting once its w13 units are written (per-expert
-    counters, release/acquire). Output: fusion.out_bf16, and `out` (fp32) when given."""
+    counters, release/acquire). Output: fusion.out_bf16 only (no fp32 copy: the w2 passes go
+    to the epilogue warps, which write bf16)."""
     rows = x_packed.shape[0] if x_packed.ndim == 2 else -1
     _check_fusion(fusion, w13, rows, cfg, w2)
     _launch([(w13, x_packed, x_scales, offsets, w13_alpha, None),
-             (w2, fusion.a_packed, fusion.a_scales, offsets, w2_alpha, out)], cfg, stream, False, fusion)
+             (w2, fusion.a_packed, fusion.a_scales, offsets, w2_alpha, None)], cfg, stream, False, fusion)
 
 
 def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fusion | None = None) -> None:
