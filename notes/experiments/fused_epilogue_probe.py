@@ -5,10 +5,11 @@ hand it back without the SwiGLU and quantize work (a_q keeps the previous run's 
 the epilogue warps poll for the next tile every 0.1 us instead of 1 us (same values); `dw1`, fused
 CTAs of small token tiles take one decoder warp and two epilogue warps, the form before ffb00f2
 (same values); for fused-layer's w2 phase, `no-ready` (producers do not wait on ready[e]; timing
-only, a unit may read a_q before it is written) and `no-bf16` (the w2 epilogue stores no bf16
-output); `no-fence` (the epilogue warps publish ready[e] without their __threadfence: timing
+only, a unit may read a_q before it is written) and `no-bf16` (the epilogue warps store no bf16
+output for w2 tiles; since c61052f they, not the consumers, write it); `no-fence` (the epilogue warps publish ready[e] without their __threadfence: timing
 only, the release is then not guaranteed to cover every lane's a_q); `no-handoff` (consumers
-hand no h tile to the epilogue warps, with no-ready: nothing else could finish); `floor`
+hand no tile to the epilogue warps, w2 tiles included, so there is no output; with no-ready:
+nothing else could finish); `floor`
 (no-fence, epi-off and no-bf16 together); `bf16-single` (the bf16 conversion one value at a
 time, as before bf16x2_bits; same bits). Times whole variants through the runner, with their stage table."""
 import sys
@@ -28,16 +29,18 @@ VARIANTS = {
     "dw1": {"FMAX >= 8 && FUSE == 0 ? 3 : FMAX >= 4 || FUSE != 0 ? 2 : 1;": "FMAX >= 8 && FUSE == 0 ? 3 : FMAX >= 4 ? 2 : 1;"},
     "no-ready": {"while (load_acquire(ready + e) < target) __nanosleep(64);":
                  "while (target < 0 && load_acquire(ready + e) < target) __nanosleep(64);"},
-    "no-bf16": {"if (out_b != nullptr) {": "if (out_b != nullptr && ntok < 0) {"},
+    "no-bf16": {"item < ntok * PAIRS; item += 32 * C::EW) {": "item < 0 * ntok; item += 32 * C::EW) {"},
     "no-fence": {"          __threadfence();\n          __syncwarp();": "          __syncwarp();"},
 }
 VARIANTS["no-handoff"] = {
     **VARIANTS["no-ready"],
-    "if (kc == kchunks - 1 && unit_p == 0) {":
-        "if (kc == kchunks - 1 && unit_p == 0) { zero_acc(); next_stage(); continue; }\n      if (false) {"}
+    "if (kc == kchunks - 1 && ((FUSE & 2) != 0 || unit_p == 0)) {":
+        "if (kc == kchunks - 1 && ((FUSE & 2) != 0 || unit_p == 0)) { zero_acc(); next_stage(); continue; }\n"
+        "      if (false) {"}
 # the w2 epilogue's bf16 conversion one value at a time, as before bf16x2_bits (same bits)
 VARIANTS["bf16-single"] = {
-    "const uint32_t b = lab_act::bf16x2_bits(v0, v1);\n": "const uint32_t b = lab_act::bf16_bits(v0) | (lab_act::bf16_bits(v1) << 16);\n",
+    "const uint32_t b = lab_act::bf16x2_bits(v.x, v.y);\n":
+        "const uint32_t b = lab_act::bf16_bits(v.x) | (lab_act::bf16_bits(v.y) << 16);\n",
     "bad += lab_act::bf16x2_nonfinite(b);":
         "bad += lab_act::bf16_nonfinite(b & 0xffffu) + lab_act::bf16_nonfinite(b >> 16);"}
 VARIANTS["floor"] = {**VARIANTS["no-fence"], **VARIANTS["epi-off"], **VARIANTS["no-bf16"]}

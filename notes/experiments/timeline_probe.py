@@ -40,8 +40,8 @@ EDITS = {
     "    mbar_wait(full0 + 8 * s, phase);\n    if (kc == 0 && pass == 0) {\n":
         "    mbar_wait(full0 + 8 * s, phase);\n    if (warp == 0 && lane == 0 && useq == 0 && kc == 0 && pass == 0) LAB_STAMP(3);\n"
         "    if (kc == 0 && pass == 0) {\n",
-    "      if (u < 0) {\n        if constexpr (C::EW != 0) {  // stop the epilogue warps":
-        "      if (u < 0) {\n        if (warp == 0 && lane == 0) LAB_STAMP(4);\n"
+    "      if (ent.x < 0) {\n        if constexpr (C::EW != 0) {  // stop the epilogue warps":
+        "      if (ent.x < 0) {\n        if (warp == 0 && lane == 0) LAB_STAMP(4);\n"
         "        if constexpr (C::EW != 0) {  // stop the epilogue warps",
     "finish:\n  // The last CTA to finish leaves the unit counter":
         "finish:\n  if (threadIdx.x == 0) LAB_STAMP(5);\n  // The last CTA to finish leaves the unit counter",
