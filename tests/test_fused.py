@@ -176,6 +176,30 @@ def test_fused_epilogue_counts_non_finite_values():
 
 
 @pytest.mark.gpu
+def test_fused_layer_counts_non_finite_outputs_as_the_separate_path_does():
+    """One expert's huge w2 alpha overflows its bf16 outputs to Inf: fused_layer's epilogue warps
+    (which write the w2 output) count exactly the values to_bf16 counts, with the same bits."""
+    from lab.gpu import require_gpu
+    from lab.variants.one_launch_2g import pair_config
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng(11)
+    counts = np.array([9, 17, 0, 5])
+    d = _problem(cp, rng, counts, 256, 128)
+    d["alpha2"][1] = np.float32(3e38)
+    cfg13, cfg2 = gg.heuristic(256, 256, counts), gg.heuristic(256, 128, counts)
+    _, _, want_bf16 = _separate(cp, d, cfg13, cfg2)
+    want = int(d["counter"].get()[0])
+    assert 0 < want <= counts[1] * 256, want  # expert 1's outputs only
+    d["counter"].fill(0)
+    fz = _fusion(cp, d, with_bf16=True)
+    gg.fused_layer(d["w13_paired"], d["xq"], d["xs"], d["offsets"], d["alpha13"], d["w2"], d["alpha2"], fz,
+                   pair_config(cfg13, cfg2))
+    np.testing.assert_array_equal(fz.out_bf16.get(), want_bf16)
+    assert int(d["counter"].get()[0]) == want
+
+
+@pytest.mark.gpu
 def test_fused_launches_reject_bad_arguments_before_launch():
     from lab.gpu import require_gpu
     from lab.variants.one_launch_2g import pair_config
