@@ -14,11 +14,9 @@ nothing else could finish); `floor`
 time, as before bf16x2_bits; same bits). Times whole variants through the runner, with their stage table."""
 import sys
 
-from lab.gemm_bench import problem_of, study_parser, write_json
-from lab.layer import upload_weights
-from lab.problem import random_weights
+from lab.gemm_bench import study_parser, write_json
 from lab.variants import make
-from probe_common import edit_kernel, settled_ms, study_layer
+from probe_common import edit_kernel, settled_ms, start_layer, study_layer
 
 VARIANTS = {
     "as-is": {},
@@ -54,8 +52,7 @@ def main():
                     help="idle pause before each timed burst (500: every burst from the uncapped state)")
     ap.add_argument("--layer-variants", nargs="+", default=["cuda-graph", "fused-swiglu", "fused-layer"])
     args = ap.parse_args()
-    problem = problem_of(args)
-    dweights = upload_weights(random_weights(problem, seed=args.seed))
+    _, problem, dweights = start_layer(args, roofline=False)
     rows = []
     for name in args.variants:
         edit_kernel(VARIANTS[name])

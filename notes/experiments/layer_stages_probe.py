@@ -9,13 +9,10 @@ fused_config gives fused tiles of <= 16 tokens (FUSED_SMALL_STAGES; 3 = the kern
 import sys
 from dataclasses import replace
 
-from lab.gemm_bench import problem_of, study_parser, write_json
+from lab.gemm_bench import study_parser, write_json
 from lab.kernels import grouped_gemm as gg
-from lab.kernels.stream_read import measure_read_roofline
-from lab.layer import upload_weights
-from lab.problem import random_weights
 from lab.variants import make
-from probe_common import settled_ms, study_layer
+from probe_common import settled_ms, start_layer, study_layer
 
 SHIPPED = gg.heuristic
 
@@ -28,10 +25,7 @@ def main():
     ap.add_argument("--variants", nargs="+", default=["cuda-graph", "fused-swiglu", "fused-layer"])
     ap.add_argument("--settle-ms", type=float, default=500.0)
     args = ap.parse_args()
-    problem = problem_of(args)
-    gbps = measure_read_roofline(iterations=args.iterations)["gbps"]
-    print(f"roofline {gbps:.0f} GB/s", flush=True)
-    dweights = upload_weights(random_weights(problem, seed=args.seed))
+    gbps, problem, dweights = start_layer(args)
     rows = []
     shipped_floor = gg.FUSED_SMALL_STAGES
     for stages in args.fused_stages or args.stages:

@@ -12,10 +12,8 @@ import numpy as np
 
 from lab.gemm_bench import study_parser
 from lab.kernels import grouped_gemm as gg, jit
-from lab.layer import upload_weights
-from lab.problem import random_weights
 from lab.variants import make
-from probe_common import edit_kernel, study_layer
+from probe_common import edit_kernel, start_layer, study_layer
 from timeline_probe import EDITS, MAX_CTAS, SLOTS, summary
 
 LAYER_EDITS = {
@@ -48,9 +46,7 @@ def main():
     jit._module = recording
     import cupy as cp
 
-    from lab.gemm_bench import problem_of
-    problem = problem_of(args)
-    dweights = upload_weights(random_weights(problem, seed=args.seed))
+    _, problem, dweights = start_layer(args, roofline=False)
     report = []
     for mean in args.mean_tokens:
         runner, layer = study_layer(problem, dweights, mean, args.seed)

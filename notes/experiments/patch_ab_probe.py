@@ -16,13 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from lab.gemm_bench import study_parser, write_json, problem_of
+from lab.gemm_bench import study_parser, write_json
 from lab.kernels import jit
-from lab.kernels.stream_read import measure_read_roofline
-from lab.layer import upload_weights
-from lab.problem import random_weights
 from lab.variants import make
-from probe_common import settled_ms, study_layer
+from probe_common import settled_ms, start_layer, study_layer
 
 SHIPPED_DIR = jit.KERNEL_DIR
 
@@ -54,10 +51,7 @@ def main():
         ap.error(f"--order: start with 0 (the shipped tree, the bits' reference) and use 0..{len(args.patches)}")
     trees = [SHIPPED_DIR] + [patched_kernels(p) for p in args.patches]
     names = ["shipped"] + [p.stem for p in args.patches]
-    problem = problem_of(args)
-    gbps = measure_read_roofline(iterations=args.iterations)["gbps"]
-    print(f"roofline {gbps:.0f} GB/s", flush=True)
-    dweights = upload_weights(random_weights(problem, seed=args.seed))
+    gbps, problem, dweights = start_layer(args)
     rows, reference = [], {}
     try:
         for mean in args.mean_tokens:

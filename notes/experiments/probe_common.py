@@ -36,6 +36,20 @@ def check_sample(bench, case, rng, experts: int) -> float:
     return bench.check(case, np.sort(sample))
 
 
+def start_layer(args, roofline: bool = True):
+    """(read roofline in GB/s or None, problem, its random weights on the device) for a layer
+    probe's arguments (study_parser's): what every layer probe begins with."""
+    from lab.layer import upload_weights
+    from lab.problem import random_weights
+
+    problem = problem_of(args)
+    gbps = None
+    if roofline:
+        gbps = measure_read_roofline(iterations=args.iterations)["gbps"]
+        print(f"roofline {gbps:.0f} GB/s", flush=True)
+    return gbps, problem, upload_weights(random_weights(problem, seed=args.seed))
+
+
 def study_layer(problem, dweights, mean: float, seed: int):
     """(Runner, Layer) of the study's routing at `mean` tokens per expert, activations drawn with
     `seed`, on weights already uploaded: what the layer probes time."""

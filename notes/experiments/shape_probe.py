@@ -13,13 +13,10 @@ nothing numerically either: the results stay exact, the probe just does not chec
 import sys
 from dataclasses import replace
 
-from lab.gemm_bench import problem_of, study_parser, write_json
+from lab.gemm_bench import study_parser, write_json
 from lab.kernels import grouped_gemm as gg
-from lab.kernels.stream_read import measure_read_roofline
-from lab.layer import upload_weights
-from lab.problem import random_weights
 from lab.variants import make
-from probe_common import edit_kernel, settled_ms, study_layer
+from probe_common import edit_kernel, settled_ms, start_layer, study_layer
 
 SRC = {
     "dw2": {"static constexpr int DW = FMAX >= 8 && FUSE == 0 ? 3 : FMAX >= 4 || FUSE != 0 ? 2 : 1;":
@@ -71,10 +68,7 @@ def main():
     ap.add_argument("--variants", nargs="+", default=["one-launch-2G", "fused-layer"])
     ap.add_argument("--settle-ms", type=float, default=500.0)
     args = ap.parse_args()
-    problem = problem_of(args)
-    gbps = measure_read_roofline(iterations=args.iterations)["gbps"]
-    print(f"roofline {gbps:.0f} GB/s", flush=True)
-    dweights = upload_weights(random_weights(problem, seed=args.seed))
+    gbps, problem, dweights = start_layer(args)
     rows = []
     try:
         for shape in args.shapes:

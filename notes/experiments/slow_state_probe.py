@@ -8,13 +8,14 @@ import sys
 import cupy as cp
 import numpy as np
 
-from lab.gemm_bench import problem_of, study_parser, write_json
+from lab.gemm_bench import study_parser, write_json
 from lab.kernels.stream_read import measure_read_roofline, stream_read
-from lab.layer import load_layer, upload_weights
-from lab.problem import make_routing, random_activations, random_weights, tokens_for_mean
+from lab.layer import load_layer
+from lab.problem import make_routing, random_activations, tokens_for_mean
 from lab.runner import Runner
 from lab.timing import time_cuda_samples
 from lab.variants import make
+from probe_common import start_layer
 
 
 def main():
@@ -25,8 +26,7 @@ def main():
     ap.add_argument("--flat-in-rounds", action="store_true",
                     help="time the flat read as one more entry of every round (4 GB buffer kept)")
     args = ap.parse_args()
-    problem = problem_of(args)
-    dweights = upload_weights(random_weights(problem, seed=args.seed))
+    _, problem, dweights = start_layer(args, roofline=False)
     mean = args.mean_tokens[0]
     routing = make_routing(tokens_for_mean(mean, problem.experts, problem.top_k), problem.experts,
                            problem.top_k, seed=args.seed)
