@@ -148,6 +148,13 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
   asm("{\n .reg .b16 lo;\n cvt.u16.u32 lo, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(r) : "r"(two_bytes));
   return r;
 }
+// The same for the word's upper two bytes: F2FP reads a register's high half directly (.H1), so
+// this costs no shift (one ALU instruction less per odd k16 step of every weight tile).
+__device__ __forceinline__ uint32_t e4m3x2_hi_to_f16x2(uint32_t word) {
+  uint32_t r;
+  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}" : "=r"(r) : "r"(word));
+  return r;
+}
 // fp16x2 multiply (IEEE, subnormals kept: mul.f16x2 has no flush-to-zero unless asked).
 __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
   uint32_t d;
@@ -326,7 +333,8 @@ struct Config {
 // is their product).
 __device__ __forceinline__ void decode_tile(const uint4& code, const uint2& scl, int jj, uint32_t (&a)[4]) {
   const uint32_t word = jj == 0 ? code.x : jj == 1 ? code.y : jj == 2 ? code.z : code.w;
-  const uint32_t s2 = e4m3x2_to_f16x2((jj < 2 ? scl.x : scl.y) >> (16 * (jj & 1)));
+  const uint32_t sw = jj < 2 ? scl.x : scl.y;
+  const uint32_t s2 = (jj & 1) ? e4m3x2_hi_to_f16x2(sw) : e4m3x2_to_f16x2(sw);
   uint32_t p0, p1, p2, p3;
   decode_a(word, p0, p1, p2, p3);
   a[0] = hmul2_lo(p0, s2);
