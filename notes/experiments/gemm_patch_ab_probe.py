@@ -14,7 +14,7 @@ import numpy as np
 
 from lab.gemm_bench import study_parser, write_json
 from lab.kernels import grouped_gemm as gg
-from patch_ab_probe import SHIPPED_DIR, patched_kernels, use
+from patch_ab_probe import SHIPPED_DIR, patch_trees, use
 from probe_common import start
 
 
@@ -24,11 +24,7 @@ def main():
     ap.add_argument("--order", nargs="+", type=int)
     ap.add_argument("--gemms", nargs="+", default=["w13", "w2"])
     args = ap.parse_args()
-    order = args.order or list(range(len(args.patches) + 1)) * 2
-    if order[0] != 0 or any(not 0 <= i <= len(args.patches) for i in order):
-        ap.error(f"--order: start with 0 (the shipped tree, the bits' reference) and use 0..{len(args.patches)}")
-    trees = [SHIPPED_DIR] + [patched_kernels(p) for p in args.patches]
-    names = ["shipped"] + [p.stem for p in args.patches]
+    order, trees, names = patch_trees(ap, args)
     roof, bench = start(args)
     rows, reference = [], {}
     try:

@@ -38,6 +38,15 @@ def use(kernel_dir: Path) -> None:
     jit._module.cache_clear()
 
 
+def patch_trees(ap, args):
+    """(visit order, kernel trees, their names) for `--patches` and `--order` (0 = shipped, the
+    reference for the bits; default every tree twice in turn)."""
+    order = args.order or list(range(len(args.patches) + 1)) * 2
+    if order[0] != 0 or any(not 0 <= i <= len(args.patches) for i in order):
+        ap.error(f"--order: start with 0 (the shipped tree, the bits' reference) and use 0..{len(args.patches)}")
+    return order, [SHIPPED_DIR] + [patched_kernels(p) for p in args.patches], ["shipped"] + [p.stem for p in args.patches]
+
+
 def main():
     ap = study_parser(__doc__, [8], 20)
     ap.add_argument("--patches", nargs="+", type=Path, required=True)
@@ -46,11 +55,7 @@ def main():
     ap.add_argument("--variants", nargs="+", default=["fused-layer", "cuda-graph"])
     ap.add_argument("--settle-ms", type=float, default=500.0)
     args = ap.parse_args()
-    order = args.order or list(range(len(args.patches) + 1)) * 2
-    if order[0] != 0 or any(not 0 <= i <= len(args.patches) for i in order):
-        ap.error(f"--order: start with 0 (the shipped tree, the bits' reference) and use 0..{len(args.patches)}")
-    trees = [SHIPPED_DIR] + [patched_kernels(p) for p in args.patches]
-    names = ["shipped"] + [p.stem for p in args.patches]
+    order, trees, names = patch_trees(ap, args)
     gbps, problem, dweights = start_layer(args)
     rows, reference = [], {}
     try:
