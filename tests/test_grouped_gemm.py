@@ -207,15 +207,6 @@ def test_heuristic_tiles_compile_without_spills(cfg):
     assert not info.wgmma_serialized, info
 
 
-def test_ptxas_report_flags_serialized_wgmma():
-    text = ("ptxas info    : (C7518) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
-            "program dependence on compiler-inserted WG.DP in divergent path in the function 'k'\n"
-            "ptxas info    : Used 150 registers, used 1 barriers, 128 bytes smem\n"
-            "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n")
-    assert jit._parse_ptxas(text, "k").wgmma_serialized
-    assert not jit._parse_ptxas(text.split("\n", 1)[1], "k").wgmma_serialized
-
-
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
 @pytest.mark.parametrize("cfg", gg.SHIPPED_CONFIGS, ids=lambda c: c.expression.split("<")[1][:-1])
 def test_shipped_configs_compile_without_spills(cfg):

@@ -96,8 +96,13 @@ def ptxas_report(name: str, expression: str) -> PtxasInfo:
         raise RuntimeError("ptxas_report needs nvcc (CUDA toolkit) on PATH or in CUDA_PATH")
     with tempfile.TemporaryDirectory() as tmp:
         unit = Path(tmp) / "inst.cu"
-        # Taking the kernel's address instantiates it.
-        unit.write_text(f'#include "{KERNEL_DIR / name}"\nvoid* lab_keep = (void*)&{expression};\n')
+        # Naming the kernel in a marker kernel's template argument instantiates it, and the
+        # marker's entry in the report carries the kernel's mangled name as the compiler spells
+        # it, whatever the expression's template arguments or typedefs. (Taking the kernel's
+        # address in device code instead would change how ptxas compiles it.)
+        unit.write_text(f'#include "{KERNEL_DIR / name}"\n'
+                        f"template <auto F> __global__ void {_MARKER}() {{}}\n"
+                        f"void* lab_keep = (void*)&{_MARKER}<&{expression}>;\n")
         proc = subprocess.run(
             [nvcc, "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
              "-o", str(Path(tmp) / "inst.cubin"), str(unit)],
@@ -107,12 +112,84 @@ def ptxas_report(name: str, expression: str) -> PtxasInfo:
     return _parse_ptxas(proc.stderr, expression)
 
 
+_MARKER = "lab_ptxas_which"
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_MARKED = re.compile(rf"_Z{len(_MARKER)}{_MARKER}IXadL(_Z\w+)EEEvv")
+_B36 = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def _unshift_substitutions(mangled: str) -> str:
+    """`mangled` with every substitution reference S<seq-id>_ one lower.
+
+    Inside the marker's name the kernel's mangled name follows one substitution candidate of
+    its own (the marker's template name), so each of the kernel's back-references counts one
+    more than in the kernel's own name. Source names are skipped by their length prefix and
+    literals to their closing E, so their characters are never read as references."""
+    out, i, n = [], 0, len(mangled)
+    while i < n:
+        c = mangled[i]
+        if c.isdigit():  # <source-name>: length, identifier
+            j = i
+            while j < n and mangled[j].isdigit():
+                j += 1
+            j += int(mangled[i:j])
+            out.append(mangled[i:j])
+            i = j
+        elif c == "S" and (m := re.match(r"S([0-9A-Z]*)_", mangled[i:])):
+            if not m.group(1):
+                raise ValueError(f"{mangled}: S_ refers to the marker, not to the kernel's name")
+            seq = int(m.group(1), 36)  # S_ is candidate 0, S<seq>_ candidate seq + 1
+            out.append("S_" if seq == 0 else "S" + _base36(seq - 1) + "_")
+            i += m.end()
+        elif c in "TA" and (m := re.match(r"[TA][0-9]*_", mangled[i:])):  # template parameter, array bound
+            out.append(m.group(0))
+            i += m.end()
+        elif c == "L" and not mangled.startswith("L_Z", i):  # <expr-primary> literal: type, value, E
+            j = mangled.index("E", i)
+            out.append(mangled[i:j + 1])
+            i = j + 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def _base36(v: int) -> str:
+    digits = ""
+    while True:
+        v, r = divmod(v, 36)
+        digits = _B36[r] + digits
+        if v == 0:
+            return digits
+
+
 def _parse_ptxas(text: str, expression: str) -> PtxasInfo:
-    regs = re.search(r"Used (\d+) registers", text)
-    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    smem = re.search(r"(\d+) bytes smem", text)
+    """The figures of `expression`'s entry in a `-Xptxas -v` report of ptxas_report's unit.
+
+    The unit compiles every kernel of the source file, in an order ptxas chooses; the marker
+    kernel's entry names the one asked about, and only that entry's block counts."""
+    starts = list(_ENTRY.finditer(text))
+    marked = [_MARKED.fullmatch(m.group(1)) for m in starts]
+    marked = [m.group(1) for m in marked if m]
+    if len(marked) != 1:
+        raise RuntimeError(f"ptxas output for {expression} names {len(marked)} marker entries, expected 1:\n"
+                           f"{text[:2000]}")
+    mangled = _unshift_substitutions(marked[0])
+    block = next((text[m.start():(starts[i + 1].start() if i + 1 < len(starts) else len(text))]
+                  for i, m in enumerate(starts) if m.group(1) == mangled), None)
+    if block is None:
+        raise RuntimeError(f"ptxas output has no entry {mangled} ({expression}); entries: "
+                           f"{[m.group(1) for m in starts]}")
+    regs = re.search(r"Used (\d+) registers[^\n]*", block)
+    frame = re.search(r"Function properties for " + re.escape(mangled) + r"\s*\n\s*(\d+) bytes stack frame, "
+                      r"(\d+) bytes spill stores, (\d+) bytes spill loads", block)
     if not (regs and frame):
-        raise RuntimeError(f"could not parse ptxas output for {expression}:\n{text[:2000]}")
+        raise RuntimeError(f"could not parse ptxas output for {expression}:\n{block[:2000]}")
+    smem = re.search(r"(\d+) bytes smem", regs.group(0))
+    # The message names the function it is about (the entry, or a device function the entry's
+    # block compiles), and the report may print it apart from that entry's block.
+    serialized = (re.search(r"wgmma\S* instructions are serialized", block) or
+                  re.search(r"wgmma\S* instructions are serialized[^\n]*in the function '" + re.escape(mangled) + "'",
+                            text))
     return PtxasInfo(expression, int(regs.group(1)), int(frame.group(1)), int(frame.group(2)),
-                     int(frame.group(3)), int(smem.group(1)) if smem else 0,
-                     bool(re.search(r"wgmma\S* instructions are serialized", text)))
+                     int(frame.group(3)), int(smem.group(1)) if smem else 0, serialized is not None)
