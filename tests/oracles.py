@@ -49,3 +49,29 @@ def e2m1_round(q) -> np.ndarray:
     even = ties & (np.arange(8) % 2 == 0)
     idx = np.where(even.any(axis=-1), even.argmax(axis=-1), ties.argmax(axis=-1))
     return np.where(q < 0, -1.0, 1.0) * GRID[idx]
+
+
+E4M3_FINITE = e4m3_from_bits(np.arange(0x7F))  # codes 0x00..0x7E, ascending values 0 .. 448
+
+
+def e4m3_round(v) -> np.ndarray:
+    """Round-to-nearest-even of values in [0, 448] onto the e4m3 codes (uint8), from the value
+    table above: the two neighbours' midpoint is exact in float64, so each comparison is exact."""
+    v = np.asarray(v, dtype=np.float64)
+    if not ((v >= 0) & (v <= 448)).all():
+        raise ValueError("e4m3_round takes values in [0, 448]")
+    hi = np.clip(np.searchsorted(E4M3_FINITE, v, side="left"), 1, 0x7E)
+    lo = hi - 1
+    mid = (E4M3_FINITE[lo] + E4M3_FINITE[hi]) / 2
+    up = (v > mid) | ((v == mid) & (hi % 2 == 0))
+    return np.where(up, hi, lo).astype(np.uint8)
+
+
+def fold_e4m3(bits, ratio) -> tuple[np.ndarray, np.ndarray]:
+    """Option (b)'s scale fold as lab/scale_fold.py documents it, from the codes' bits:
+    (folded codes, saturated). s * float32(r) is exact in float64 (4 + 24 significant bits), so
+    its cast to float32 is the float32 product; then min 448 and e4m3 RNE."""
+    exact = e4m3_from_bits(bits) * np.asarray(ratio, np.float32).astype(np.float64)
+    with np.errstate(over="ignore"):
+        p = exact.astype(np.float32).astype(np.float64)
+    return e4m3_round(np.minimum(p, 448.0)), exact > 448
