@@ -1,12 +1,13 @@
-"""Probe: what one tensor-core instruction costs on this GPU, away from any GEMM. Each CTA's
-warpgroups issue back-to-back wgmma m64nNk16 (f32 += f16 x f16, A from registers "RS" or
-shared memory "SS", B from shared memory) on `chains` independent accumulators, one commit group
-per round of chains, wait_group 1 after each; or mma.sync m16n8k16 on `chains` accumulators per
-warp. Prints SM cycles per instruction per SM (clock64 around the loop, averaged over CTAs):
-whether small-N wgmma is bound by the tensor work (N-proportional) or by a per-instruction cost.
-With --split, read the cycles "by events" (the launch timed by CUDA events, in SM cycles, ~10
-cycles per round of launch cost included): thread 0's clock64 after the closing __syncthreads
-(BAR.SYNC.DEFER_BLOCKING) does not always wait for the other warpgroup, and reads short."""
+"""Probe: what one tensor-core instruction costs on this GPU, alone and beside integer or FP work."""
+# Away from any GEMM: each CTA's warpgroups issue back-to-back wgmma m64nNk16 (f32 += f16 x f16, A
+# from registers "RS" or shared memory "SS", B from shared memory) on `chains` independent
+# accumulators, one commit group per round of chains, wait_group 1 after each; or mma.sync
+# m16n8k16 on `chains` accumulators per warp. It prints SM cycles per instruction per SM (clock64
+# around the loop, averaged over CTAs), which tells whether small-N wgmma is bound by the tensor
+# work (N-proportional) or by a per-instruction cost. With --split, read the cycles "by events"
+# (the launch timed by CUDA events, ~10 cycles per round of launch cost included): thread 0's
+# clock64 after the closing __syncthreads (BAR.SYNC.DEFER_BLOCKING) does not always wait for the
+# other warpgroup, and reads short.
 import argparse
 import sys
 
@@ -186,7 +187,7 @@ def main():
         rows.append(row)
         print(f"{name:9s} N {n:3d} chains {chains} steps {steps} alu {alu:3d} {op:5s} alt {alt} split {split} "
               f"WGs {wgs}{' no-mma' if off else ''}: {cycles / inst:6.1f} cycles/instr/SM, {cycles / ITERS:7.1f} cycles/group ({wall_cycles / ITERS:7.1f} by events), {fma / cycles:6.0f} FMA/cycle/SM", flush=True)
-    write_json(args.json, "notes/experiments/wgmma_rate_probe.py", rows=rows)
+    write_json(args.json, "scripts/probes/wgmma_rate_probe.py", rows=rows)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Probe: which hardware warp slot (%warpid, hence which of the SM's four schedulers, slot % 4)
-each warp of a CTA gets when two CTAs share an SM, for the plain (6-warp) and fused (8-warp)
-CTA sizes. The kernel's scheduling argument for decoder placement rests on this mapping."""
+"""Probe: which warp slot (%warpid, so which of four schedulers) each warp gets when two CTAs share an SM."""
+# For the plain (6-warp) and fused (8-warp) CTA sizes: the kernel's argument for where its decoder
+# warps sit rests on this mapping (notes/layer.md v15).
+import argparse
 import collections
 import sys
 
@@ -23,6 +24,7 @@ extern "C" __global__ void slots(int* out) {
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__).parse_args()
     k = cp.RawKernel(SRC, "slots")
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     smem = 100 * 1024  # two CTAs per SM at most
