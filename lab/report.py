@@ -1,38 +1,51 @@
 """Findings page from the JSON the scripts write: tables and one verdict per question, every
 number read from the files (nothing typed in). `scripts/report.py` is the command line.
 
-    inputs  run_layer.json (layer table, stages, setup)   bench_gemm*.json (GEMM rows)
-            read_roofline.json, chunk_study.json, tile_sweep.json (each optional: when one is
-            missing the page names the script that writes it)
-    output  docs/findings-h200.md (+ layer-h200.png, tile-sweep-h200.png beside it when
-            matplotlib is installed: the `plot` extra)
+    inputs  the runs PAGE_RUNS lists: run_layer JSON (layer table, stages, setup), bench_gemm
+            JSON (GEMM rows), read_roofline.json, chunk_study.json, tile_sweep.json (each study
+            optional: when one is missing the page names the script that writes it)
+    output  docs/findings-h200.md, and beside it layer-h200.png and tile-sweep-h200.png, drawn
+            when matplotlib is installed (the `plot` extra); the page's text does not depend on it
 
-The only constants are the thresholds a verdict turns on, each with its reason below.
+The only constants are the thresholds a verdict turns on, each with its reason below, and the
+list of runs the page renders.
 """
 
 from __future__ import annotations
 
 import math
+import re
+import textwrap
 from pathlib import Path
 
 from tabulate import tabulate
 
 VALID = ("baseline", "match")
 # A time difference under this is called no difference: medians of the same variant moved
-# 0.7-1.5% between two runs on the H200 (results/run_layer*.json, separate and cuda-graph).
+# 0.7-1.5% between two runs on the H200 (separate and cuda-graph; notes/layer.md).
 NOISE_PCT = 1.0
 # A cause "dominates" a loss when it accounts for at least this share; between 1 - DOMINANT
 # and DOMINANT the verdict says both.
 DOMINANT = 0.6
-# In the layer chart, a variant slower than this many roofline times at every mean (cuBLAS
-# fp16: 50x) is listed under the chart instead of flattening every other bar.
-CHART_MAX_ROOFLINES = 3.0
 FUSED = ("fused-layer", "fused-swiglu")
 RUN_ALL = ("python scripts/run_layer.py --variants separate cuda-graph fused-swiglu fused-layer fold-b "
            "one-launch-2G --json results/run_layer.json")
 # study -> the script that writes results/<study>.json
 STUDIES = {"read_roofline": "scripts/read_roofline.py", "chunk_study": "scripts/chunk_study.py",
            "tile_sweep": "scripts/tile_sweep.py"}
+# The page and the runs it renders, from the repository root: the current run of each script
+# under results/. `python scripts/report.py` with no arguments renders exactly these, so the
+# committed page is reproducible; a new run replaces its file here or is added to this list.
+PAGE = "docs/findings-h200.md"
+PAGE_RUNS = {
+    "layer": ("results/run_layer.json", "results/run_layer_sustained.json"),
+    "gemm": ("results/bench_gemm.json", "results/bench_gemm_sustained.json"),
+    "read_roofline": "results/read_roofline.json",
+    "chunk_study": "results/chunk_study.json",
+    "tile_sweep": "results/tile_sweep.json",
+}
+# The key scripts/report.py gives each run it loads: the file the page cites for it.
+FILE_KEY = "_file"
 
 
 def _fmt(v, nd=3):
@@ -299,14 +312,16 @@ def _stage_mean(run: dict) -> str | None:
 
 
 def gemm_table(rows: list[dict]) -> str:
+    held = any(r.get("sustained_ms") is not None for r in rows)
     head = ["gemm", "tokens/expert", "tile W,R,BK,S,F,mma", "ms", "% roofline", "read-pattern % roofline",
-            "cuBLAS fp16 ms"]
+            "cuBLAS fp16 ms"] + (["held ms", "held % roofline"] if held else [])
     body = []
     for r in rows:
         c = r["config"]
         tile = f"{c['warps']},{c['row_tiles']},{c['k_step']},{c['stages']},{c['max_frags']},{c.get('mma', 0)}"
         body.append([r["gemm"], r["mean_tokens"], tile, _fmt(r["ms"]), _fmt(r["roof_pct"], 1),
-                     _fmt(r.get("read_pattern_roof_pct"), 1), _fmt(r.get("cublas_ms"))])
+                     _fmt(r.get("read_pattern_roof_pct"), 1), _fmt(r.get("cublas_ms"))]
+                    + ([_fmt(r.get("sustained_ms")), _fmt(r.get("sustained_roof_pct"), 1)] if held else []))
     return tabulate(body, head, tablefmt="github")
 
 
@@ -317,6 +332,13 @@ def gemm_verdicts(gemm_rows: list[dict]) -> list[str]:
             out.append(f"{r['gemm']} at mean {r['mean_tokens']:g}: the GEMM's own access pattern read with no "
                        f"math reaches {r['read_pattern_roof_pct']:.1f}% of the flat read; the GEMM "
                        f"{r['roof_pct']:.1f}%.")
+    held = [r for r in gemm_rows if r.get("sustained_roof_pct") is not None]
+    if held:
+        loss = sorted(r["roof_pct"] - r["sustained_roof_pct"] for r in held)
+        worst = max(held, key=lambda r: r["roof_pct"] - r["sustained_roof_pct"])
+        out.append(f"Held back to back instead of in a burst after an idle pause, the GEMMs read "
+                   f"{loss[0]:.1f}-{loss[-1]:.1f} points less of the roofline (most: {worst['gemm']} at mean "
+                   f"{worst['mean_tokens']:g}, {worst['roof_pct']:.1f}% -> {worst['sustained_roof_pct']:.1f}%).")
     tiles = sorted({r["config"]["max_frags"] * 8 for r in gemm_rows})
     if tiles:
         out.append(f"Token tiles measured: {', '.join(map(str, tiles))} tokens (all below CUTLASS's "
@@ -517,23 +539,31 @@ def tile_verdicts(rows: list[dict]) -> list[str]:
 
 
 def _source(run: dict) -> str:
-    return "`" + " ".join([run.get("script", "?"), *map(str, run.get("argv", []))]) + "`"
+    """'results/x.json, `script args` at <lab commit>': the file the page read, the command that
+    wrote it and the kernels it ran (the command's --json is where the file was written first)."""
+    cmd = "`" + " ".join([run.get("script", "?"), *map(str, run.get("argv", []))]) + "`"
+    commit = run.get("setup", {}).get("lab_commit")
+    cmd += f" at {commit}" if commit else ""
+    return f"{run[FILE_KEY]}, {cmd}" if run.get(FILE_KEY) else cmd
 
 
 def render(layer_runs: list[dict], gemm_runs: list[dict], out_md: Path, charts: bool = True,
            read_roofline: dict | None = None, chunk_study: dict | None = None,
            tile_sweep: dict | None = None) -> str:
-    """Write the findings page (and charts when matplotlib is there); returns the markdown.
-    A study passed as None is reported as not measured, naming the script that measures it."""
+    """Write the findings page and return its markdown. The page links its charts whether or not
+    they are drawn: with ``charts`` and matplotlib they are (re)drawn beside it, otherwise the
+    files there are left as they are. A study passed as None is reported as not measured, naming
+    the script that measures it."""
     if not layer_runs:
         raise ValueError("render: need at least one run_layer JSON")
     out_md.parent.mkdir(parents=True, exist_ok=True)  # the charts go beside the page
+    plt = _pyplot() if charts else None
     base = layer_runs[0]
-    gemm_rows = [r for run in gemm_runs for r in run["rows"]]
     setup = base.get("setup", {})
     parts = ["# Findings on the H200", "",
-             ("Generated by `scripts/report.py` from the JSON under `results/`; every figure comes "
-             "from those files, and every comparison is between figures of one run."), "",
+             ("Generated by `python scripts/report.py` from the runs under `results/` that `PAGE_RUNS` in "
+              "`lab/report.py` lists; every figure comes from those files, and every comparison is between "
+              "figures of one run."), "",
              "## Setup", "", tabulate([[k, v] for k, v in setup.items()], ["", ""], tablefmt="github"), ""]
     for i, run in enumerate(layer_runs, 1):
         means = layer_means(run)
@@ -550,11 +580,17 @@ def render(layer_runs: list[dict], gemm_runs: list[dict], out_md: Path, charts: 
         for question, sentences in layer_verdicts(run["layer"], run.get("stages", []), means,
                                                   _stage_mean(run)).items():
             parts += [f"**{question}**", ""] + [f"- {s}" for s in sentences] + [""]
-    if charts:
-        parts += [_layer_chart(layer_runs, out_md.parent), ""]
-    if gemm_rows:
-        parts += ["## Grouped GEMM", "", gemm_table(gemm_rows), "", "Verdicts:", ""]
-        parts += [f"- {v}" for v in gemm_verdicts(gemm_rows)] + [""]
+    parts += [f"![{LAYER_ALT}]({LAYER_PNG})", ""]
+    if plt is not None:
+        _layer_chart(plt, layer_runs, out_md.parent / LAYER_PNG)
+    for i, run in enumerate(gemm_runs, 1):
+        if not run.get("rows"):
+            continue
+        parts += [f"## Grouped GEMM, run {i} ({_source(run)})", ""]
+        if run.get("read_roofline"):
+            parts += [f"Flat streaming read in this run: {run['read_roofline']['gbps']:.0f} GB/s.", ""]
+        parts += [gemm_table(run["rows"]), "", "Verdicts:", ""]
+        parts += [f"- {v}" for v in gemm_verdicts(run["rows"])] + [""]
 
     parts += ["## Read roofline: is the GEMM's gap to the roofline the mainloop or the access pattern?", ""]
     if read_roofline is None:
@@ -581,11 +617,17 @@ def render(layer_runs: list[dict], gemm_runs: list[dict], out_md: Path, charts: 
         parts += [f"From {_source(tile_sweep)}; flat read {tile_sweep['read_roofline']['gbps']:.0f} GB/s.", "",
                   ok, "", "Tiles that could not run:", "", bad, "", "Verdicts:", ""]
         parts += [f"- {v}" for v in tile_verdicts(tile_sweep["rows"])] + [""]
-        if charts:
-            parts += [_tile_chart(tile_sweep["rows"], out_md.parent), ""]
+        parts += [f"![{TILE_ALT}]({TILE_PNG})", ""]
+        if plt is not None:
+            _tile_chart(plt, tile_sweep, out_md.parent / TILE_PNG)
     text = "\n".join(parts).rstrip("\n") + "\n"
     out_md.write_text(text)
     return text
+
+
+def charts_of(text: str) -> list[str]:
+    """The chart files a rendered page links, in page order."""
+    return re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -593,7 +635,17 @@ def render(layer_runs: list[dict], gemm_runs: list[dict], out_md: Path, charts: 
 # ---------------------------------------------------------------------------------------------
 
 LAYER_PNG = "layer-h200.png"
+LAYER_ALT = "layer variants against the read roofline, every run"
 TILE_PNG = "tile-sweep-h200.png"
+TILE_ALT = "tile sweep: % of the read roofline per token tile"
+# Page width on a code host is ~1000 CSS px; a chart at most this wide stays legible when scaled
+# to it (a 2x display shows it at full resolution).
+CHART_MAX_PX = 1600
+DPI = 110
+
+
+def have_matplotlib() -> bool:
+    return _pyplot() is not None
 
 
 def _pyplot():
@@ -607,50 +659,107 @@ def _pyplot():
     return plt
 
 
-NO_MPL = "(Charts: matplotlib is not installed; `pip install -e '.[plot]'` adds them.)"
+def _condition(run: dict) -> str:
+    """What sets a run apart from a default run of its script: its flags, less the output path
+    and the selections (means, variants) that only choose what is timed."""
+    argv, out, skip = [str(a) for a in run.get("argv", [])], [], False
+    for a in argv:
+        if skip and not a.startswith("--"):
+            continue
+        skip = a in ("--json", "--mean-tokens", "--variants")
+        if not skip:
+            out.append(a)
+    return " ".join(out)
 
 
-def _layer_chart(layer_runs: list[dict], folder: Path) -> str:
-    """Bars: each variant's ms at each mean, one panel per run; the read roofline's time for
-    the layer's bytes as a line over each mean's bars."""
-    plt = _pyplot()
-    if plt is None:
-        return NO_MPL
-    fig, axes = plt.subplots(1, len(layer_runs), figsize=(6.5 * len(layer_runs), 4), squeeze=False)
-    left_out = []
-    for i, (run, ax) in enumerate(zip(layer_runs, axes[0]), 1):
-        means = layer_means(run)
-        shown = []
-        for r in run["layer"]:
-            times = [r.get(f"ms@{m}") for m in means]
-            if all(t is None for t in times):
+def layer_series(layer_runs: list[dict]) -> list[dict]:
+    """One series per (run condition, kernels, mean) over the layer runs, in run order. Runs of
+    the same command at the same commit are repeats: their medians make one series, drawn at
+    the median run with a min-max whisker. Each variant's value is % of the read roofline of
+    its own run (roofline time at that run's flat read over the variant's time)."""
+    groups: dict[tuple, dict] = {}
+    for i, run in enumerate(layer_runs, 1):
+        key = (run.get("script"), _condition(run), run.get("setup", {}).get("lab_commit"))
+        g = groups.setdefault(key, {"condition": key[1], "commit": key[2], "runs": [], "gbps": []})
+        g["runs"].append(i)
+        g["gbps"].append(run["read_roofline"]["gbps"])
+        for m in layer_means(run):
+            s = g.setdefault(m, {})
+            for r in run["layer"]:
+                if r.get(f"roof%@{m}") is not None:
+                    s.setdefault(r["variant"], []).append((r[f"roof%@{m}"], r[f"ms@{m}"], r))
+    out = []
+    for g in groups.values():
+        for m in [k for k in g if k not in ("condition", "commit", "runs", "gbps")]:
+            label = f"mean {m}" + (f", {g['condition']}" if g["condition"] else "")
+            label += f" (run {', '.join(map(str, g['runs']))}, {g['commit']})" if g["commit"] else ""
+            vals = {}
+            for v, pts in g[m].items():
+                pts = sorted(pts, key=lambda p: p[0])
+                mid = pts[(len(pts) - 1) // 2]
+                vals[v] = {"roof": mid[0], "ms": mid[1], "lo": pts[0][0], "hi": pts[-1][0], "n": len(pts),
+                           "row": mid[2]}
+            out.append({"label": label, "values": vals})
+    return out
+
+
+def _variant_label(row: dict) -> str:
+    tag = ("ceiling, not valid" if row["expect"] == "ceiling" else "approx." if row["expect"] == "approx"
+           else None if _valid(row) else f"not valid: {row['correct']}")
+    return row["variant"] + (f" ({tag})" if tag else "")
+
+
+def _layer_chart(plt, layer_runs: list[dict], path: Path) -> None:
+    """Horizontal bars: % of the read roofline per variant (on the axis), one bar per series
+    (legend outside the plot), the roofline as the 100% line, whiskers the spread of repeats."""
+    series = layer_series(layer_runs)
+    variants = list(dict.fromkeys(v for s in series for v in s["values"]))
+    rows = {v: next(s["values"][v]["row"] for s in series if v in s["values"]) for v in variants}
+    n = len(series)
+    bar = 0.8 / n
+    fig, ax = plt.subplots(figsize=(12.5, 1.6 + 0.24 * len(variants) * n))
+    colors = plt.get_cmap("tab10").colors
+    for k, s in enumerate(series):
+        ys, xs, lo, hi, ms, hatch = [], [], [], [], [], []
+        for j, v in enumerate(variants):
+            if v not in s["values"]:
                 continue
-            roofs = [r.get(f"roofline_ms@{m}") for m in means]
-            if all(t is None or (rf and t > CHART_MAX_ROOFLINES * rf) for t, rf in zip(times, roofs)):
-                left_out.append(f"{r['variant']} (run {i}: " + ", ".join(
-                    f"{t:.1f} ms at mean {m}" for t, m in zip(times, means) if t is not None) + ")")
-                continue
-            shown.append(r)
-        width = 0.8 / max(1, len(shown))
-        for j, r in enumerate(shown):
-            xs = [k + (j - (len(shown) - 1) / 2) * width for k in range(len(means))]
-            ys = [r.get(f"ms@{m}") or 0.0 for m in means]
-            ax.bar(xs, ys, width, label=f"{r['variant']}" + (" (ceiling)" if r["expect"] == "ceiling" else ""),
-                   hatch="//" if r["expect"] not in VALID else None)
-        for k, m in enumerate(means):
-            rf = next((r.get(f"roofline_ms@{m}") for r in run["layer"] if r.get(f"roofline_ms@{m}")), None)
-            if rf:
-                ax.hlines(rf, k - 0.45, k + 0.45, colors="k", linewidth=1.5,
-                          label="read roofline" if k == 0 else None)
-        ax.set_xticks(range(len(means)), [f"mean {m}" for m in means])
-        ax.set_ylabel("layer ms")
-        ax.set_title(f"run {i}: {run.get('read_roofline', {}).get('gbps', 0):.0f} GB/s flat read", fontsize=9)
-        ax.legend(fontsize=7)
+            d = s["values"][v]
+            ys.append(j + (k - (n - 1) / 2) * bar)
+            xs.append(d["roof"])
+            lo.append(d["roof"] - d["lo"])
+            hi.append(d["hi"] - d["roof"])
+            ms.append(d["ms"])
+            hatch.append(not _valid(d["row"]))
+        many = any(d["n"] > 1 for d in s["values"].values())
+        label = s["label"] + (" (whiskers: min-max over the runs)" if many else "")
+        bars = ax.barh(ys, xs, bar * 0.92, color=colors[k % len(colors)], label=label,
+                       xerr=[lo, hi] if many else None, capsize=3 if many else 0)
+        for b, h in zip(bars, hatch):
+            if h:
+                b.set_hatch("//")
+                b.set_edgecolor("white")
+        for y, x, t in zip(ys, xs, ms):
+            ax.text(x + 0.8, y, f"{t:.3f} ms", va="center", fontsize=8)
+    ax.axvline(100, color="k", linewidth=1.5, linestyle="--",
+               label="read roofline: the layer's bytes at the run's flat read (100%)")
+    ax.text(100.8, -0.6, "read roofline", fontsize=9, va="bottom")
+    if any(not _valid(rows[v]) for v in variants):
+        ax.bar(0, 0, color="white", edgecolor="grey", hatch="//",
+               label="hatched: not counted among valid variants (approximate output, or the ceiling)")
+    ax.set_yticks(range(len(variants)), [_variant_label(rows[v]) for v in variants], fontsize=9)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 118)
+    ax.set_xlabel("% of the read roofline (higher is faster; bar labels: median layer time)")
+    ax.grid(axis="x", alpha=0.3)
+    title = "; ".join(f"run {i} ({run.get(FILE_KEY, run.get('script', '?'))}, "
+                      f"{run.get('setup', {}).get('lab_commit', '?')}): flat read "
+                      f"{run['read_roofline']['gbps']:.0f} GB/s" for i, run in enumerate(layer_runs, 1))
+    ax.set_title("Layer time per variant against the read roofline\n" + title, fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(0, -0.09), fontsize=8, frameon=False, ncol=2)
     fig.tight_layout()
-    fig.savefig(folder / LAYER_PNG, dpi=110)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
-    note = f"\n\nNot drawn (over {CHART_MAX_ROOFLINES:g}x the roofline): {'; '.join(left_out)}." if left_out else ""
-    return f"![layer variants against the read roofline]({LAYER_PNG}){note}"
 
 
 def tile_grid(rows: list[dict]) -> tuple[list[str], list[int], list[list[float | None]]]:
@@ -668,26 +777,47 @@ def tile_grid(rows: list[dict]) -> tuple[list[str], list[int], list[list[float |
     return [f"{g} @{m:g}" for g, m in labels], tiles, grid
 
 
-def _tile_chart(rows: list[dict], folder: Path) -> str:
-    plt = _pyplot()
-    if plt is None:
-        return NO_MPL
-    import numpy as np
-
+def _tile_chart(plt, sweep: dict, path: Path) -> None:
+    """Best % of the read roofline per token tile, one line per GEMM and mean (legend outside),
+    whiskers down to the worst N tile / K step / stages at that token tile, the roofline as the
+    100% line; token tiles that could not run are marked on the axis with the reason."""
+    rows = sweep["rows"]
     labels, tiles, grid = tile_grid(rows)
-    data = np.array([[np.nan if v is None else v for v in line] for line in grid], dtype=float)
-    fig, ax = plt.subplots(figsize=(1.2 * len(tiles) + 2.5, 0.45 * len(labels) + 1.5))
-    im = ax.imshow(np.ma.masked_invalid(data), cmap="viridis", aspect="auto", vmin=0, vmax=100)
-    for i in range(len(labels)):
-        for j in range(len(tiles)):
-            v = data[i, j]
-            ax.text(j, i, "x" if np.isnan(v) else f"{v:.0f}", ha="center", va="center", fontsize=8,
-                    color="k" if np.isnan(v) or v > 60 else "w")
-    ax.set_xticks(range(len(tiles)), [str(t) for t in tiles])
-    ax.set_yticks(range(len(labels)), labels)
-    ax.set_xlabel("token tile (best roof% over N tile, K step, stages; x: none ran)")
-    fig.colorbar(im, ax=ax, label="% of flat read")
+    keys = list(dict.fromkeys((r["gemm"], r["mean_tokens"]) for r in rows))
+    fig, ax = plt.subplots(figsize=(12.5, 6.2))
+    means = list(dict.fromkeys(m for _, m in keys))
+    colors = plt.get_cmap("tab10").colors
+    n = len(keys)
+    for k, ((g, m), label, line) in enumerate(zip(keys, labels, grid)):
+        xs, ys, lo = [], [], []
+        for j, (t, best) in enumerate(zip(tiles, line)):
+            if best is None:
+                continue
+            worst = min(r["roof_pct"] for r in rows if (r["gemm"], r["mean_tokens"], r["token_tile"]) == (g, m, t)
+                        and "roof_pct" in r)
+            xs.append(j + (k - (n - 1) / 2) * 0.035)
+            ys.append(best)
+            lo.append(best - worst)
+        ax.errorbar(xs, ys, yerr=[lo, [0] * len(lo)], color=colors[means.index(m) % len(colors)],
+                    linestyle="-" if g == keys[0][0] else ":", marker="o" if g == keys[0][0] else "s",
+                    capsize=3, label=label)
+    why = {t: sorted({r.get("error", "?") for r in rows if r["token_tile"] == t and "roof_pct" not in r})
+           for t in tiles}
+    ticks = []
+    for t, col in zip(tiles, zip(*grid)):
+        none = "\n".join(textwrap.wrap("none ran: " + "; ".join(why[t]), 24))
+        ticks.append(f"{t}" + (f"\n{none}" if all(v is None for v in col) else ""))
+    ax.axhline(100, color="k", linewidth=1.5, linestyle="--", label="read roofline (100%)")
+    ax.set_xticks(range(len(tiles)), ticks, fontsize=9)
+    ax.set_xlim(-0.5, len(tiles) - 0.5)
+    ax.set_ylim(0, 108)
+    ax.set_xlabel("token tile (tokens per CTA tile)")
+    ax.set_ylabel("% of the read roofline")
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title(f"Tile sweep: best tile per token tile (whiskers down to the worst N tile, K step, stages)\n"
+                 f"{sweep.get(FILE_KEY, sweep.get('script', '?'))}, {sweep.get('setup', {}).get('lab_commit', '?')}: "
+                 f"flat read {sweep['read_roofline']['gbps']:.0f} GB/s", fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(folder / TILE_PNG, dpi=110)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
-    return f"![tile sweep: best roof% per token tile]({TILE_PNG})"

@@ -1,12 +1,15 @@
-"""Render docs/findings-h200.md from the JSON under results/.
+"""Render docs/findings-h200.md from the runs under results/.
 
-    python scripts/report.py                       # the default files below
-    python scripts/report.py --layer a.json b.json --gemm g.json --out docs/findings-h200.md
-    python scripts/report.py --tile-sweep results/tile_sweep_full.json
+    python scripts/report.py                       # the runs PAGE_RUNS in lab/report.py lists
+    python scripts/report.py --layer a.json b.json --gemm g.json --out /tmp/findings.md
+    python scripts/report.py --tile-sweep tile_sweep_full.json --out /tmp/findings.md
 
-The studies (--read-roofline, --chunk-study, --tile-sweep) are optional: a file that is not
-there is reported on the page as not measured, with the script that measures it. A file that
-is there but cannot be read is an error (exit 2), as is a missing --layer or --gemm file.
+With no arguments it rewrites the committed page as committed. The studies (--read-roofline,
+--chunk-study, --tile-sweep) are optional: a file that is not there is reported on the page as
+not measured, with the script that measures it. A file that is there but cannot be read is an
+error (exit 2), as is a missing --layer or --gemm file. The charts are drawn beside the page when
+matplotlib is installed (the `plot` extra); without it the page is the same and the charts
+already there are left as they are.
 """
 
 from __future__ import annotations
@@ -19,28 +22,36 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lab.report import STUDIES, render  # noqa: E402  (after the path line above)
+from lab.report import FILE_KEY, PAGE, PAGE_RUNS, STUDIES, charts_of, have_matplotlib, render  # noqa: E402
+
+
+def _shown(p: str) -> str:
+    """The path as the page cites it: from the repository root when it is inside the repository."""
+    path = Path(p).resolve()
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(p)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layer", nargs="+", default=[str(ROOT / "results/run_layer.json")],
-                    help="run_layer.py JSON files; the first gives setup, bytes and stages")
-    ap.add_argument("--gemm", nargs="*", default=[str(ROOT / "results/bench_gemm.json")],
+    ap.add_argument("--layer", nargs="+", default=[str(ROOT / p) for p in PAGE_RUNS["layer"]],
+                    help="run_layer.py JSON files; the first gives the setup table")
+    ap.add_argument("--gemm", nargs="*", default=[str(ROOT / p) for p in PAGE_RUNS["gemm"]],
                     help="bench_gemm.py JSON files")
     for study, script in STUDIES.items():
-        ap.add_argument(f"--{study.replace('_', '-')}", dest=study, default=str(ROOT / f"results/{study}.json"),
+        ap.add_argument(f"--{study.replace('_', '-')}", dest=study, default=str(ROOT / PAGE_RUNS[study]),
                         help=f"{script} JSON (optional)")
-    ap.add_argument("--out", default=str(ROOT / "docs/findings-h200.md"))
-    ap.add_argument("--no-charts", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / PAGE))
+    ap.add_argument("--no-charts", action="store_true", help="leave the charts beside the page as they are")
     args = ap.parse_args(argv)
 
     def load(flag, p):
         try:
-            return json.loads(Path(p).read_text())
+            run = json.loads(Path(p).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             print(f"report: {flag} {p}: {exc}", file=sys.stderr)
             return None
+        run[FILE_KEY] = _shown(p)
+        return run
 
     runs = []
     for flag, paths in (("--layer", args.layer), ("--gemm", args.gemm)):
@@ -58,8 +69,14 @@ def main(argv=None) -> int:
         studies[study] = load(f"--{study.replace('_', '-')}", p)
         if studies[study] is None:
             return 2
-    render(runs[0], runs[1], Path(args.out), charts=not args.no_charts, **studies)
-    print(f"wrote {args.out}")
+    out = Path(args.out)
+    charts = not args.no_charts and have_matplotlib()
+    text = render(runs[0], runs[1], out, charts=charts, **studies)
+    if not args.no_charts and not charts:
+        left = " and ".join(_shown(str(out.parent / c)) for c in charts_of(text))
+        print(f"report: matplotlib is not installed: left {left} as they are "
+              f"(pip install -e '.[plot]' redraws them)")
+    print(f"wrote {_shown(args.out)}")
     return 0
 
 

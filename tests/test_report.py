@@ -3,6 +3,8 @@ change a figure and the verdict changes with it."""
 
 import importlib.util
 import json
+import re
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +43,16 @@ def layer_run(sep=1.0, graph=0.99, chunk2=1.02, ceiling=0.95, fused=None, fold_b
 GEMM = {"rows": [{"gemm": "w13", "mean_tokens": 8.0, "ms": 0.8, "roof_pct": 76.5, "read_pattern_roof_pct": 81.0,
                   "cublas_ms": 40.0, "config": {"warps": 4, "row_tiles": 4, "k_step": 128, "stages": 4,
                                                 "max_frags": 2, "mma": 0}}]}
+
+
+def test_held_gemm_figures_get_their_columns_and_verdict(tmp_path):
+    held = {"rows": [dict(GEMM["rows"][0], sustained_ms=0.9, sustained_roof_pct=68.0),
+                     dict(GEMM["rows"][0], gemm="w2", roof_pct=80.0, sustained_ms=0.85, sustained_roof_pct=75.0)]}
+    text = render(tmp_path, gemm=[GEMM, held])
+    assert "## Grouped GEMM, run 1" in text and "## Grouped GEMM, run 2" in text
+    assert text.count("held % roofline") == 1  # only the run that has held figures
+    # w13 76.5 -> 68.0 (8.5 points), w2 80.0 -> 75.0 (5.0)
+    assert "read 5.0-8.5 points less of the roofline (most: w13 at mean 8, 76.5% -> 68.0%)" in text
 
 
 def read_roofline_json(pattern_ms_8=0.70, ms_8=0.78):
@@ -264,19 +276,50 @@ def test_tile_sweep_verdict_against_a_measured_128(tmp_path, ms128, verdict):
 # ---------------------------------------------------------------------------------------------
 
 
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR chunk, which the format puts first."""
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", path
+    return struct.unpack(">II", head[16:24])
+
+
 def test_charts_written_and_linked(tmp_path):
-    pytest.importorskip("matplotlib", reason="charts need matplotlib (the plot extra)")
-    text = render(tmp_path, charts=True, tile_sweep=tile_json())
-    for png in (report.LAYER_PNG, report.TILE_PNG):
-        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG" and f"]({png})" in text
-    assert "Not drawn (over 3x the roofline): cublas-fp16 (run 1: 40.0 ms at mean 8)" in text
+    if not report.have_matplotlib():
+        pytest.skip("charts need matplotlib (the plot extra)")
+    text = render(tmp_path, layer_run(), layer_run(sep=1.02), charts=True, tile_sweep=tile_json())
+    assert report.charts_of(text) == [report.LAYER_PNG, report.TILE_PNG]
+    for png in report.charts_of(text):
+        w, h = png_size(tmp_path / png)
+        assert w <= report.CHART_MAX_PX and h <= report.CHART_MAX_PX, (png, w, h)
 
 
-def test_charts_without_matplotlib_still_render(tmp_path, monkeypatch):
+def test_page_text_does_not_depend_on_matplotlib(tmp_path, monkeypatch):
+    """Without matplotlib the page is the same page, and charts already beside it stay as they are."""
+    with_charts = render(tmp_path, charts=False, tile_sweep=tile_json())
+    (tmp_path / report.LAYER_PNG).write_bytes(b"an older chart")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
-    text = render(tmp_path, charts=True, tile_sweep=tile_json())
-    assert "matplotlib is not installed" in text and "| separate " in text
-    assert not (tmp_path / report.LAYER_PNG).exists()
+    assert not report.have_matplotlib()
+    assert render(tmp_path, charts=True, tile_sweep=tile_json()) == with_charts
+    assert f"]({report.LAYER_PNG})" in with_charts and f"]({report.TILE_PNG})" in with_charts
+    assert (tmp_path / report.LAYER_PNG).read_bytes() == b"an older chart"
+    assert not (tmp_path / report.TILE_PNG).exists()
+
+
+def test_repeated_layer_runs_make_one_series_with_their_spread():
+    """Two runs of one command at one commit are repeats: one series per mean, at the median run,
+    with the min and max over the runs; a run with other flags is a series of its own."""
+    a, b, c = layer_run(sep=1.0), layer_run(sep=1.25), layer_run(sep=0.8)
+    for run in (a, b, c):
+        run["setup"]["lab_commit"] = "abc1234"
+    c["argv"] = ["--settle-ms", "0", "--json", "/tmp/x.json"]
+    series = report.layer_series([a, b, c])
+    assert [s["label"] for s in series] == ["mean 8, --iterations 3 (run 1, 2, abc1234)",
+                                            "mean 8, --settle-ms 0 (run 3, abc1234)"]
+    sep = series[0]["values"]["separate"]
+    assert sep["n"] == 2 and sep["lo"] == pytest.approx(64.0) and sep["hi"] == pytest.approx(80.0)
+    assert sep["roof"] == pytest.approx(64.0) and sep["ms"] == pytest.approx(1.25)  # the lower median
+    assert series[1]["values"]["separate"]["n"] == 1
+    assert series[1]["values"]["separate"]["roof"] == pytest.approx(100.0)
 
 
 def test_tile_grid_best_per_token_tile():
@@ -313,3 +356,71 @@ def test_report_script_reads_files_and_names_a_bad_one(tmp_path):
 def test_report_needs_a_layer_run(tmp_path):
     with pytest.raises(ValueError, match="run_layer"):
         report.render([], [], tmp_path / "f.md")
+
+
+# ---------------------------------------------------------------------------------------------
+# the committed page and the files it stands on
+# ---------------------------------------------------------------------------------------------
+
+PAGE = ROOT / report.PAGE
+
+
+def test_default_runs_reproduce_the_committed_page(tmp_path):
+    """`python scripts/report.py` renders the committed page byte for byte (here into a temporary
+    folder); the charts it draws, when it can, have the committed charts' sizes."""
+    out = tmp_path / PAGE.name
+    r = run_script("--out", out)
+    assert r.returncode == 0, r.stderr
+    assert out.read_text() == PAGE.read_text()
+    charts = report.charts_of(PAGE.read_text())
+    if not report.have_matplotlib():
+        assert r.stdout.count("matplotlib is not installed") == 1
+        assert not any((tmp_path / c).exists() for c in charts)
+    else:
+        for c in charts:
+            assert png_size(tmp_path / c) == png_size(PAGE.parent / c), c
+
+
+def test_committed_charts_fit_the_page():
+    charts = report.charts_of(PAGE.read_text())
+    assert charts == [report.LAYER_PNG, report.TILE_PNG]
+    for c in charts:
+        w, h = png_size(PAGE.parent / c)
+        assert 600 <= w <= report.CHART_MAX_PX and h <= report.CHART_MAX_PX, (c, w, h)
+
+
+def test_page_runs_are_the_files_under_results():
+    listed = [p for v in report.PAGE_RUNS.values() for p in ([v] if isinstance(v, str) else v)]
+    assert all((ROOT / p).is_file() for p in listed), listed
+    for p in listed:
+        assert f"({p}, " in PAGE.read_text() or f"From {p}, " in PAGE.read_text(), p
+
+
+# What scripts/check_gpu.sh writes under results/: run output, not committed (.gitignore).
+WRITTEN_NOT_KEPT = {"results/pytest_gpu.log", "results/sanitizer.txt"}
+CITED_FROM = ["README.md", "docs/findings-h200.md", *sorted(p.relative_to(ROOT).as_posix()
+                                                           for p in (ROOT / "scripts").rglob("*") if p.is_file())]
+
+
+def test_results_hold_the_cited_runs_only():
+    """results/ keeps the current run of each script, as JSON, each cited by the README, the
+    findings page or a script; older runs are cited from git history."""
+    files = sorted(p.name for p in (ROOT / "results").iterdir())
+    assert len(files) <= 12, files
+    assert all(f.endswith(".json") for f in files), files
+    text = "\n".join((ROOT / p).read_text() for p in CITED_FROM)
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `results/` |"))
+    assert [f for f in files if f"results/{f}" not in text and f"`{f}`" not in row] == []
+
+
+def test_notes_and_readme_cite_paths_that_exist():
+    """A run, note or probe that the notes, the README or the page name is in the tree, or cited
+    with its commit (`git show <commit>:<path>`)."""
+    pat = re.compile(r"(?<![\w/:.-])((?:results|notes|scripts/probes|docs)/[\w./-]*\w)")
+    missing = []
+    for doc in ["README.md", "docs/findings-h200.md", "notes/gemm.md", "notes/layer.md"]:
+        text = re.sub(r"git show [0-9a-f]{7,40}:\S+", "", (ROOT / doc).read_text())
+        for path in dict.fromkeys(pat.findall(text)):
+            if path not in WRITTEN_NOT_KEPT and not (ROOT / path).exists():
+                missing.append(f"{doc}: {path}")
+    assert missing == []
