@@ -10,12 +10,14 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from lab import nvfp4, reference
 from lab.kernels import jit
 from lab.kernels import swiglu_quant as sq
+from strategies import nvfp4_blocks, ragged_counts
 
 f32 = np.float32
 MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], f32)
@@ -72,12 +74,12 @@ def hard_matrix(seed: int, rows: int, blocks: int, g: float) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 
 
-def kernel_e2m1(q: np.ndarray) -> np.ndarray:
-    """swiglu_quant.cu e2m1_encode: threshold comparisons on |q|, sign bit copied."""
-    a = np.abs(q)
-    i = ((a > 0.25).astype(np.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5) +
-         (a > 5.0)).astype(np.uint8)
-    return i | ((q.view(np.uint32) >> 28) & 8).astype(np.uint8)
+def kernel_e2m1(q, xp=np):
+    """swiglu_quant.cu e2m1_encode: threshold comparisons on |q|, sign bit copied (NumPy or CuPy)."""
+    a = xp.abs(q)
+    i = ((a > 0.25).astype(xp.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5) +
+         (a > 5.0)).astype(xp.uint8)
+    return i | ((q.view(xp.uint32) >> 28) & 8).astype(xp.uint8)
 
 
 def kernel_e4m3_decode(c: np.ndarray) -> np.ndarray:
@@ -88,12 +90,12 @@ def kernel_e4m3_decode(c: np.ndarray) -> np.ndarray:
     return np.where(e == 0, m.astype(f32) * f32(2.0**-9), normal).astype(f32)
 
 
-def kernel_bf16(x: np.ndarray) -> np.ndarray:
-    """swiglu_quant.cu bf16_bits."""
-    u = x.astype(f32).view(np.uint32).astype(np.uint64)
+def kernel_bf16(x, xp=np):
+    """swiglu_quant.cu bf16_bits (NumPy or CuPy)."""
+    u = x.astype(xp.float32).view(xp.uint32).astype(xp.uint64)
     nan = (u & 0x7FFFFFFF) > 0x7F800000
     r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-    return np.where(nan, (u >> 16) | 0x40, r).astype(np.uint16)
+    return xp.where(nan, (u >> 16) | 0x40, r).astype(xp.uint16)
 
 
 def kernel_quantize(x: np.ndarray, g) -> tuple[np.ndarray, np.ndarray]:
@@ -126,23 +128,33 @@ def test_e4m3_decode_by_bits_matches_every_finite_code():
     np.testing.assert_array_equal(kernel_e4m3_decode(codes), nvfp4.decode_e4m3(codes))
 
 
-@settings(max_examples=40)
-@given(st.integers(0, 2**32 - 1))
-def test_bf16_rounding_by_bits_matches_ml_dtypes(seed):
-    rng = np.random.default_rng(seed)
-    bits = rng.integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)
-    bits[:8] = [0, 0x80000000, 0x7F7FFFFF, 0x3F808000, 0x3F818000, 0x3F80FFFF, 0x00008000, 0x7F800000]
+BF16_EDGES = np.array([0, 0x80000000, 0x7F7FFFFF, 0x3F808000, 0x3F818000, 0x3F80FFFF, 0x00008000, 0x7F800000,
+                       0x00007FFF, 0x807FFFFF, 0x7F7F8000, 0xFF7F7FFF], np.uint32)  # ties, subnormals, overflow
+
+
+def float32_bits(shape):
+    """float32 bit patterns drawn whole: every sign, exponent and the low 16 bits bf16 rounds on
+    (ties 0x8000 among them), so a failure shrinks to the value that rounds wrong."""
+    high = st.one_of(st.integers(0, 0xFFFF), st.sampled_from([0x0000, 0x8000, 0x7F7F, 0xFF7F, 0x3F80, 0x0080]))
+    low = st.one_of(st.integers(0, 0xFFFF), st.sampled_from([0x0000, 0x7FFF, 0x8000, 0x8001, 0xFFFF]))
+    return hnp.arrays(np.uint32, shape, elements=st.tuples(high, low).map(lambda hl: hl[0] << 16 | hl[1]))
+
+
+@settings(max_examples=200)
+@given(float32_bits(st.integers(1, 64)))
+def test_bf16_rounding_by_bits_matches_ml_dtypes(bits):
+    bits = np.concatenate([BF16_EDGES, bits])
     x = bits.view(f32)
-    x = x[np.isfinite(x) | np.isinf(x)]
+    x = x[~np.isnan(x)]  # ml_dtypes keeps NaN payloads its own way; the GPU test checks NaNs
     np.testing.assert_array_equal(kernel_bf16(x), x.astype(ml_dtypes.bfloat16).view(np.uint16))
 
 
-@settings(max_examples=60)
-@given(st.integers(0, 2**31), st.integers(1, 6), st.integers(1, 6), st.floats(1e-6, 1e3))
-def test_kernel_arithmetic_equals_nvfp4_quantize(seed, rows, blocks, g):
+@settings(max_examples=150)
+@given(nvfp4_blocks(max_rows=6, max_blocks=6, static_global=True))
+def test_kernel_arithmetic_equals_nvfp4_quantize(case):
     """The quantizer as the kernel writes it (thresholds, decode by bits, zero-block rule, sign
     rule) is lab.nvfp4's definition, on ties, zeros, saturation and subnormal scales."""
-    x = hard_matrix(seed, rows, blocks, g)
+    x, g = case
     t = nvfp4.quantize(x, g)
     packed, scales = kernel_quantize(x, g)
     np.testing.assert_array_equal(scales, t.scales)
@@ -263,14 +275,55 @@ def assert_codes_equal(got_packed, got_scales, t: nvfp4.NVFP4Tensor):
 
 @pytest.mark.gpu
 @settings(max_examples=40)
-@given(st.integers(0, 2**31), st.integers(1, 9), st.integers(1, 40), st.floats(1e-6, 1e3))
-def test_gpu_quantize_input_matches_nvfp4_bit_for_bit(seed, rows, blocks, g):
-    """Ties, zeros, -0.0, saturating and subnormal scales (hard_matrix); K up to 640 so a row
-    spans several block steps of the kernel's loop."""
-    x = hard_matrix(seed, rows, blocks, g)
+@given(nvfp4_blocks(max_rows=9, max_blocks=40, static_global=True))
+def test_gpu_quantize_input_matches_nvfp4_bit_for_bit(case):
+    """Ties, zeros, -0.0, saturating and subnormal scales, drawn block by block; K up to 640 so
+    a row spans several block steps of the kernel's loop. The NumPy copy of the kernel's
+    arithmetic (kernel_quantize) gives the same bits as the kernel itself."""
+    x, g = case
     packed, scales, bad = gpu_quantize(x, g)
     assert bad == 0
     assert_codes_equal(packed, scales, nvfp4.quantize(x, g))
+    kp, ks = kernel_quantize(x, g)
+    np.testing.assert_array_equal(scales, ks)
+    np.testing.assert_array_equal(packed, kp)
+
+
+@pytest.mark.gpu
+def test_gpu_e2m1_encode_is_kernel_e2m1_on_every_float32_in_range():
+    """Every float32 in [-6, 6] (subnormals and -0.0 included) as q = x / (s * g) with s * g = 1:
+    blocks of 16 whose first element 6 pins the scale to 1.0 (0x38) under global 1, so each code
+    is the kernel's e2m1_encode of the value itself, against kernel_e2m1 on the device."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    top = int(np.float32(6).view(np.uint32))
+    rows, free = 1 << 21, 16 * 15  # 16 blocks of K = 256 a row, 15 free elements each
+    x = cp.empty((rows, 16, 16), cp.float32)
+    packed, scales = cp.empty((rows, 128), cp.uint8), cp.empty((rows, 16), cp.uint8)
+    counter = cp.zeros(1, cp.uint32)
+    seen = 0
+    for sign in (0, 0x80000000):
+        for start in range(0, top + 1, rows * free):
+            bits = cp.zeros(rows * free, cp.uint32)  # +0.0 pads the last chunk
+            n = min(rows * free, top + 1 - start)
+            bits[:n] = cp.arange(start, start + n, dtype=cp.uint32) | cp.uint32(sign)
+            seen += n
+            x[:, :, 0] = 6.0
+            x[:, :, 1:] = bits.view(cp.float32).reshape(rows, 16, 15)
+            packed.fill(0xAA)
+            scales.fill(0xAA)
+            sq.quantize_input(x.reshape(rows, 256), 1.0, packed, scales, counter)
+            assert bool((scales == 0x38).all())
+            nib = cp.stack([packed & 15, packed >> 4], axis=-1).reshape(rows, 16, 16)
+            want = kernel_e2m1(x, xp=cp)
+            bad = cp.argwhere(nib != want)
+            if bad.size:
+                r, b, c = (int(v) for v in bad[0])
+                v = float(x[r, b, c])
+                pytest.fail(f"{int(bad.shape[0])} codes differ; first {v!r} ({np.float32(v).view(np.uint32):#010x}): "
+                            f"kernel {int(nib[r, b, c])}, kernel_e2m1 {int(want[r, b, c])}")
+    assert seen == 2 * (top + 1) and int(counter.get()[0]) == 0
 
 
 @pytest.mark.gpu
@@ -308,12 +361,6 @@ def test_gpu_quantize_counts_non_finite_inputs():
     assert gpu_quantize(xb, 0.01)[2] == 3
 
 
-def ragged_offsets(rng, rows, experts):
-    """(E+1,) int32 offsets with some empty experts (at the start, middle and end too)."""
-    cuts = np.sort(rng.integers(0, rows + 1, experts - 1))
-    return np.concatenate([[0], cuts, [rows]]).astype(np.int32)
-
-
 def gpu_swiglu(h, offsets, gate, up, g2, a_out=True):
     import cupy as cp
 
@@ -344,14 +391,24 @@ def assert_swiglu_close(a, ref, h, offsets, gate, up):
 
 @pytest.mark.gpu
 @settings(max_examples=30)
-@given(st.integers(0, 2**31), st.integers(1, 40), st.integers(1, 7), st.sampled_from([16, 64, 256, 1088]))
-def test_gpu_swiglu_quant_codes_are_nvfp4_of_its_fp32_values(seed, rows, experts, i):
+@given(counts=ragged_counts(max_experts=7, hot=(20, 40)), i=st.sampled_from([16, 64, 256, 1088]),
+       seed=st.integers(0, 2**31), data=st.data())
+def test_gpu_swiglu_quant_codes_are_nvfp4_of_its_fp32_values(counts, i, seed, data):
     """Codes and scales equal nvfp4.quantize of the kernel's own fp32 SwiGLU values bit for bit,
-    those values match the float64 SwiGLU to a few ulp, and writing a_out changes no code."""
+    those values match the float64 SwiGLU to a few ulp, and writing a_out changes no code.
+    Drawn: ragged counts (empty experts, a hot one), each row's magnitude (huge and tiny rows:
+    saturating and zero-code blocks of a) and which rows are all zeros or -0.0."""
+    rows = int(counts.sum())
+    assume(rows > 0)
     rng = np.random.default_rng(seed)
-    h = (rng.standard_normal((rows, 2 * i)) * 10.0 ** rng.uniform(0, 5)).astype(f32)
+    row_exp = data.draw(hnp.arrays(np.int8, rows, elements=st.integers(-40, 20)), label="row_exp")
+    zero_rows = data.draw(hnp.arrays(np.int8, rows, elements=st.integers(0, 9)), label="zero_rows")
+    h = (rng.standard_normal((rows, 2 * i)) * np.ldexp(1.0, row_exp)[:, None]).astype(f32)
     h[rng.random(h.shape) < 0.01] = 0.0
-    offsets = ragged_offsets(rng, rows, experts)
+    h[zero_rows == 0] = 0.0
+    h[zero_rows == 1] = -0.0
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    experts = len(counts)
     gate = (4.65e-5 * np.exp(0.1 * rng.standard_normal(experts))).astype(f32)
     up = (gate / f32(1.2308)).astype(f32)
     g2 = f32(16 / 2688)
@@ -408,14 +465,16 @@ def test_gpu_swiglu_counts_every_non_finite_a():
     assert gpu_swiglu(h, offsets, one * 4, one, f32(0.01))[3] == 4
 
 
+BF16_POISON = 0x7FAB  # a signalling-NaN bf16: the kernel quiets every NaN it writes, and rounds no finite value here
+
+
 @pytest.mark.gpu
 @settings(max_examples=20)
-@given(st.integers(0, 2**31), st.integers(1, 33))
-def test_gpu_to_bf16_rounds_like_ml_dtypes(seed, rows):
+@given(st.integers(1, 33), st.data())
+def test_gpu_to_bf16_rounds_like_ml_dtypes(rows, data):
     import cupy as cp
 
-    rng = np.random.default_rng(seed)
-    x = rng.integers(0, 2**32, (rows, 64), dtype=np.uint64).astype(np.uint32).view(f32)
+    x = data.draw(float32_bits((rows, 64)), label="bits").view(f32)
     x = np.where(np.isfinite(x), x, f32(1.0)).astype(f32)
     x[0, :4] = [0.0, -0.0, 1.00390625, 1.01171875]  # ties to even, both directions
     # subnormals, the largest float (rounds to Inf), Inf, and NaNs beside finite values of their
@@ -423,12 +482,38 @@ def test_gpu_to_bf16_rounds_like_ml_dtypes(seed, rows):
     x[0, 4:16] = np.array([0x00008000, 0x007FFFFF, 0x80000001, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000,
                            0x7FC00001, 0x3F800000, 0x40000000, 0xFFA00000, 0xFFC00000, 0x7F800001],
                           dtype=np.uint32).view(f32)
-    out = cp.zeros((rows, 64), cp.uint16)
+    out = cp.full((rows, 64), BF16_POISON, cp.uint16)  # +0.0 (zeros) would pass where nothing was written
     counter = cp.zeros(1, cp.uint32)
     sq.to_bf16(cp.asarray(x), out, counter)
     want = np.where(np.isnan(x), kernel_bf16(x), x.astype(ml_dtypes.bfloat16).view(np.uint16))
     np.testing.assert_array_equal(out.get(), want)
     assert int(counter.get()[0]) == int((~np.isfinite(want.view(ml_dtypes.bfloat16).astype(f32))).sum())
+
+
+@pytest.mark.gpu
+def test_gpu_to_bf16_is_kernel_bf16_on_every_float32():
+    """All 2^32 bit patterns, in chunks of 2^28, against the NumPy copy of the kernel's rounding
+    (kernel_bf16, run with CuPy); the counter counts exactly the non-finite bf16 outputs."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    chunk = 1 << 28
+    out = cp.empty(chunk, cp.uint16)
+    counter = cp.zeros(1, cp.uint32)
+    non_finite = 0
+    for start in range(0, 1 << 32, chunk):
+        x = cp.arange(start, start + chunk, dtype=cp.uint64).astype(cp.uint32).view(cp.float32)
+        out.fill(BF16_POISON)
+        sq.to_bf16(x, out, counter)
+        want = kernel_bf16(x, xp=cp)
+        bad = cp.flatnonzero(out != want)
+        if bad.size:
+            j = int(bad[0])
+            pytest.fail(f"{int(bad.size)} differ in chunk {start:#x}; first {start + j:#010x}: "
+                        f"kernel {int(out[j]):#06x}, kernel_bf16 {int(want[j]):#06x}")
+        non_finite += int(((want & 0x7F80) == 0x7F80).sum())
+    assert non_finite == (1 << 24) + (1 << 16)  # Inf/NaN inputs, and finite values past bf16's largest
+    assert int(counter.get()[0]) == non_finite
 
 
 @pytest.mark.gpu
