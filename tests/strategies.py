@@ -73,3 +73,25 @@ def ragged_counts(draw, min_experts=1, max_experts=12, hot=(120, 200)):
     n = draw(st.integers(min_experts, max_experts))
     counts = draw(st.lists(st.one_of(st.just(0), st.integers(1, 20), st.integers(*hot)), min_size=n, max_size=n))
     return np.array(counts, np.int64)
+
+
+@st.composite
+def routings(draw, experts: int, top_k: int, max_tokens: int = 150):
+    """A Routing drawn token by token: each token's top_k distinct experts, where a drawn hot
+    expert may take a drawn share of the tokens (past one 64-token tile when the tokens are
+    many), from a single token up; experts nobody picks stay empty."""
+    from lab.problem import Routing
+
+    t = draw(st.integers(1, max_tokens), label="tokens")
+    hot = draw(st.one_of(st.none(), st.integers(0, experts - 1)), label="hot")
+    token_experts = np.empty((t, top_k), np.int32)
+    for i in range(t):
+        picks = draw(st.lists(st.integers(0, experts - 1), min_size=top_k, max_size=top_k, unique=True))
+        if hot is not None and hot not in picks and draw(st.booleans()):
+            picks[-1] = hot
+        token_experts[i] = picks
+    token = np.repeat(np.arange(t), top_k)
+    order = np.lexsort((token, token_experts.reshape(-1)))  # by expert, then token
+    counts = np.bincount(token_experts.reshape(-1), minlength=experts).astype(np.int32)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    return Routing(offsets, counts, (order // top_k).astype(np.int32), token_experts, t, top_k)
