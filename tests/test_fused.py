@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from lab.kernels import grouped_gemm as gg
 from lab.kernels import jit
-from test_grouped_gemm import counts_strategy, random_nvfp4
+from test_grouped_gemm import SCALE_PROFILES, counts_strategy, edge_nvfp4, random_nvfp4
 
 # ------------------------------------------------------------------------------- CPU
 
@@ -80,9 +80,12 @@ def _problem(cp, rng, counts, h, i):
     e = len(counts)
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     rows = int(offsets[-1])
-    w13p, w13s = random_nvfp4(rng, (e, 2 * i, h), scale_codes=(20, 60))
-    w2p, w2s = random_nvfp4(rng, (e, h, i), scale_codes=(20, 60))
-    xq, xs = random_nvfp4(rng, (rows, h), scale_codes=(20, 60))
+    # every row takes one of the GEMM tests' scale profiles: zero, subnormal and largest codes
+    # (h rows of zeros and of tiny values reach the epilogue's zero-block and subnormal rules)
+    p = len(SCALE_PROFILES)
+    w13p, w13s = edge_nvfp4(rng, (e, 2 * i, h), rng.integers(0, p, (e, 2 * i)))
+    w2p, w2s = edge_nvfp4(rng, (e, h, i), rng.integers(0, p, (e, h)))
+    xq, xs = edge_nvfp4(rng, (rows, h), rng.integers(0, p, rows))
     d = dict(
         offsets=cp.asarray(offsets), offsets_host=offsets, rows=rows,
         w13=gg.prepare_weights(w13p, w13s, xp=cp), w13_paired=gg.prepare_weights(w13p, w13s, xp=cp, pair_gate_up=True),

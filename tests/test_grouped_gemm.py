@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from lab import nvfp4, reference
 from lab.kernels import grouped_gemm as gg
@@ -17,6 +18,50 @@ def random_nvfp4(rng, shape, scale_codes=(1, 127)):
     packed = rng.integers(0, 256, shape[:-1] + (shape[-1] // 2,), dtype=np.uint8)
     scales = rng.integers(*scale_codes, shape[:-1] + (shape[-1] // 16,), dtype=np.uint8)
     return packed, scales
+
+
+# Block-scale profiles of a row: the codes its blocks draw from. A row of zero and subnormal
+# scales (codes 1-7, 2^-9 .. 7 * 2^-9) has every one of its products tiny, so a kernel that
+# flushes them loses the whole of such an output element, not a share too small to see.
+SCALE_PROFILES = (
+    np.arange(1, 0x7F),  # every finite positive code
+    np.arange(1, 8),  # e4m3 subnormals
+    np.arange(0, 8),  # zero and subnormals
+    np.array([0, 1, 2, 3, 0x7E]),  # the extremes together
+    np.array([0]),  # an all-zero row
+)
+
+
+def profiled_scales(rng, profiles, k16):
+    """(rows, k16) e4m3 codes, row r drawn from SCALE_PROFILES[profiles[r]]."""
+    profiles = np.asarray(profiles)
+    out = np.empty((profiles.size, k16), np.uint8)
+    for p, codes in enumerate(SCALE_PROFILES):
+        rows = np.flatnonzero(profiles.reshape(-1) == p)
+        out[rows] = rng.choice(codes, (rows.size, k16)).astype(np.uint8)
+    return out.reshape(profiles.shape + (k16,))
+
+
+def edge_nvfp4(rng, shape, profiles):
+    """Random codes over all 16 nibbles with block scales by row profile (profiled_scales)."""
+    packed = rng.integers(0, 256, shape[:-1] + (shape[-1] // 2,), dtype=np.uint8)
+    return packed, profiled_scales(rng, profiles, shape[-1] // 16)
+
+
+def assert_within_element_bound(got, xq, xs, offsets, packed, scales, alpha):
+    """Every output element within (K + 1) * 2^-23 of alpha * sum_k |x_k w_k|, the float64 sum
+    of the exact products' magnitudes: the kernel's products are exact and only its fp32
+    accumulation (and the alpha product) round. Elements of all-zero blocks are exactly 0."""
+    k = 2 * xq.shape[1]
+    ref = reference.grouped_gemm(xq, xs, offsets, packed, scales, alpha)
+    mag = reference.grouped_gemm(xq & 0x77, xs, offsets, packed & 0x77, scales, np.abs(alpha))  # sign bits cleared
+    err = np.abs(got.astype(np.float64) - ref)
+    bound = (k + 1) * 2.0**-23 * mag
+    bad = np.argwhere(~(err <= bound))
+    if bad.size:
+        r, n = bad[0]
+        raise AssertionError(f"{len(bad)} elements past the bound, first out[{r}, {n}] = {got[r, n]!r}, float64 "
+                             f"{ref[r, n]!r}, sum |x w| {mag[r, n]!r} (x scales {np.unique(xs[r]).tolist()})")
 
 
 # ------------------------------------------------------------------------------- CPU: layout
@@ -36,18 +81,17 @@ def test_prepare_is_a_bijection(e, nt, ka, seed):
     np.testing.assert_array_equal(s2, scales)
 
 
-def test_decode_emulation_gives_each_lane_its_fragment():
-    """decode_words (the kernel's decode_a) on the prepared words yields, for lane 4g+t and
-    register q, the codes of rows g + 8*(q&1), k slots 2t + 8*(q>>1) + {0, 1} as fp16 v*2^-14
+def codes_through_decode_words(packed, scales) -> np.ndarray:
+    """(E, N, K) float64: the e2m1 values decode_words (the NumPy copy of the kernel's decode_a)
+    gives each lane's registers from the prepared words, put back where the kernel uses them:
+    lane 4g+t, register q holds rows g + 8*(q&1), k slots 2t + 8*(q>>1) + {0, 1} as fp16 v*2^-14
     (slot c of a k16 step being column K_SLOTS[c])."""
-    rng = np.random.default_rng(1)
-    e, n, k = 1, 64, 128
-    packed, scales = random_nvfp4(rng, (e, n, k))
-    codes = nvfp4.decode_codes(packed)
+    e, n, k = packed.shape[0], packed.shape[1], 2 * packed.shape[2]
     data = gg.prepare_weights(packed, scales, layout=(64, 64)).data  # [e][block][kc][tile][katom]
     atoms = data.transpose(0, 1, 3, 2, 4, 5).reshape(e, n // 16, k // 64, gg.ATOM_BYTES)
     words = atoms[..., :512].copy().view(np.uint32)
     regs = gg.decode_words(words.reshape(e, n // 16, k // 64, 32, 4))
+    out = np.full((e, n, k), np.nan)
     for q in range(4):
         h = regs[q].view(np.float16).reshape(e, n // 16, k // 64, 8, 4, 4, 2).astype(np.float64) * 2.0**14
         for g in range(8):
@@ -56,7 +100,19 @@ def test_decode_emulation_gives_each_lane_its_fragment():
                     for half in range(2):
                         rows = np.arange(n // 16) * 16 + g + 8 * (q & 1)
                         cols = np.arange(k // 64) * 64 + 16 * j + gg.K_SLOTS[2 * t + 8 * (q >> 1) + half]
-                        np.testing.assert_array_equal(h[0, :, :, g, t, j, half], codes[0][np.ix_(rows, cols)])
+                        out[:, rows[:, None], cols[None, :]] = h[:, :, :, g, t, j, half]
+    return out
+
+
+def test_decode_emulation_gives_each_lane_its_fragment():
+    """decode_words on the prepared words yields every code where the kernel's MMA fragments
+    expect it (codes_through_decode_words), -0.0 included."""
+    rng = np.random.default_rng()
+    packed, scales = random_nvfp4(rng, (2, 64, 128))
+    got = codes_through_decode_words(packed, scales)
+    want = nvfp4.decode_codes(packed).astype(np.float64)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
 
 
 def test_activation_decode_fills_the_same_k_slots():
@@ -105,6 +161,37 @@ def test_fp16_product_of_code_and_scale_is_exact():
     assert np.array_equal(code16.astype(np.float64), v * 2.0**-14)
     prod = (code16[:, None] * s.astype(np.float16)[None, :]).astype(np.float64)
     np.testing.assert_array_equal(prod, exact)
+
+
+def emulated_gemm(xq, xs, offsets, packed, scales, alpha, flush_subnormal_x_scales=False):
+    """A GEMM as the kernel does it in arithmetic, one k at a time: exact products, a float32
+    running sum, one float32 alpha product; optionally with e4m3 subnormal activation scales
+    (codes 1-7) read as 0, as a kernel that flushes them would."""
+    xs = np.where((xs > 0) & (xs < 8), 0, xs).astype(np.uint8) if flush_subnormal_x_scales else xs
+    x = nvfp4.dequantize_blocks(xq, xs)
+    w = nvfp4.dequantize_blocks(packed, scales)
+    e_of_row = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+    prod = (x[:, None, :] * w[e_of_row]).astype(np.float32)  # exact: a handful of significant bits
+    acc = np.cumsum(prod, axis=-1, dtype=np.float32)[..., -1]
+    return (acc * alpha[e_of_row, None]).astype(np.float32)
+
+
+def test_element_bound_passes_fp32_accumulation_and_fails_a_kernel_flushing_subnormal_scales():
+    """The GPU tests' per-element bound on the kernel's own arithmetic (emulated), and on the
+    same arithmetic with subnormal activation scales flushed, which the bound must reject."""
+    rng = np.random.default_rng()
+    p = len(SCALE_PROFILES)
+    counts = np.array([2 * p, 0, 3 * p])
+    e, n, k = len(counts), 2 * p, 256
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    packed, scales = edge_nvfp4(rng, (e, n, k), np.tile(np.arange(n) % p, (e, 1)))
+    xq, xs = edge_nvfp4(rng, (int(offsets[-1]), k), np.arange(int(offsets[-1])) % p)
+    alpha = rng.uniform(0.5, 2, e).astype(np.float32)
+    assert_within_element_bound(emulated_gemm(xq, xs, offsets, packed, scales, alpha), xq, xs, offsets,
+                                packed, scales, alpha)
+    flushed = emulated_gemm(xq, xs, offsets, packed, scales, alpha, flush_subnormal_x_scales=True)
+    with pytest.raises(AssertionError, match="past the bound"):
+        assert_within_element_bound(flushed, xq, xs, offsets, packed, scales, alpha)
 
 
 def test_prepare_rejects_bad_shapes():
@@ -235,25 +322,58 @@ def counts_strategy():
     return st.lists(st.one_of(st.just(0), st.integers(1, 20), st.integers(120, 200)), min_size=1, max_size=16)
 
 
+profile_index = st.integers(0, len(SCALE_PROFILES) - 1)
+
+
 @pytest.mark.gpu
 @settings(max_examples=30)
 @given(counts=counts_strategy(), nb=st.integers(1, 4), ka=st.integers(1, 12), seed=st.integers(0, 2**31),
-       lo=st.integers(1, 100))
-def test_gemm_matches_float64(counts, nb, ka, seed, lo):
+       data=st.data())
+def test_gemm_matches_float64(counts, nb, ka, seed, data):
+    """Drawn: ragged counts, N, K, and each activation row's and weight row's block-scale
+    profile (zero, subnormal and largest codes on both operands); each element within the fp32
+    accumulation bound of sum |x_k w_k|, and the whole within 1e-5."""
     from lab.gpu import require_gpu
 
     cp = require_gpu("test")
     rng = np.random.default_rng(seed)
     e, n, k = len(counts), 64 * nb, 64 * ka
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    packed, scales = random_nvfp4(rng, (e, n, k), scale_codes=(lo, 127))
-    xq, xs = random_nvfp4(rng, (int(offsets[-1]), k), scale_codes=(lo, 127))
+    rows = int(offsets[-1])
+    w_prof = data.draw(hnp.arrays(np.int8, (e, n), elements=profile_index), label="weight row profiles")
+    x_prof = data.draw(hnp.arrays(np.int8, rows, elements=profile_index), label="activation row profiles")
+    packed, scales = edge_nvfp4(rng, (e, n, k), w_prof)
+    xq, xs = edge_nvfp4(rng, (rows, k), x_prof)
     alpha = rng.uniform(1e-6, 1e-2, e).astype(np.float32)
     got = run_gemm(cp, packed, scales, xq, xs, offsets, alpha)
     assert np.isfinite(got).all(), "unwritten (NaN-poisoned) or non-finite output"
+    assert_within_element_bound(got, xq, xs, offsets, packed, scales, alpha)
     ref = reference.grouped_gemm(xq, xs, offsets, packed, scales, alpha)
-    if got.size:
+    if got.size and np.abs(ref).max() > 0:
         assert reference.rel_frobenius(got, ref) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mma", [0, 1])
+def test_zero_subnormal_and_largest_scales_on_both_operands(mma):
+    """Every pairing of row profiles (all codes, subnormal, zero + subnormal, extremes, all
+    zero) between activations and weights, each output element against its own bound: a kernel
+    that flushes subnormal scales, or mistakes code 0, fails on the tiny elements."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng()
+    p = len(SCALE_PROFILES)
+    counts = np.array([3 * p, 0, 9 * p])  # both fragment paths, an empty expert between
+    e, n, k = len(counts), 64 * 2, 256
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    packed, scales = edge_nvfp4(rng, (e, n, k), np.tile(np.arange(n) % p, (e, 1)))
+    xq, xs = edge_nvfp4(rng, (int(offsets[-1]), k), np.arange(int(offsets[-1])) % p)
+    alpha = rng.uniform(0.5, 2, e).astype(np.float32)
+    cfg = gg.GemmConfig(4, 4, 128, 3, 8 if mma else 2, mma)
+    got = run_gemm(cp, packed, scales, xq, xs, offsets, alpha, cfg)
+    assert np.isfinite(got).all()
+    assert_within_element_bound(got, xq, xs, offsets, packed, scales, alpha)
 
 
 @pytest.mark.gpu
@@ -278,6 +398,7 @@ def test_every_token_count_per_instruction(mma, frags):
     worst = max((reference.rel_frobenius(got[offsets[i]:offsets[i + 1]], ref[offsets[i]:offsets[i + 1]]), i)
                 for i in range(e) if counts[i])
     assert worst[0] <= 1e-5, f"expert {worst[1]} with {counts[worst[1]]} tokens: {worst[0]:.2e}"
+    assert_within_element_bound(got, xq, xs, offsets, packed, scales, alpha)
 
 
 @pytest.mark.gpu
@@ -296,6 +417,32 @@ def test_subnormal_fp16_weights_are_not_flushed():
     got = run_gemm(cp, packed, scales, xq, xs, offsets, alpha)
     ref = reference.grouped_gemm(xq, xs, offsets, packed, scales, alpha)
     assert reference.rel_frobenius(got, ref) <= 1e-5
+    assert_within_element_bound(got, xq, xs, offsets, packed, scales, alpha)
+
+
+@pytest.mark.gpu
+def test_decode_words_is_what_the_kernel_decodes():
+    """One-hot activations (1.0 at k = r, zero blocks elsewhere) make out[r, c] the kernel's
+    decoded weight w[c, r] itself (one exact product, alpha 1): every one equals the NumPy copy
+    decode_words' value times its e4m3 scale, on weights holding every byte value."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng()
+    n, k = 128, 128
+    packed = rng.permutation(np.tile(np.arange(256, dtype=np.uint8), n * k // 2 // 256)).reshape(1, n, k // 2)
+    scales = rng.integers(1, 0x7F, (1, n, k // 16), dtype=np.uint8)
+    r = np.arange(k)
+    nib = np.zeros((k, k), np.uint8)
+    nib[r, r] = 2  # e2m1 1.0
+    xq = nvfp4.pack_nibbles(nib)
+    xs = np.zeros((k, k // 16), np.uint8)
+    xs[r, r // 16] = 0x38  # e4m3 1.0
+    got = run_gemm(cp, packed, scales, xq, xs, np.array([0, k]), np.ones(1, np.float32))
+    want = codes_through_decode_words(packed, scales)[0] * np.repeat(nvfp4.decode_e4m3(scales[0]), 16, axis=-1)
+    bad = np.argwhere(got.T != want)
+    assert bad.size == 0, (f"{len(bad)} weights differ, first w[{bad[0][0]}, {bad[0][1]}]: kernel "
+                           f"{got.T[tuple(bad[0])]!r}, decode_words {want[tuple(bad[0])]!r}")
 
 
 @pytest.mark.gpu
