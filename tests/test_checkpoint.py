@@ -2,6 +2,7 @@ import json
 import struct
 import tracemalloc
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -17,6 +18,7 @@ from lab.checkpoint import (
     write_safetensors,
 )
 from lab.problem import MoEProblem, random_weights
+from oracles import e4m3_from_bits
 
 SMALL = MoEProblem(experts=4, hidden=128, intermediate=64, top_k=2)
 ARRAYS = ("w13_packed", "w13_scales", "w2_packed", "w2_scales", "gate_global", "up_global", "w2_global")
@@ -60,6 +62,56 @@ def test_report_spread_and_names(tmp_path):
     assert header[tensor_name(10, 3, "down_proj", "weight")]["shape"] == [128, 32]
     assert header[tensor_name(10, 0, "gate_proj", "weight_scale")]["dtype"] == "F8_E4M3"
     assert header[tensor_name(10, 0, "up_proj", "weight_scale_2")]["shape"] == []
+
+
+def read_safetensors_bytes(path) -> tuple[dict, dict]:
+    """An independent reader, from the safetensors format description: an 8-byte little-endian
+    header length n, n bytes of JSON, then the data section; each tensor's data_offsets are
+    [begin, end) in the data section, little-endian, C order. Returns ({name: raw bytes}, header)."""
+    raw = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n].decode("utf-8"))
+    meta = header.pop("__metadata__", None)
+    assert meta is None or all(isinstance(v, str) for v in meta.values())
+    data = raw[8 + n:]
+    spans = sorted(tuple(info["data_offsets"]) for info in header.values())
+    assert spans[0][0] == 0 and spans[-1][1] == len(data), "the tensors cover the data section exactly"
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), "no gap and no overlap between tensors"
+    return {name: data[info["data_offsets"][0]:info["data_offsets"][1]] for name, info in header.items()}, header
+
+
+def test_every_tensor_reads_back_with_an_independent_reader(tmp_path):
+    """The layout save_checkpoint writes, read without lab.checkpoint: names, dtypes, shapes and
+    bytes of every tensor; F8_E4M3 scales decoded from their bits (oracles) and as ml_dtypes'
+    float8_e4m3fn, F32 scalars as little-endian floats."""
+    w = random_weights(SMALL, int(np.random.default_rng().integers(2**31)))
+    path = tmp_path / "m.safetensors"
+    save_checkpoint(path, w, layer=7)
+    blobs, header = read_safetensors_bytes(path)
+    i = SMALL.intermediate
+    want = {}
+    for e in range(SMALL.experts):
+        for proj, rows, packed, scales, wg, ig in (
+                ("gate_proj", slice(0, i), w.w13_packed, w.w13_scales, w.gate_global, w.w13_input_scale),
+                ("up_proj", slice(i, 2 * i), w.w13_packed, w.w13_scales, w.up_global, w.w13_input_scale),
+                ("down_proj", slice(None), w.w2_packed, w.w2_scales, w.w2_global, w.w2_input_scale)):
+            name = f"model.layers.7.mlp.experts.{e}.{proj}."
+            want[name + "weight"] = ("U8", packed[e, rows])
+            want[name + "weight_scale"] = ("F8_E4M3", scales[e, rows])
+            want[name + "weight_scale_2"] = ("F32", np.float32(wg[e]))
+            want[name + "input_scale"] = ("F32", np.float32(ig))
+    assert set(header) == set(want)
+    for name, (dtype, arr) in want.items():
+        assert header[name]["dtype"] == dtype and header[name]["shape"] == list(np.shape(arr)), name
+        if dtype == "F32":
+            (value,) = struct.unpack("<f", blobs[name])
+            assert value == arr, name
+            continue
+        got = np.frombuffer(blobs[name], np.uint8).reshape(arr.shape)
+        np.testing.assert_array_equal(got, arr, err_msg=name)
+        if dtype == "F8_E4M3":
+            f8 = np.frombuffer(blobs[name], ml_dtypes.float8_e4m3fn).reshape(arr.shape).astype(np.float64)
+            np.testing.assert_array_equal(f8, e4m3_from_bits(arr), err_msg=name)
 
 
 def test_safetensors_library_reads_our_files(tmp_path):
