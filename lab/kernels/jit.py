@@ -24,17 +24,27 @@ KERNEL_DIR = Path(__file__).resolve().parent
 ARCH_OPTIONS = ("-arch=sm_90a", "-std=c++17")
 
 
-_INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.M)
+_INCLUDE = re.compile(r'^#include "([\w./]+)"\s*$', re.M)
 
 
-def source(name: str, _seen: frozenset = frozenset()) -> str:
-    """The text of `lab/kernels/<name>`, with `#include "x.cuh"` of files beside it inlined (once
-    each): NVRTC gets one string, and CuPy's cache key (the string) changes when a header does."""
-    if name in _seen:
-        return ""
-    seen = _seen | {name}
-    text = (KERNEL_DIR / name).read_text()
-    return _INCLUDE.sub(lambda m: source(m.group(1), seen).replace("#pragma once", ""), text)
+def source(name: str) -> str:
+    """The text of `lab/kernels/<name>` with every `#include "path"` inlined once (paths relative
+    to the including file, as nvcc resolves them): NVRTC gets one string, and CuPy's cache key (the
+    string) changes when any header does."""
+    root = (KERNEL_DIR / name).resolve()
+    seen = {root}
+
+    def expand(path: Path) -> str:
+        def include(m: re.Match) -> str:
+            header = (path.parent / m.group(1)).resolve()
+            if header in seen:
+                return ""
+            seen.add(header)
+            return expand(header).replace("#pragma once", "")
+
+        return _INCLUDE.sub(include, path.read_text())
+
+    return expand(root)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,109 @@
+// The GEMM's epilogues, each a function of one pass's accumulators or of one h tile and its
+// EpiTile header, so that an epilogue can change without touching the mainloop.
+//   store_tile:   plain; the consumers write out = (acc * 2^28) * alpha as fp32.
+//   handoff_tile: fused; the consumers put the same values into the shared h tile, fp32
+//                 [token][BLOCK_ROWS + 4], for the epilogue warps.
+//   swiglu_tile:  epilogue warps, w13 tile: SwiGLU with each half's global, then NVFP4 quantize
+//                 (nvfp4_act.cuh, the SwiGLU kernel's own functions and lane mapping, so the
+//                 result equals the separate kernels' bit for bit).
+//   bf16_tile:    epilogue warps, w2 tile of the fused layer: bf16 output.
+// D rows are weight rows (output columns), D columns are tokens: acc[r][f] holds rows g, g + 8
+// of row tile r * WARPS + warp and tokens 2 * t4, 2 * t4 + 1 of fragment f.
+#pragma once
+#include "../nvfp4_act.cuh"
+#include "pipeline.cuh"
+#include "decode.cuh"
+
+namespace lab_gemm {
+
+template <class C>
+__device__ __forceinline__ void store_tile(const float (&acc)[C::ROW_TILES][C::MAX_FRAGS][4], float* out, int N,
+                                           int nb, int row0, int tok0, int count, int frags, float out_scale,
+                                           int warp, int g, int t4) {
+  constexpr int WARPS = C::WARPS, ROW_TILES = C::ROW_TILES;
+#pragma unroll
+  for (int r = 0; r < ROW_TILES; ++r) {
+    const int n = (nb * (WARPS * ROW_TILES) + r * WARPS + warp) * 16 + g;
+#pragma unroll
+    for (int f = 0; f < C::MAX_FRAGS; ++f) {
+      if (f < frags) {
+        const int tok = tok0 + f * 8 + 2 * t4;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {  // tokens tok and tok + 1
+          if (tok + hh < count) {
+            const size_t at = (size_t)(row0 + tok + hh) * N + n;
+            const float v0 = (acc[r][f][hh] * ACC_SCALE) * out_scale;
+            const float v1 = (acc[r][f][2 + hh] * ACC_SCALE) * out_scale;
+            if (out != nullptr) {
+              out[at] = v0;
+              out[at + 8] = v1;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+template <class C>
+__device__ __forceinline__ void handoff_tile(const float (&acc)[C::ROW_TILES][C::MAX_FRAGS][4], float* htile,
+                                             int frags, float out_scale, int warp, int g, int t4) {
+#pragma unroll
+  for (int r = 0; r < C::ROW_TILES; ++r) {
+    const int n = (r * C::WARPS + warp) * 16 + g;  // column within the block (w13: gate half, then up half)
+#pragma unroll
+    for (int f = 0; f < C::MAX_FRAGS; ++f) {
+      if (f < frags) {
+        float* hrow = htile + (f * 8 + 2 * t4) * C::H_STRIDE + n;
+        hrow[0] = (acc[r][f][0] * ACC_SCALE) * out_scale;
+        hrow[8] = (acc[r][f][2] * ACC_SCALE) * out_scale;
+        hrow[C::H_STRIDE] = (acc[r][f][1] * ACC_SCALE) * out_scale;
+        hrow[C::H_STRIDE + 8] = (acc[r][f][3] * ACC_SCALE) * out_scale;
+      }
+    }
+  }
+}
+
+// Item = 4 consecutive gate columns of one token (and the 4 matching up columns); the 4 lanes of
+// a quad hold one 16-column block, as in the SwiGLU kernel. w13 is laid out so that each block
+// of BLOCK_ROWS rows holds BLOCK_ROWS/2 gate rows and the matching up rows (pair_gate_up).
+// `bad` counts SwiGLU values that are not finite.
+template <class C>
+__device__ __forceinline__ void swiglu_tile(const EpiTile& t, const float* htile, const float* gate_global,
+                                            const float* up_global, float act_global, float six_g, int I,
+                                            uint8_t* a_packed, uint8_t* a_scales, int ew, int lane, uint32_t& bad) {
+  constexpr int Q = C::BLOCK_ROWS / 8;  // items per token row
+  const float gs = gate_global[t.expert], us = up_global[t.expert];
+  for (int item = ew * 32 + lane; item < t.ntok * Q; item += 32 * C::EPILOGUE_WARPS) {  // quads are all in or out
+    const int tr = item / Q, c4 = item - tr * Q;
+    const float4 hg = *reinterpret_cast<const float4*>(htile + tr * C::H_STRIDE + 4 * c4);
+    const float4 hu = *reinterpret_cast<const float4*>(htile + tr * C::H_STRIDE + C::BLOCK_ROWS / 2 + 4 * c4);
+    float a[4];
+    a[0] = lab_act::swiglu(hg.x, hu.x, gs, us);
+    a[1] = lab_act::swiglu(hg.y, hu.y, gs, us);
+    a[2] = lab_act::swiglu(hg.z, hu.z, gs, us);
+    a[3] = lab_act::swiglu(hg.w, hu.w, gs, us);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) bad += !lab_act::finite(a[i]);
+    const size_t row = (size_t)(t.row0 + t.tok0 + tr);
+    lab_act::quantize4(a, act_global, six_g, c4, a_packed + row * (I / 2) + t.col0 / 2,
+                       a_scales + row * (I / 16) + t.col0 / 16);
+  }
+}
+
+// Item = two adjacent columns of one token, consecutive along the row across lanes: one 4-byte
+// store each, a warp's 32 of them one 128-byte line. `bad` counts outputs that are not finite.
+template <class C>
+__device__ __forceinline__ void bf16_tile(const EpiTile& t, const float* htile, unsigned short* out1_bf16, int N1, int ew,
+                                          int lane, uint32_t& bad) {
+  constexpr int PAIRS = C::BLOCK_ROWS / 2;
+  for (int item = ew * 32 + lane; item < t.ntok * PAIRS; item += 32 * C::EPILOGUE_WARPS) {
+    const int tr = item / PAIRS, cp = item - tr * PAIRS;
+    const float2 v = *reinterpret_cast<const float2*>(htile + tr * C::H_STRIDE + 2 * cp);
+    const uint32_t b = lab_act::bf16x2_bits(v.x, v.y);
+    *reinterpret_cast<uint32_t*>(out1_bf16 + (size_t)(t.row0 + t.tok0 + tr) * N1 + t.col0 + 2 * cp) = b;
+    bad += lab_act::bf16x2_nonfinite(b);
+  }
+}
+
+}  // namespace lab_gemm

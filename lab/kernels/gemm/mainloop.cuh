@@ -1,0 +1,127 @@
+// The consumers' mainloop: one pipeline stage of prepared weights (a block of ROW_TILES x WARPS
+// 16-row tiles by K_STEP) against F 8-token fragments of decoded activations, accumulated in
+// fp32 registers, by mma.sync (stage_math) or wgmma (stage_wgmma); and the stage ring's walk.
+#pragma once
+#include "decode.cuh"
+#include "wgmma.cuh"
+
+namespace lab_gemm {
+
+// One k atom of a consumer warp's ROW_TILES row tiles: its lane's 16 bytes of codes per tile (four
+// k16 steps of A fragments) and its group's 8 bytes of scales. Tile r*WARPS + warp: the warps'
+// r-th tiles are consecutive (a warpgroup's 64 rows for wgmma).
+template <int WARPS, int ROW_TILES, int KATOMS>
+__device__ __forceinline__ void load_atoms(uint4 (&code)[ROW_TILES], uint2 (&scl)[ROW_TILES], const uint8_t* wst,
+                                           int ka, int warp, int lane) {
+#pragma unroll
+  for (int r = 0; r < ROW_TILES; ++r) {
+    const uint8_t* atom = wst + ((r * WARPS + warp) * KATOMS + ka) * ATOM_BYTES;
+    code[r] = *reinterpret_cast<const uint4*>(atom + lane * 16);
+    scl[r] = *reinterpret_cast<const uint2*>(atom + ATOM_CODE_BYTES + (lane >> 2) * 8);
+  }
+}
+
+// One pipeline stage of one consumer warp (mma.sync): ROW_TILES row tiles x K_STEP of prepared
+// weights against F fragments of decoded activations (fp16, in shared memory), into acc.
+template <int WARPS, int ROW_TILES, int K_STEP, int MAX_FRAGS, int F>
+__device__ __forceinline__ void stage_math(float (&acc)[ROW_TILES][MAX_FRAGS][4], const uint8_t* wst,
+                                           const uint8_t* xf, int warp, int lane) {
+  constexpr int KATOMS = K_STEP / 64;
+  constexpr int KSTEPS = K_STEP / 16;
+#pragma unroll
+  for (int ka = 0; ka < KATOMS; ++ka) {
+    uint4 code[ROW_TILES];
+    uint2 scl[ROW_TILES];
+    load_atoms<WARPS, ROW_TILES, KATOMS>(code, scl, wst, ka, warp, lane);
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      const int j = ka * 4 + jj;
+      uint2 b[F];
+#pragma unroll
+      for (int f = 0; f < F; ++f) b[f] = reinterpret_cast<const uint2*>(xf)[(f * KSTEPS + j) * 32 + lane];
+#pragma unroll
+      for (int r = 0; r < ROW_TILES; ++r) {
+        uint32_t a[4];
+        decode_tile(code[r], scl[r], jj, a);
+#pragma unroll
+        for (int f = 0; f < F; ++f) mma16816(acc[r][f], a[0], a[1], a[2], a[3], b[f].x, b[f].y);
+      }
+    }
+  }
+}
+
+// One pipeline stage of one consumer warpgroup (wgmma): per group of GS k16 steps, decode the
+// A fragments of every row tile, then one wgmma per (step, 64-row group), all in one commit
+// group. wait_group 1 then retires the previous group, so a group runs while the next one
+// decodes; `hold` keeps the previous group's A registers allocated until it retires (the
+// hardware reads them asynchronously). The stage ends with every group retired: a group left
+// running across the consumer loop's branches makes ptxas serialize every wgmma of the kernel.
+template <int WARPS, int ROW_TILES, int K_STEP, int MAX_FRAGS, int GS, int F>
+__device__ __forceinline__ void stage_wgmma(float (&acc)[ROW_TILES][MAX_FRAGS][4], const uint8_t* wst,
+                                            const uint8_t* xf, int warp, int lane) {
+  constexpr int KATOMS = K_STEP / 64;
+  constexpr int R = ROW_TILES;
+  static_assert(4 % GS == 0, "a wgmma group takes 1, 2 or 4 k16 steps of one atom");
+  const uint32_t xf_addr = smem_addr(xf);
+  uint4 code[R];
+  uint2 scl[R];
+  auto load = [&](int ka) { load_atoms<WARPS, R, KATOMS>(code, scl, wst, ka, warp, lane); };
+  auto keep = [](const uint32_t (&h)[R][GS][4]) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int q = 0; q < GS; ++q)
+        asm volatile("" ::"r"(h[r][q][0]), "r"(h[r][q][1]), "r"(h[r][q][2]), "r"(h[r][q][3]));
+  };
+  uint32_t hold[R][GS][4];
+  load(0);
+#pragma unroll
+  for (int ka = 0; ka < KATOMS; ++ka) {
+#pragma unroll
+    for (int jg = 0; jg < 4 / GS; ++jg) {
+      uint32_t a[R][GS][4];
+#pragma unroll
+      for (int q = 0; q < GS; ++q)
+#pragma unroll
+        for (int r = 0; r < R; ++r) decode_tile(code[r], scl[r], jg * GS + q, a[r][q]);
+      if (jg == 4 / GS - 1 && ka + 1 < KATOMS) load(ka + 1);  // in flight while the group issues
+      wgmma_fence();
+#pragma unroll
+      for (int q = 0; q < GS; ++q) {
+        const uint64_t desc = smem_desc(xf_addr + (ka * 4 + jg * GS + q) * MAX_FRAGS * 256, 128, 256);
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+          Wgmma<F, MAX_FRAGS>::run(acc[r], a[r][q][0], a[r][q][1], a[r][q][2], a[r][q][3], desc);
+      }
+      wgmma_commit();
+      wgmma_wait<1>();
+      if (ka + jg > 0) keep(hold);
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int q = 0; q < GS; ++q)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) hold[r][q][i] = a[r][q][i];
+    }
+  }
+  wgmma_wait<0>();
+  keep(hold);
+#pragma unroll
+  for (int r = 0; r < R; ++r) fence_acc<MAX_FRAGS>(acc[r]);
+}
+
+// A decoder's or consumer's next stage: its k chunk and pass within the unit (by increments: no
+// division on run-time values), the ring slot and that slot's parity.
+template <int STAGES>
+__device__ __forceinline__ void advance_stage(int& kc, int& pass, int& s, uint32_t& phase, int kchunks, int passes) {
+  if (++kc == kchunks) {
+    kc = 0;
+    if (++pass == passes) pass = 0;
+  }
+  if (++s == STAGES) {
+    s = 0;
+    phase ^= 1;
+  }
+}
+
+}  // namespace lab_gemm

@@ -1,0 +1,92 @@
+// The producer warp: claims units, publishes each in the unit ring, and per stage issues one TMA
+// tensor copy of the stage's prepared weights (evict-first; the map in tensor_map.py makes a
+// whole stage one box) and cp.async of the stage's raw NVFP4 activation rows (L2 resident), all
+// completing on the stage's barriers, STAGES deep.
+#pragma once
+#include "scheduler.cuh"
+
+namespace lab_gemm {
+
+template <class C, class UnitOf>
+__device__ __forceinline__ void producer_warp(const void* wmap0, const void* wmap1, const uint8_t* xq0, const uint8_t* xq1,
+                                              const uint8_t* xs0, const uint8_t* xs1, const int* offsets0,
+                                              const int* offsets1, int K0, int K1, int* ready, const Pipe& pipe,
+                                              const UnitOf& unit_of, int n_units, int NB0, int NB1, int* sched,
+                                              int lane) {
+  constexpr int K_STEP = C::K_STEP, STAGES = C::STAGES;
+  const uint64_t pol = evict_first_policy();
+  if (lane == 0) {  // the maps' bytes were written through the generic proxy (a copy from the host)
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(wmap0) : "memory");
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(wmap1) : "memory");
+  }
+  int it = 0, s = 0;  // stages posted; ring slot of the next one
+  uint32_t phase = 0;
+  for (int useq = 0;; ++useq) {
+    int u = 0;
+    if (lane == 0) u = atomicAdd(&sched[0], 1);
+    u = __shfl_sync(0xffffffffu, u, 0);
+    const bool done = u >= n_units;
+    const Unit un = done ? Unit{0, 0, 0} : unit_of(u);
+    const int p = un.p, e = un.e, nb = un.nb;
+    const int* offsets = LAB_P(offsets);
+    const uint8_t* xq = LAB_P(xq);
+    const uint8_t* xs = LAB_P(xs);
+    const int K = LAB_P(K), NB = LAB_P(NB), kchunks = K / K_STEP;
+    const int row0 = offsets[e];
+    const int count = done ? 0 : offsets[e + 1] - row0;
+    // a finished CTA still posts one stage so that consumers and decoders read the -1
+    const int passes = done ? 1 : (count + C::TOKEN_TILE - 1) / C::TOKEN_TILE;
+    const int kcs = done ? 1 : kchunks;
+    // Block-major layout: one stage's weights (BLOCK_ROWS x K_STEP) are one contiguous run, stage
+    // (e * NB + nb) * kchunks + kc of the map, so each stage is a single copy and DRAM sees long
+    // sequential bursts.
+    const int stage0 = (e * NB + nb) * kchunks;
+    for (int pass = 0; pass < passes; ++pass)
+    for (int kc = 0; kc < kcs; ++kc, ++it) {
+      const bool first = pass == 0 && kc == 0;
+      if (it >= STAGES) mbar_wait(pipe.empty0 + 8 * s, phase ^ 1);
+      if (lane == 0) {
+        if (first) pipe.unit_ring[useq % RING] = done ? make_int4(-1, 0, 0, 0) : make_int4((p << 16) | nb, e, row0, count);
+        mbar_arrive(pipe.raw0 + 8 * s);  // release: the ring entry before any barrier of this stage
+        if (done) {
+          mbar_arrive(pipe.full0 + 8 * s);
+        } else {
+          mbar_arrive_expect_tx(pipe.full0 + 8 * s, C::STAGE_W);
+          tensor_copy_stage(smem_addr(smem + C::OFF_W + s * C::STAGE_W), LAB_P(wmap), stage0 + kc,
+                            pipe.full0 + 8 * s, pol);
+        }
+      }
+      if constexpr (C::MODE == Mode::layer) {
+        // The weights of this stage are already on their way; the activations are a_q, which
+        // expert e's w13 units write. Every lane acquires, so its own copies see them.
+        if (p == 1 && first && !done) {
+          const int passes0 = (offsets0[e + 1] - offsets0[e] + C::TOKEN_TILE - 1) / C::TOKEN_TILE;
+          const int target = NB0 * C::EPILOGUE_WARPS * passes0;
+          while (load_acquire(ready + e) < target) __nanosleep(64);
+        }
+      }
+      const int tok0 = pass * C::TOKEN_TILE;
+      const int ntok = min(C::TOKEN_TILE, count - tok0);
+      constexpr int QCHUNKS = K_STEP / 32;  // 16-byte pieces of one row's codes in this chunk
+      uint8_t* qdst = smem + C::OFF_XQ + s * C::STAGE_XQ;
+      uint8_t* sdst = smem + C::OFF_XS + s * C::STAGE_XS;
+      for (int i = lane; i < ntok * QCHUNKS; i += 32) {
+        const int tr = i / QCHUNKS, q = i - tr * QCHUNKS;
+        const uint8_t* src = xq + (size_t)(row0 + tok0 + tr) * (K / 2) + kc * (K_STEP / 2) + q * 16;
+        cp_async<16>(smem_addr(qdst + tr * (K_STEP / 2) + q * 16), src);
+      }
+      for (int tr = lane; tr < ntok; tr += 32) {
+        const uint8_t* src = xs + (size_t)(row0 + tok0 + tr) * (K / 16) + kc * (K_STEP / 16);
+        cp_async<K_STEP / 16>(smem_addr(sdst + tr * (K_STEP / 16)), src);
+      }
+      cp_async_arrive_noinc(pipe.raw0 + 8 * s);
+      if (++s == STAGES) {
+        s = 0;
+        phase ^= 1;
+      }
+    }
+    if (done) break;
+  }
+}
+
+}  // namespace lab_gemm
