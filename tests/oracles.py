@@ -75,3 +75,25 @@ def fold_e4m3(bits, ratio) -> tuple[np.ndarray, np.ndarray]:
     with np.errstate(over="ignore"):
         p = exact.astype(np.float32).astype(np.float64)
     return e4m3_round(np.minimum(p, 448.0)), exact > 448
+
+
+def quantize(x, g) -> tuple[np.ndarray, np.ndarray]:
+    """lab/nvfp4.py's documented recipe with a static global g, written apart from it: (packed
+    (rows, K/2) uint8, scales (rows, K/16) uint8). The float32 operations in the documented
+    order; e4m3 and e2m1 rounding by the value tables above; the sign kept (nibble 8 for -0) in
+    blocks with a scale, all codes 0 in blocks without."""
+    f32 = np.float32
+    x = np.asarray(x).astype(f32)
+    g = f32(g)
+    rows, k = x.shape
+    xb = x.reshape(rows, k // 16, 16)
+    s_in = np.minimum(np.abs(xb).max(axis=-1) / (f32(6) * g), f32(448))
+    scales = e4m3_round(s_in)
+    denom = (e4m3_from_bits(scales).astype(f32) * g).astype(f32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.clip((xb / denom).astype(f32), f32(-6), f32(6))
+    scaled = denom > 0
+    mag = np.abs(e2m1_round(np.where(scaled, q, 0)))
+    nib = np.searchsorted(GRID, mag) + 8 * (scaled & np.signbit(q))
+    nib = np.where(scaled, nib, 0).astype(np.uint8).reshape(rows, k)
+    return (nib[:, 0::2] | nib[:, 1::2] << 4).astype(np.uint8), scales

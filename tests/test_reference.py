@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from lab import nvfp4, reference
 from lab.problem import MoEProblem, make_routing, random_activations, random_weights
+import oracles
 from oracles import decode_blocks
 
 
@@ -21,12 +22,13 @@ def dense_grouped_gemm(x_packed, x_scales, offsets, w_packed, w_scales, alpha):
 
 
 def dense_layer(x, routing, w):
-    """The layer in one pass, each stage on the previous dense stage's output."""
+    """The layer in one pass, each stage on the previous dense stage's output; quantized by the
+    oracle's recipe (oracles.quantize), not by lab.nvfp4."""
     E, I = w.experts, w.intermediate
     e_of_row = np.repeat(np.arange(E), routing.counts)
-    x_q = nvfp4.quantize(x[routing.row_token], w.w13_input_scale)
-    h = dense_grouped_gemm(x_q.packed, x_q.scales, routing.offsets, w.w13_packed, w.w13_scales,
-                           np.full(E, float(x_q.global_scale)))
+    x_q = oracles.quantize(x[routing.row_token], w.w13_input_scale)
+    h = dense_grouped_gemm(*x_q, routing.offsets, w.w13_packed, w.w13_scales,
+                           np.full(E, float(np.float32(w.w13_input_scale))))
     g = h[:, :I] * w.gate_global.astype(np.float64)[e_of_row, None]
     u = h[:, I:] * w.up_global.astype(np.float64)[e_of_row, None]
     a = g / (1 + np.exp(-g)) * u
@@ -51,12 +53,15 @@ def test_layer_stages_match_dense_float64(case):
     p, w, routing, x = case
     ref = reference.layer(x, routing, w)
     x_q, h, a = dense_layer(x, routing, w)
-    np.testing.assert_array_equal(ref["x_q"].packed, x_q.packed)
+    np.testing.assert_array_equal(ref["x_q"].scales, x_q[1])
+    np.testing.assert_array_equal(ref["x_q"].packed, x_q[0])
     np.testing.assert_allclose(ref["h"], h, rtol=1e-12, atol=1e-12 * np.abs(h).max())
     np.testing.assert_allclose(ref["a"], a, rtol=1e-11, atol=1e-12 * np.abs(a).max())
     # w2 on the reference's own quantized a (quantization is discontinuous: stage-wise check)
     a_q = ref["a_q"]
-    np.testing.assert_array_equal(a_q.packed, nvfp4.quantize(ref["a"], w.w2_input_scale).packed)
+    want_packed, want_scales = oracles.quantize(ref["a"], w.w2_input_scale)
+    np.testing.assert_array_equal(a_q.scales, want_scales)
+    np.testing.assert_array_equal(a_q.packed, want_packed)
     alpha = np.float32(a_q.global_scale) * w.w2_global
     out = dense_grouped_gemm(a_q.packed, a_q.scales, routing.offsets, w.w2_packed, w.w2_scales, alpha)
     np.testing.assert_allclose(ref["out"], out, rtol=1e-12, atol=1e-12 * np.abs(out).max())

@@ -137,14 +137,39 @@ def test_correct_column_labels(run_layer):
 
 
 def test_gpu_state_line_parses_and_a_wrong_line_is_refused():
-    from lab.device_info import gpu_state, parse_gpu_state
+    from lab.device_info import parse_gpu_state
 
     st = parse_gpu_state("41, 612.35, 700.00, 1785, Active")
     assert st == {"temp_c": 41.0, "power_w": 612.35, "power_limit_w": 700.0, "sm_clock_mhz": 1785.0,
                   "sw_power_cap": "Active"}
     with pytest.raises(ValueError, match="expected 5 fields"):
         parse_gpu_state("41, 612.35")
-    assert isinstance(gpu_state(), dict)  # {} where nvidia-smi is missing, never an exception
+
+
+@pytest.mark.parametrize("smi, want", [
+    ("41, 612.35, 700.00, 1785, Active\n", {"temp_c": 41.0, "power_w": 612.35, "power_limit_w": 700.0,
+                                            "sm_clock_mhz": 1785.0, "sw_power_cap": "Active"}),
+    (FileNotFoundError(2, "No such file or directory", "nvidia-smi"), {}),  # no driver tools
+    ("", {}),  # nothing printed
+    ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n", {}),
+])
+def test_gpu_state_reads_nvidia_smi_and_is_empty_without_it(monkeypatch, smi, want):
+    import subprocess
+
+    from lab import device_info
+
+    asked = []
+
+    def fake_run(argv, **kw):
+        asked.append(argv)
+        if isinstance(smi, Exception):
+            raise smi
+        return subprocess.CompletedProcess(argv, 0, smi, "")
+
+    monkeypatch.setattr(device_info.subprocess, "run", fake_run)
+    assert device_info.gpu_state() == want
+    fields = "temperature.gpu,power.draw,power.limit,clocks.sm,clocks_event_reasons.sw_power_cap"
+    assert asked == [["nvidia-smi", "--query-gpu=" + fields, "--format=csv,noheader,nounits"]]
 
 
 def test_gpu_state_line_prints_fields_nvidia_smi_left_as_text():

@@ -14,17 +14,44 @@ from lab.runner import EXPECTS, NonFiniteError, Runner, check_variant, nvtx_rang
 # ---------------------------------------------------------------------------------------------
 
 
-def test_nvtx_ranges_nest_with_the_nvtx_package():
+def _recording_nvtx(monkeypatch):
+    """The installed nvtx package, its push_range / pop_range recorded (and still called)."""
+    nvtx = pytest.importorskip("nvtx")
+    calls = []
+    push, pop = nvtx.push_range, nvtx.pop_range
+
+    def record_push(label, domain=None, **kw):
+        calls.append(("push", label, domain))
+        return push(label, domain=domain, **kw)
+
+    def record_pop(domain=None, **kw):
+        calls.append(("pop", domain))
+        return pop(domain=domain, **kw)
+
+    monkeypatch.setattr(nvtx, "push_range", record_push)
+    monkeypatch.setattr(nvtx, "pop_range", record_pop)
+    return nvtx, calls
+
+
+def test_nvtx_ranges_nest_with_the_nvtx_package(monkeypatch):
+    nvtx, calls = _recording_nvtx(monkeypatch)
+    assert runner_mod._nvtx() is nvtx
     with nvtx_range("separate"):
         with nvtx_range("separate/w13"):
-            pass
+            calls.append("body")
+    d = runner_mod.DOMAIN
+    assert calls == [("push", "separate", d), ("push", "separate/w13", d), "body", ("pop", d), ("pop", d)]
 
 
 def test_nvtx_ranges_are_no_ops_without_the_package(monkeypatch):
+    _nvtx, calls = _recording_nvtx(monkeypatch)
     monkeypatch.setattr(runner_mod, "_nvtx", lambda: None)
     with nvtx_range("x/y"):
-        done = True
-    assert done
+        calls.append("body")
+    with pytest.raises(KeyError):  # and exceptions pass through untouched
+        with nvtx_range("x/z"):
+            raise KeyError
+    assert calls == ["body"]
 
 
 def test_nvtx_range_pops_on_exceptions():
