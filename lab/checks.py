@@ -11,7 +11,8 @@
         layer rel      reference.layer(x) end to end (reported, not a pass/fail)       sampled experts
     compare_bits(got, want)                     bitwise equality with the first differing index
 
-Relative errors are Frobenius norms (reference.rel_frobenius) in float64.
+Relative errors are Frobenius norms in float64 (rel_error): against an all-zero reference a
+relative error is undefined, and is None (JSON null, "undefined" in tables), never 0.
 """
 
 from __future__ import annotations
@@ -27,6 +28,40 @@ from .kernels import swiglu_quant as sq
 H_TOL = 1e-5  # fp32 accumulation of exact products over K (bench_gemm uses the same bound)
 A_TOL = 1e-6  # fp32 SwiGLU: a few ulp
 OUT_TOL = 1e-5
+
+
+UNDEFINED = "undefined (zero reference)"
+
+
+def rel_error(got, want) -> float | None:
+    """||got - want||_F / ||want||_F in float64, or None when want is all zero (or empty): the
+    ratio is then 0/0 or x/0, and no number would say what it means. Raises ValueError on
+    different shapes or non-finite values, as reference.rel_frobenius does. (A ratio past the
+    float64 range, which no layer comes near, is inf.)"""
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    if got.shape != want.shape:
+        raise ValueError(f"shapes differ: {got.shape} vs {want.shape}")
+    if not np.isfinite(got).all():
+        raise ValueError("got contains NaN or Inf")
+    if not np.isfinite(want).all():
+        raise ValueError("want (the reference) contains NaN or Inf")
+    den = _norm(want)
+    if den == 0.0:
+        return None
+    return _norm(got - want) / den
+
+
+def _norm(a: np.ndarray) -> float:
+    """Frobenius norm, each array divided by its largest |entry| first, so that the sum of
+    squares neither underflows (a 1e-200 difference is not 0) nor overflows."""
+    m = float(np.abs(a).max()) if a.size else 0.0
+    return 0.0 if m == 0.0 else m * float(np.linalg.norm((a / m).ravel()))
+
+
+def format_rel(value: float | None, spec: str = ".2e") -> str:
+    """A relative error for a table or a log line; None reads as undefined."""
+    return UNDEFINED if value is None else format(value, spec)
 
 
 def sample_experts(counts, n: int, seed: int = 0) -> list[int]:
@@ -126,9 +161,8 @@ def check_separate(runner, layer, experts) -> dict:
 
     stages = ("x_q", "h", "a", "a_q", "out", "bf16")
     res["ok"] = all(res[s]["ok"] for s in stages)
-    res["layer_rel"] = reference.rel_frobenius(out[rows_sel], ref["out"][rows_sel]) if rows_sel.size else 0.0
-    res["layer_rel_bf16"] = (reference.rel_frobenius(bf16.view(ml_dtypes.bfloat16)[rows_sel].astype(np.float64),
-                                                     ref["out"][rows_sel]) if rows_sel.size else 0.0)
+    res["layer_rel"] = rel_error(out[rows_sel], ref["out"][rows_sel])
+    res["layer_rel_bf16"] = rel_error(bf16.view(ml_dtypes.bfloat16)[rows_sel].astype(np.float64), ref["out"][rows_sel])
     codes_ref = nvfp4.unpack_nibbles(ref["a_q"].packed[rows_sel])
     res["a_q_codes_differing_from_float64"] = int((nvfp4.unpack_nibbles(a_p[rows_sel]) != codes_ref).sum())
     res["reference"] = ref
@@ -137,17 +171,20 @@ def check_separate(runner, layer, experts) -> dict:
 
 def _rel(name, got, want, tol) -> dict:
     if got.size == 0:
-        return {"ok": True, "value": 0.0, "detail": f"{name}: no rows"}
+        return {"ok": True, "value": None, "detail": f"{name}: no rows to compare"}
     if not np.isfinite(got).all():
         n = int((~np.isfinite(got)).sum())
         return {"ok": False, "value": None, "detail": f"{name}: {n} non-finite values (rows not written?)"}
-    err = reference.rel_frobenius(got, want)
+    err = rel_error(got, want)
+    if err is None:  # a zero reference: only an all-zero result matches it
+        ok = not np.any(got)
+        return {"ok": ok, "value": None, "detail": f"{name}: rel Frobenius {UNDEFINED}; the result is "
+                                                   f"{'all zero too' if ok else 'not zero'}"}
     return {"ok": err <= tol, "value": err, "detail": f"{name}: rel Frobenius {err:.2e} (bound {tol:.0e})"}
 
 
-def approx_error(layer, reference_out, rows_sel) -> float:
-    """Relative Frobenius error of the layer's fp32 output on `rows_sel` against float64."""
+def approx_error(layer, reference_out, rows_sel) -> float | None:
+    """Relative Frobenius error of the layer's fp32 output on `rows_sel` against float64 (None:
+    undefined, the reference is zero or there are no rows)."""
     out = layer.out.get()
-    if rows_sel.size == 0:
-        return 0.0
-    return reference.rel_frobenius(out[rows_sel], reference_out[rows_sel])
+    return rel_error(out[rows_sel], reference_out[rows_sel])
