@@ -1,0 +1,182 @@
+"""How much host and device memory a run of the layer needs, estimated before anything is
+allocated, so that a size that cannot fit is refused with the figure and the limit instead of
+failing in the middle of an allocation (NumPy's "Unable to allocate 1.05 TiB", or CuPy's
+out-of-memory after minutes of setup).
+
+    est = run_layer_memory(problem, means, variants, check=True)    (host, device) Estimates
+    require_fits(est.host, host_limit())                              MemoryLimitError if not
+
+The per-row and per-element byte counts below follow the arrays run_layer allocates
+(lab/problem.py, lab/layer.py, lab/checks.py, lab/variants/); the transient terms are the
+temporaries measured with tracemalloc at small sizes (tests/test_memory.py checks that the
+estimates stay above what is measured). They are upper estimates: a run that fits them fits.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .nvfp4 import BLOCK
+from .problem import MoEProblem, expert_probabilities, tokens_for_mean
+
+GB = 1e9
+FLAT_READ_BYTES = 4_077_000_000  # lab/kernels/stream_read.measure_read_roofline's default buffer
+_ROUTING_CHUNK = 8192  # lab/problem.make_routing draws scores for this many tokens at a time
+# make_routing: token_experts and row_token (4 + 4 bytes a row) stay; while grouping, three int64
+# keys and the int64 order exist at once (measured peak ~30 bytes a row).
+ROUTING_KEPT_PER_ROW = 8
+ROUTING_PEAK_PER_ROW = 40
+ROUTING_SCORE_BYTES = 32  # per (token of a chunk, expert): float64 scores, Gumbel draw, argsort
+ROUTING_FIXED = 1 << 16  # the generator's state and small arrays, whatever the size
+ACT_PEAK_PER_ELEMENT = 13  # random_activations: float32 x, a float64 uniform draw, a bool mask
+ACT_KEPT_PER_ELEMENT = 4
+
+
+class MemoryLimitError(ValueError):
+    """A run that needs more memory than the machine has; the message gives both figures."""
+
+
+@dataclass
+class Estimate:
+    """Bytes one kind of memory needs at its peak, by part."""
+
+    kind: str  # "host" or "device"
+    parts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return int(sum(self.parts.values()))
+
+    def describe(self) -> str:
+        big = sorted(self.parts.items(), key=lambda kv: -kv[1])
+        return ", ".join(f"{k} {v / GB:.3g} GB" for k, v in big if v >= 0.01 * max(1, self.total))
+
+
+@dataclass
+class RunMemory:
+    host: Estimate
+    device: Estimate
+
+
+def weight_bytes(problem: MoEProblem) -> int:
+    """NVFP4 weights of all experts: packed codes and e4m3 block scales (globals are negligible)."""
+    e, h, i = problem.experts, problem.hidden, problem.intermediate
+    per_elem = 0.5 + 1 / BLOCK
+    return int(e * (2 * i * h + h * i) * per_elem) + 16 * e
+
+
+def routing_bytes(problem: MoEProblem, mean: float) -> tuple[int, int]:
+    """(peak while make_routing draws it, bytes kept afterwards) for one routing at `mean`."""
+    tokens = tokens_for_mean(mean, problem.experts, problem.top_k)
+    rows = tokens * problem.top_k
+    score = min(tokens, _ROUTING_CHUNK) * problem.experts * ROUTING_SCORE_BYTES
+    return (rows * ROUTING_PEAK_PER_ROW + score + ROUTING_FIXED,
+            rows * ROUTING_KEPT_PER_ROW + 8 * problem.experts)
+
+
+def routing_host(problem: MoEProblem, means) -> Estimate:
+    """Host memory of drawing every mean's routing (all are kept, as run_layer keeps them)."""
+    kept = [routing_bytes(problem, m)[1] for m in means]
+    extra = max((routing_bytes(problem, m)[0] - routing_bytes(problem, m)[1] for m in means), default=0)
+    return Estimate("host", {"routings": sum(kept), "drawing a routing": extra})
+
+
+def padded_rows(problem: MoEProblem, mean: float, skew: float = 0.0) -> int:
+    """Rows cublas-fp16 pads every expert to (E x the largest count): the hottest expert's
+    expected count, plus six standard deviations, at most every token."""
+    tokens = tokens_for_mean(mean, problem.experts, problem.top_k)
+    p = float(expert_probabilities(problem.experts, skew).max()) if skew else 1.0 / problem.experts
+    expect = tokens * min(1.0, problem.top_k * p)
+    return problem.experts * min(tokens, int(math.ceil(expect + 6 * math.sqrt(expect) + 6)))
+
+
+def run_layer_memory(problem: MoEProblem, means, variants=(), check: bool = True, skew: float = 0.0) -> RunMemory:
+    """Host and device memory at the peak of run_layer's GPU run: weights, routings, one mean's
+    batch at a time (the largest), the layouts `variants` add, and the flat read."""
+    e, h, i = problem.experts, problem.hidden, problem.intermediate
+    w = weight_bytes(problem)
+    means = list(means)
+    variants = set(variants)
+    rout = routing_host(problem, means)
+
+    def rows_tokens(m):
+        t = tokens_for_mean(m, e, problem.top_k)
+        return t * problem.top_k, t
+
+    # host: the weights, every routing, and the largest mean's activations and checks
+    batch_host = 0
+    for m in means:
+        rows, t = rows_tokens(m)
+        b = t * h * ACT_PEAK_PER_ELEMENT
+        if check:  # lab/checks.check_separate: float64 reference of every row, and device copies
+            b += rows * (h * 26 + i * 38) + 2 * (2 * i * h * 8)
+        batch_host = max(batch_host, b)
+    host = Estimate("host", {"weights": w, "routings": rout.parts["routings"], "one mean's batch": batch_host})
+
+    # device: prepared weights (same bytes as packed + scales), the layouts variants add
+    layouts = {"weights": w}
+    w13 = int(e * 2 * i * h * (0.5 + 1 / BLOCK))
+    if variants & {"fused-swiglu", "fused-layer"}:
+        layouts["w13 paired for the fused epilogue"] = w13
+    if "fold-b" in variants:
+        layouts["w13 folded (fold-b)"] = w13
+    if variants & {"cublas-fp16", "cublas-fp16-experts"}:
+        layouts["fp16 weights (cublas)"] = e * (2 * i * h + h * i) * 2
+    batch_dev = 0
+    for m in means:
+        rows, t = rows_tokens(m)
+        b = t * h * 4 + rows * 4  # x and row_token
+        b += rows * (h * (0.5 + 1 / BLOCK) + 2 * i * 4 + i * (0.5 + 1 / BLOCK) + h * 4 + h * 2)  # layer buffers
+        if check:
+            b += rows * i * (4 + 0.5 + 1 / BLOCK)
+        if variants & {"cublas-fp16", "cublas-fp16-experts"}:
+            pad = padded_rows(problem, m, skew)
+            b += pad * (h * 2 + 2 * i * 2 + i * 4 + i * (0.5 + 1 / BLOCK) + i * 2 + h * 2) + rows * h * 2
+        batch_dev = max(batch_dev, int(b))
+    # the flat read runs once, before any variant adds a layout or a batch is loaded
+    timed = Estimate("device", {**layouts, "one mean's batch": batch_dev})
+    read = Estimate("device", {"weights": w, "flat read": FLAT_READ_BYTES})
+    return RunMemory(host, max(timed, read, key=lambda est: est.total))
+
+
+def host_limit() -> tuple[int | None, str]:
+    """(bytes of host memory available now, where the figure comes from); None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free physical pages"
+    except (ValueError, OSError, AttributeError):
+        return None, "unknown"
+
+
+def device_limit(cp) -> tuple[int, str]:
+    """(free bytes on the current device, where the figure comes from)."""
+    free, total = cp.cuda.runtime.memGetInfo()
+    return int(free), f"free of the device's {total / GB:.1f} GB"
+
+
+def require_fits(estimate: Estimate, limit: int | None, source: str, what: str = "the run") -> None:
+    """Raise MemoryLimitError when `estimate` exceeds `limit` bytes, naming both and the parts;
+    a limit of None (unknown) passes."""
+    if limit is None or estimate.total <= limit:
+        return
+    raise MemoryLimitError(f"{what} needs about {estimate.total / GB:.3g} GB of {estimate.kind} memory "
+                           f"({estimate.describe()}), more than the {limit / GB:.3g} GB available "
+                           f"({source})")
+
+
+def rows_fit_int32(problem: MoEProblem, mean: float) -> None:
+    """The kernels take int32 row offsets: refuse a mean whose rows do not fit, naming it."""
+    rows = tokens_for_mean(mean, problem.experts, problem.top_k) * problem.top_k
+    if rows > np.iinfo(np.int32).max:
+        raise MemoryLimitError(f"--mean-tokens {mean:g}: {rows} rows exceed the {np.iinfo(np.int32).max} "
+                               f"the kernels' int32 offsets address")
