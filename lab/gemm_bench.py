@@ -137,7 +137,7 @@ class GemmBench:
     def measure(self, case: GemmCase, cfg: gg.GemmConfig, roofline_gbps: float, iterations: int,
                 read_pattern: bool = True) -> dict:
         """Time `cfg` on `case` (after one poisoned run whose unwritten elements are counted)."""
-        prep = self.prepared(case.gemm, (cfg.block_n, cfg.k_step))
+        prep = self.prepared(case.gemm, (cfg.block_rows, cfg.k_step))
         cfg.validate(case.n, case.k)
 
         def run(read_only=False):

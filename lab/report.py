@@ -313,7 +313,7 @@ def _stage_mean(run: dict) -> str | None:
 
 def gemm_table(rows: list[dict]) -> str:
     held = any(r.get("sustained_ms") is not None for r in rows)
-    head = ["gemm", "tokens/expert", "tile W,R,BK,S,F,mma", "ms", "% roofline", "read-pattern % roofline",
+    head = ["gemm", "tokens/expert", "tile warps,row_tiles,k_step,stages,max_frags,mma", "ms", "% roofline", "read-pattern % roofline",
             "cuBLAS fp16 ms"] + (["held ms", "held % roofline"] if held else [])
     body = []
     for r in rows:
@@ -477,22 +477,22 @@ def chunk_verdicts(rows: list[dict]) -> list[str]:
 
 
 def _tile(r: dict) -> str:
-    return f"{r['token_tile']},{r['n_tile']},{r['k_step']},{r['stages']}"
+    return f"{r['token_tile']},{r['block_rows']},{r['k_step']},{r['stages']}"
 
 
 def tile_tables(rows: list[dict]) -> tuple[str, str]:
     """(measured tiles table, failed tiles table)."""
     groups = list(dict.fromkeys((r["gemm"], r["mean_tokens"]) for r in rows))
-    rows = sorted(rows, key=lambda r: (groups.index((r["gemm"], r["mean_tokens"])), r["token_tile"], r["n_tile"],
+    rows = sorted(rows, key=lambda r: (groups.index((r["gemm"], r["mean_tokens"])), r["token_tile"], r["block_rows"],
                                        r["k_step"], r["stages"]))
     ok = [r for r in rows if "ms" in r]
     bad = [r for r in rows if "ms" not in r]
     t1 = tabulate([[_tile(r), r["gemm"], f"{r['mean_tokens']:g}", _fmt(r["ms"]), f"{r['gbps']:.0f}",
                     _fmt(r["roof_pct"], 1)] for r in ok],
-                  ["tile (tokens,N,K,stages)", "gemm", "tokens/expert", "ms", "GB/s", "roof%"], tablefmt="github",
+                  ["tile (token_tile,block_rows,k_step,stages)", "gemm", "tokens/expert", "ms", "GB/s", "roof%"], tablefmt="github",
                   disable_numparse=True)
     t2 = tabulate([[_tile(r), r["gemm"], f"{r['mean_tokens']:g}", r.get("error", "?")] for r in bad],
-                  ["tile (tokens,N,K,stages)", "gemm", "tokens/expert", "why not"], tablefmt="github",
+                  ["tile (token_tile,block_rows,k_step,stages)", "gemm", "tokens/expert", "why not"], tablefmt="github",
                   disable_numparse=True)
     return t1, t2
 
@@ -779,7 +779,7 @@ def tile_grid(rows: list[dict]) -> tuple[list[str], list[int], list[list[float |
 
 def _tile_chart(plt, sweep: dict, path: Path) -> None:
     """Best % of the read roofline per token tile, one line per GEMM and mean (legend outside),
-    whiskers down to the worst N tile / K step / stages at that token tile, the roofline as the
+    whiskers down to the worst block_rows / K step / stages at that token tile, the roofline as the
     100% line; token tiles that could not run are marked on the axis with the reason."""
     rows = sweep["rows"]
     labels, tiles, grid = tile_grid(rows)
@@ -814,7 +814,7 @@ def _tile_chart(plt, sweep: dict, path: Path) -> None:
     ax.set_xlabel("token tile (tokens per CTA tile)")
     ax.set_ylabel("% of the read roofline")
     ax.grid(axis="y", alpha=0.3)
-    ax.set_title(f"Tile sweep: best tile per token tile (whiskers down to the worst N tile, K step, stages)\n"
+    ax.set_title(f"Tile sweep: best tile per token tile (whiskers down to the worst block_rows, K step, stages)\n"
                  f"{sweep.get(FILE_KEY, sweep.get('script', '?'))}, {sweep.get('setup', {}).get('lab_commit', '?')}: "
                  f"flat read {sweep['read_roofline']['gbps']:.0f} GB/s", fontsize=10)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)

@@ -42,14 +42,14 @@ def test_pairing_puts_gate_and_up_columns_in_one_block(e, halves, block, ka, see
 def test_fused_config_adds_the_epilogue_warps_and_fits_shared_memory():
     for f in gg.MAX_FRAGS_CHOICES:
         plain = gg.GemmConfig(*((4, 4) if f <= 2 else (8, 2)), 128, 4, f)
-        fused = gg.fused_config(plain, gg.FUSE_LAYER)
-        assert fused.threads % 128 == 0 and fused.epilogue_warps >= 1 and fused.expression.endswith(", 3>")
+        fused = gg.fused_config(plain, "layer")
+        assert fused.threads % 128 == 0 and fused.epilogue_warps >= 1 and fused.expression.endswith("lab_gemm::Mode::layer, false>")
         assert fused.smem_bytes > plain.smem_bytes and fused.smem_bytes + 4096 <= gg.SMEM_LIMIT
         assert fused.stages == 4
         if f <= 2:  # the plain heuristic's three stages become four in fused CTAs of 8-16 tokens
-            assert gg.fused_config(replace(plain, stages=3), gg.FUSE_SWIGLU).stages == gg.FUSED_SMALL_STAGES
-    with pytest.raises(ValueError, match="fuse must be"):
-        gg.GemmConfig(fuse=2).validate()
+            assert gg.fused_config(replace(plain, stages=3), "swiglu").stages == gg.FUSED_SMALL_STAGES
+    with pytest.raises(ValueError, match="mode must be"):
+        gg.GemmConfig(mode="fused").validate()
 
 
 def test_pairing_rejects_halves_that_do_not_split():
@@ -64,7 +64,7 @@ def test_fused_instantiations_compile_without_spills(cfg):
     assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
     assert info.registers <= 65536 // cfg.threads, info
     assert not info.wgmma_serialized, info
-    plain = replace(cfg, fuse=0)
+    plain = replace(cfg, mode="plain")
     # the fused kernel keeps as many CTAs per SM as the plain one
     plain_regs = jit.ptxas_report(gg.SOURCE, plain.expression).registers
     assert gg.resident_ctas(cfg, 288, info.registers) == gg.resident_ctas(plain, 288, plain_regs)

@@ -211,7 +211,7 @@ def test_prepare_rejects_bad_shapes():
 def test_heuristic_gives_a_valid_config(n, k, mean):
     counts = np.random.default_rng(0).poisson(mean, 64)
     cfg = gg.heuristic(n, k, counts)
-    assert n % cfg.block_n == 0 and k % cfg.k_step == 0
+    assert n % cfg.block_rows == 0 and k % cfg.k_step == 0
     assert cfg.smem_bytes <= gg.SMEM_LIMIT
     assert cfg.token_tile >= min(64, np.quantile(counts[counts > 0], 0.99)) if (counts > 0).any() else True
 
@@ -228,9 +228,9 @@ def test_config_validation_names_the_problem():
     with pytest.raises(ValueError, match="multiple of the block"):
         gg.GemmConfig(warps=8, row_tiles=2).validate(n=192, k=256)
     cfg = gg.GemmConfig(warps=4, row_tiles=1)  # 64-row blocks; the unit ring holds 15 bits of block
-    cfg.validate(n=((1 << 15) - 1) * cfg.block_n, k=256)
+    cfg.validate(n=((1 << 15) - 1) * cfg.block_rows, k=256)
     with pytest.raises(ValueError, match="row blocks"):
-        cfg.validate(n=(1 << 15) * cfg.block_n, k=256)
+        cfg.validate(n=(1 << 15) * cfg.block_rows, k=256)
 
 
 def test_shipped_configs_fit():
@@ -255,7 +255,8 @@ def test_smem_mirror_equals_the_kernels_config(tmp_path):
     cfgs = sorted(set(gg.SHIPPED_CONFIGS) | set(gg.SHIPPED_FUSED), key=str)
     lines = [f'#include "{jit.KERNEL_DIR / gg.SOURCE}"']
     for c in cfgs:
-        conf = f"lab_gemm::Config<{c.warps}, {c.row_tiles}, {c.k_step}, {c.stages}, {c.max_frags}, {c.mma}, {c.fuse}>"
+        conf = (f"lab_gemm::Config<{c.warps}, {c.row_tiles}, {c.k_step}, {c.stages}, {c.max_frags}, {c.mma}, "
+                f"{c.decoder_warps}, {c.epilogue_warps}, lab_gemm::Mode::{c.mode}>")
         lines.append(f'static_assert({conf}::SMEM == {c.smem_bytes}, "{c}");')
         lines.append(f'static_assert({conf}::THREADS == {c.threads}, "{c}");')
         lines.append(f'static_assert({conf}::STAGE_W == {c.stage_bytes}, "{c}");')
@@ -311,7 +312,7 @@ def run_gemm(cp, packed, scales, xq, xs, offsets, alpha, cfg=None, poison=np.nan
     e, n, k = gg.check_weight_shapes(packed, scales)
     counts = np.diff(offsets)
     cfg = cfg or gg.heuristic(n, k, counts)
-    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_n, cfg.k_step))
+    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
     out = cp.full((xq.shape[0], n), poison, dtype=cp.float32)
     gg.grouped_gemm(prep, cp.asarray(xq), cp.asarray(xs), cp.asarray(offsets.astype(np.int32)),
                     cp.asarray(alpha.astype(np.float32)), out, cfg)
@@ -527,7 +528,7 @@ def test_two_problems_in_one_launch_equal_two_launches():
         packed, scales = random_nvfp4(rng, (e, n, k))
         xq, xs = random_nvfp4(rng, (int(offsets[-1]), k))
         alpha = rng.uniform(0.5, 2, e).astype(np.float32)
-        prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_n, cfg.k_step))
+        prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
         args = [prep, cp.asarray(xq), cp.asarray(xs), cp.asarray(offsets), cp.asarray(alpha),
                 cp.full((int(offsets[-1]), n), cp.nan, dtype=cp.float32)]
         probs.append(tuple(args))

@@ -25,15 +25,15 @@ def test_tile_sweep_varies_one_factor_at_a_time_and_reports_what_cannot_exist():
     descs = [d for d, _ in cands]
     assert len(descs) == len({tuple(d.values()) for d in descs})  # no point twice
     for d, cfg in cands:  # every point differs from the base in at most one factor
-        diffs = (d["token_tile"] != 16) + (d["n_tile"] != 256) + (d["k_step"] != 128) + (d["stages"] != 4)
+        diffs = (d["token_tile"] != 16) + (d["block_rows"] != 256) + (d["k_step"] != 128) + (d["stages"] != 4)
         assert diffs <= 1
         if isinstance(cfg, gg.GemmConfig):
-            assert (cfg.token_tile, cfg.block_n, cfg.k_step, cfg.stages) == tuple(d.values())
-    why = dict((d["token_tile"], c) for d, c in cands if d["n_tile"] == 256 and d["k_step"] == 128 and d["stages"] == 4)
+            assert (cfg.token_tile, cfg.block_rows, cfg.k_step, cfg.stages) == tuple(d.values())
+    why = dict((d["token_tile"], c) for d, c in cands if d["block_rows"] == 256 and d["k_step"] == 128 and d["stages"] == 4)
     assert isinstance(why[128], str) and "not compiled" in why[128]
     full = ts.candidates(base, full=True)
-    assert len(full) == len(ts.TOKEN_TILES) * len(ts.N_TILES) * len(ts.K_STEPS) * len(ts.STAGES)
-    layouts = [(d["n_tile"], d["k_step"]) for d, _ in full]
+    assert len(full) == len(ts.TOKEN_TILES) * len(ts.BLOCK_ROWS) * len(ts.K_STEPS) * len(ts.STAGES)
+    layouts = [(d["block_rows"], d["k_step"]) for d, _ in full]
     assert layouts == sorted(layouts)  # grouped by layout: each prepared once
 
 
@@ -84,47 +84,6 @@ def test_profile_kernels_says_it_needs_a_gpu():
         pytest.skip("a GPU is present: the script would run")
     with pytest.raises(RuntimeError, match="profile_kernels.py needs a CUDA GPU"):
         load("profile_kernels").main(["--mean-tokens", "8"])
-
-
-EXPERIMENTS = SCRIPTS.parent / "notes" / "experiments"
-
-
-def load_experiment(name, monkeypatch):
-    monkeypatch.syspath_prepend(str(EXPERIMENTS))  # the probes import probe_common beside them
-    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_probe_edits_still_find_their_places_in_the_kernel(monkeypatch):
-    """The probes edit grouped_gemm.cu by text: each anchor must occur exactly once in today's
-    source, or a probe would time the shipped kernel under another name."""
-    from lab.kernels import jit
-
-    src = jit.source(gg.SOURCE)
-    common = load_experiment("probe_common", monkeypatch)
-    cost = load_experiment("cost_probe", monkeypatch)
-    for edits in cost.VARIANTS.values():
-        common.edited(src, dict(edits))
-    for subs in load_experiment("layout_probe", monkeypatch).VARIANTS.values():
-        common.edited(src, subs)
-    for probe in ("dw_probe", "dw_cta_probe"):
-        common.edited(src, {load_experiment(probe, monkeypatch).BASE: ""})
-    for subs in load_experiment("fused_epilogue_probe", monkeypatch).VARIANTS.values():
-        common.edited(src, subs)
-    # split_probe, l2_prefetch_probe and tma_tensor_probe edit the 1-D bulk copy of the kernel before
-    # its tensor copies (their docstrings say which commit to check out)
-    wgmma = load_experiment("wgmma_probe", monkeypatch)
-    for subs in wgmma.VARIANTS.values():
-        common.edited(src, {wgmma.BASE: "", **subs})
-    timeline = load_experiment("timeline_probe", monkeypatch)
-    stamped = common.edited(src, timeline.EDITS)
-    assert stamped.count("LAB_STAMP(") == len(timeline.EVENTS) + 2  # the six events, claim time, the macro
-    layer = load_experiment("layer_timeline_probe", monkeypatch)
-    assert common.edited(src, layer.LAYER_EDITS).count("LAB_STAMP(") == len(timeline.EVENTS) + 4
-    with pytest.raises(RuntimeError, match="places match"):
-        common.edited(src, {"no such line in the kernel": ""})
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "90000"])

@@ -59,17 +59,18 @@
 
 namespace lab_gemm {
 
-// MMA: 0 = mma.sync m16n8k16 per 8-token fragment; 1 = wgmma m64n(8F)k16 per warpgroup (tokens as
-// N, B from shared memory in core matrices: LBO = next core matrix along K, SBO = along N; the
-// exchanged descriptor was measured wrong on the H200).
-template <int WARPS_, int ROW_TILES_, int K_STEP_, int STAGES_, int MAX_FRAGS_, int MMA_, int FUSE = 0>
+// One instantiation's sizes and shared-memory layout. MMA: 0 = mma.sync m16n8k16 per 8-token
+// fragment; 1 = wgmma m64n(8F)k16 per warpgroup (tokens as N, B from shared memory in core
+// matrices: LBO = next core matrix along K, SBO = along N; the exchanged descriptor was measured
+// wrong on the H200). The warp counts per role are arguments, set by GemmConfig (gemm_config.py,
+// where their rule lives); everything else derives from the arguments here.
+template <int WARPS_, int ROW_TILES_, int K_STEP_, int STAGES_, int MAX_FRAGS_, int MMA_, int DECODER_WARPS_,
+          int EPILOGUE_WARPS_, Mode MODE_>
 struct Config {
   static constexpr int WARPS = WARPS_, ROW_TILES = ROW_TILES_, K_STEP = K_STEP_, STAGES = STAGES_;
   static constexpr int MAX_FRAGS = MAX_FRAGS_, MMA = MMA_;
-  static constexpr Mode MODE = FUSE == 0 ? Mode::plain : FUSE == 1 ? Mode::swiglu : Mode::layer;
-  static constexpr int DECODER_WARPS = MAX_FRAGS >= 8 && FUSE == 0 ? 3 : MAX_FRAGS >= 4 || FUSE != 0 ? 2 : 1;
-  static constexpr int EPILOGUE_WARPS =
-      !(FUSE & 1) ? 0 : (WARPS + 1 + DECODER_WARPS) % 4 ? 4 - (WARPS + 1 + DECODER_WARPS) % 4 : 2;
+  static constexpr int DECODER_WARPS = DECODER_WARPS_, EPILOGUE_WARPS = EPILOGUE_WARPS_;
+  static constexpr Mode MODE = MODE_;
   static constexpr int BLOCK_ROWS = WARPS * ROW_TILES * 16;
   static constexpr int KATOMS = K_STEP / 64;
   static constexpr int KSTEPS = K_STEP / 16;
@@ -97,9 +98,10 @@ struct Config {
 
 // READ_ONLY = true runs the same grid, pipeline and copies but skips decode, MMA and stores:
 // the achievable read rate of exactly this access pattern.
-template <int WARPS, int ROW_TILES, int K_STEP, int STAGES, int MAX_FRAGS, int MMA, bool READ_ONLY = false,
-          int FUSE = 0>
-__global__ void __launch_bounds__(Config<WARPS, ROW_TILES, K_STEP, STAGES, MAX_FRAGS, MMA, FUSE>::THREADS, 1)
+template <int WARPS, int ROW_TILES, int K_STEP, int STAGES, int MAX_FRAGS, int MMA, int DECODER_WARPS,
+          int EPILOGUE_WARPS, Mode MODE, bool READ_ONLY>
+__global__ void __launch_bounds__(
+    Config<WARPS, ROW_TILES, K_STEP, STAGES, MAX_FRAGS, MMA, DECODER_WARPS, EPILOGUE_WARPS, MODE>::THREADS, 1)
 grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single problem) the same
     const void* __restrict__ wmap0, const uint8_t* __restrict__ xq0, const uint8_t* __restrict__ xs0,
     const int* __restrict__ offsets0, const float* __restrict__ alpha0, float* __restrict__ out0,
@@ -118,7 +120,9 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
     // goes to out1_bf16 as bf16 bits, written by the epilogue warps (out1 is not written).
     int* __restrict__ ready, unsigned short* __restrict__ out1_bf16,
     unsigned int* __restrict__ nonfinite) {  // SwiGLU values or bf16 outputs that are not finite
-  using C = Config<WARPS, ROW_TILES, K_STEP, STAGES, MAX_FRAGS, MMA, FUSE>;
+  using C = Config<WARPS, ROW_TILES, K_STEP, STAGES, MAX_FRAGS, MMA, DECODER_WARPS, EPILOGUE_WARPS, MODE>;
+  static_assert(DECODER_WARPS >= 1, "the stages' activations need a decoder warp");
+  static_assert((MODE == Mode::plain) == (EPILOGUE_WARPS == 0), "epilogue warps exactly in the fused modes");
   static_assert(C::MODE == Mode::plain || C::BLOCK_ROWS % 32 == 0,
                 "the SwiGLU tile splits BLOCK_ROWS/2 columns into 16-element blocks");
   static_assert(MMA == 0 || WARPS % 4 == 0, "wgmma needs whole warpgroups of consumers");

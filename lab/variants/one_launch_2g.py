@@ -20,9 +20,9 @@ expect = "ceiling"
 
 def pair_config(w13_cfg: gg.GemmConfig, w2_cfg: gg.GemmConfig) -> gg.GemmConfig:
     """One tile for both GEMMs: w13's, with the larger token tile of the two."""
-    if (w13_cfg.block_n, w13_cfg.k_step) != (w2_cfg.block_n, w2_cfg.k_step):
+    if (w13_cfg.block_rows, w13_cfg.k_step) != (w2_cfg.block_rows, w2_cfg.k_step):
         raise ValueError(f"one-launch-2G: w13 and w2 weights must share a layout, got "
-                         f"{(w13_cfg.block_n, w13_cfg.k_step)} and {(w2_cfg.block_n, w2_cfg.k_step)}")
+                         f"{(w13_cfg.block_rows, w13_cfg.k_step)} and {(w2_cfg.block_rows, w2_cfg.k_step)}")
     return replace(w13_cfg, max_frags=max(w13_cfg.max_frags, w2_cfg.max_frags))
 
 

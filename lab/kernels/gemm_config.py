@@ -1,0 +1,227 @@
+"""The grouped GEMM's tile configuration: the template arguments of one kernel instantiation
+(`GemmConfig`), its shared-memory sizing, the warp counts per role, the tile heuristic, and the
+instantiations the lab ships. Plain Python, testable without a GPU; the kernel's `Config`
+(grouped_gemm.cu) derives the same sizes from the same arguments (a CPU test compiles both).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from lab.kernels import tensor_map
+from lab.kernels.gemm_weights import ATOM_BYTES, ATOM_K, ATOM_ROWS, default_layout
+
+SMEM_LIMIT = 227 * 1024  # H200 opt-in dynamic shared memory per block
+MAX_FRAGS_CHOICES = (1, 2, 4, 8)  # 8-token fragments per pass, compiled variants
+# What a launch computes (lab_gemm::Mode): grouped GEMMs with fp32 output; w13 ending in SwiGLU +
+# NVFP4 quantize; the whole layer, w2 after it in the same launch, bf16 output.
+MODES = ("plain", "swiglu", "layer")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """warps: consumer warps; row_tiles: 16-row tiles per warp; k_step: K per pipeline stage;
+    stages: pipeline depth; max_frags: 8-token fragments held per pass (token tile = 8*max_frags);
+    mma: 0 = mma.sync m16n8k16, 1 = wgmma m64n(8F)k16 (sm_90a, warps a multiple of 4);
+    mode: one of MODES (the fused ones through `fused_config`);
+    ctas_per_sm: at most this many CTAs per SM in the persistent grid (0: as many as fit). Not a
+    template argument: it only sizes the grid."""
+
+    warps: int = 8
+    row_tiles: int = 2
+    k_step: int = 128
+    stages: int = 4
+    max_frags: int = 2
+    mma: int = 0  # 0: mma.sync per 8-token fragment; 1: wgmma m64n(8F)k16 per warpgroup
+    mode: str = "plain"
+    ctas_per_sm: int = 0
+
+    @property
+    def block_rows(self) -> int:
+        """Weight rows of one unit of work (one CTA pass): warps x row_tiles 16-row tiles."""
+        return self.warps * self.row_tiles * ATOM_ROWS
+
+    @property
+    def token_tile(self) -> int:
+        return 8 * self.max_frags
+
+    @property
+    def threads(self) -> int:
+        # consumers, producer, activation decoders, epilogue warps
+        return (self.warps + 1 + self.decoder_warps + self.epilogue_warps) * 32
+
+    @property
+    def decoder_warps(self) -> int:
+        """Activation-decoder warps: a third for 64-token plain tiles, which decode the most per
+        stage; two for 32-token tiles and for every fused CTA, whose epilogue warps then complete
+        the last group of four; one otherwise (notes/gemm.md, notes/layer.md)."""
+        if self.max_frags >= 8 and self.mode == "plain":
+            return 3
+        return 2 if self.max_frags >= 4 or self.mode != "plain" else 1
+
+    @property
+    def epilogue_warps(self) -> int:
+        """The fused modes' epilogue warps fill the CTA's last group of four warps (ptxas budgets
+        registers for whole groups, so a fifth group would cut every thread's registers)."""
+        if self.mode == "plain":
+            return 0
+        rest = (self.warps + 1 + self.decoder_warps) % 4
+        return 4 - rest if rest else 2
+
+    @property
+    def expression(self) -> str:
+        return self.expression_for(read_only=False)
+
+    def expression_for(self, read_only: bool) -> str:
+        return (f"lab_gemm::grouped_gemm_nvfp4<{self.warps}, {self.row_tiles}, {self.k_step}, {self.stages}, "
+                f"{self.max_frags}, {self.mma}, {self.decoder_warps}, {self.epilogue_warps}, "
+                f"lab_gemm::Mode::{self.mode}, {'true' if read_only else 'false'}>")
+
+
+    @property
+    def smem_bytes(self) -> int:
+        """Config<>::SMEM in grouped_gemm.cu."""
+        ksteps, tokens = self.k_step // 16, self.token_tile
+        stage_w = self.stage_bytes
+        stage_xq = tokens * (self.k_step // 2)
+        stage_xs = tokens * (self.k_step // 16)
+        xf = self.max_frags * ksteps * 32 * 8
+        off_w = 128 * (((3 * self.stages + 2) * 8 + 127) // 128)
+        off_xs = off_w + self.stages * (stage_w + stage_xq)
+        off_xf = 16 * ((off_xs + self.stages * stage_xs + 15) // 16)
+        off_h = 16 * ((off_xf + self.stages * xf + 15) // 16)
+        return off_h + (tokens * (self.block_rows + 4) * 4 if self.epilogue_warps else 0)
+
+    def launch_smem(self, experts: int) -> int:
+        """Dynamic shared memory of a launch: the pipeline plus the compacted expert list."""
+        return self.smem_bytes + 16 * ((4 * experts + 15) // 16)
+
+    @property
+    def stage_bytes(self) -> int:
+        """Weight bytes of one pipeline stage (Config<>::STAGE_W): block_rows x k_step."""
+        return self.warps * self.row_tiles * (self.k_step // ATOM_K) * ATOM_BYTES
+
+    @property
+    def bytes_in_flight(self) -> int:
+        """Weight bytes one CTA keeps requested ahead of its consumers."""
+        return self.stages * self.stage_bytes
+
+    def validate(self, n: int | None = None, k: int | None = None) -> "GemmConfig":
+        if self.mode not in MODES or (self.mode != "plain" and self.block_rows % 32):
+            raise ValueError(f"mode must be one of {MODES} (a fused mode with a block of a multiple of 32 rows), "
+                             f"got mode={self.mode!r}, block_rows={self.block_rows}")
+        if self.mma not in (0, 1) or (self.mma and self.warps % 4):
+            raise ValueError(f"mma must be 0 (mma.sync) or 1 (wgmma, warps a multiple of 4), got {self.mma} "
+                             f"with {self.warps} warps")
+        if self.k_step not in (64, 128, 256):
+            raise ValueError(f"k_step must be 64, 128 or 256, got {self.k_step}")
+        if self.max_frags not in MAX_FRAGS_CHOICES:
+            raise ValueError(f"max_frags must be one of {MAX_FRAGS_CHOICES}, got {self.max_frags}")
+        if not 1 <= self.warps <= 16 or self.row_tiles not in (1, 2, 4):
+            raise ValueError(f"warps in 1..16 and row_tiles in (1, 2, 4), got {self.warps}, {self.row_tiles}")
+        if self.ctas_per_sm < 0:
+            raise ValueError(f"ctas_per_sm must be >= 0 (0: as many as fit), got {self.ctas_per_sm}")
+        if not 2 <= self.stages <= 12:
+            raise ValueError(f"stages must be 2..12, got {self.stages}")
+        if self.warps * self.row_tiles > 32:
+            raise ValueError("warps * row_tiles must be at most 32 (one producer lane per row tile)")
+        try:
+            tensor_map.stage_geometry(self.stage_bytes)
+        except ValueError as e:
+            raise ValueError(f"{self}: {e}") from None
+        if self.smem_bytes + 4096 > SMEM_LIMIT:
+            raise ValueError(f"{self}: needs {self.smem_bytes} B of shared memory, limit {SMEM_LIMIT}")
+        if n is not None and n % self.block_rows:
+            raise ValueError(f"N={n} is not a multiple of the block's {self.block_rows} rows ({self})")
+        if n is not None and n // self.block_rows >= 1 << 15:  # the unit ring packs the row block in 15 bits
+            raise ValueError(f"N={n} has {n // self.block_rows} row blocks of {self.block_rows}; at most {(1 << 15) - 1}")
+        if k is not None and k % self.k_step:
+            raise ValueError(f"K={k} is not a multiple of k_step={self.k_step} ({self})")
+        return self
+
+
+SM_SMEM = 228 * 1024  # shared memory per SM (H100/H200)
+SM_REGS = 65536
+SM_THREADS = 2048
+SMEM_PER_CTA_RESERVED = 1024  # the runtime's per-block reservation
+
+
+def resident_ctas(cfg: GemmConfig, experts: int, registers: int) -> int:
+    """CTAs of `cfg` that fit on one SM at once (shared memory, registers, threads)."""
+    by_smem = SM_SMEM // (cfg.launch_smem(experts) + SMEM_PER_CTA_RESERVED)
+    regs_per_warp = 256 * -(-registers * 32 // 256)
+    by_regs = SM_REGS // (regs_per_warp * (cfg.threads // 32))
+    fit = max(1, min(by_smem, by_regs, SM_THREADS // cfg.threads))
+    return min(fit, cfg.ctas_per_sm) if cfg.ctas_per_sm else fit
+
+
+def frags_for(max_count: int) -> int:
+    """Smallest compiled fragment count covering `max_count` tokens in one pass (capped at 8)."""
+    need = max(1, -(-int(max_count) // 8))
+    return next((f for f in MAX_FRAGS_CHOICES if f >= need), MAX_FRAGS_CHOICES[-1])
+
+
+def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None) -> GemmConfig:
+    """Default tile for a problem whose weights were prepared with `layout` (default
+    `default_layout`): a token tile that holds the routine expert in one pass, four (or two)
+    16-row tiles per warp, and stages for ~80 KB of weights in flight per CTA."""
+    block_rows, k_step = layout or default_layout(n, k)
+    counts = np.asarray(counts)
+    active = counts[counts > 0]
+    # Cover the 99th percentile in one pass; rarer, larger experts take a second pass.
+    q = int(np.ceil(np.quantile(active, 0.99))) if active.size else 8
+    frags = frags_for(q)
+    tiles = block_rows // ATOM_ROWS
+    # Four 16-row tiles per warp share each B fragment and give each warp four independent
+    # decode+MMA chains, best for token tiles of 8-16; with 32-64 token tiles the accumulators
+    # crowd the registers and two tiles per warp win (notes/gemm.md, the tile study).
+    row_tiles = 4 if frags <= 2 and tiles % 4 == 0 else (2 if tiles % 2 == 0 and tiles >= 4 else 1)
+    warps = tiles // row_tiles
+    stage_w = tiles * (k_step // ATOM_K) * ATOM_BYTES
+    if frags <= 2:
+        # ~54 KB of weights in flight per CTA and two CTAs per SM (a third would fit, and loses);
+        # larger tiles keep ~80 KB per CTA, one CTA per SM (notes/gemm.md, stages).
+        stages, cap = max(2, min(8, (54 * 1024) // stage_w)), 2
+    else:
+        stages, cap = max(3, min(8, (80 * 1024) // stage_w)), 0
+    # 64-token tiles: wgmma, one commit group per k atom; smaller tiles stay on mma.sync, which
+    # wgmma did not beat there (notes/gemm.md v9-v12).
+    mma = 1 if frags >= 8 and warps % 4 == 0 else 0
+    cfg = GemmConfig(warps, row_tiles, k_step, stages, frags, mma, ctas_per_sm=cap)
+    while cfg.smem_bytes + 4096 > SMEM_LIMIT and cfg.stages > 2:
+        cfg = replace(cfg, stages=cfg.stages - 1)
+    return cfg.validate(n, k)
+
+
+SHIPPED_CONFIGS = tuple(
+    GemmConfig(w, r, ks, st, f, mma)
+    for (w, r, ks, st, mma) in ((4, 4, 128, 3, 0), (4, 4, 128, 4, 0), (8, 2, 128, 4, 0), (8, 2, 128, 3, 0),
+                                (4, 2, 128, 6, 0), (8, 2, 256, 2, 0), (8, 2, 64, 8, 0), (4, 4, 128, 4, 1),
+                                (8, 2, 128, 4, 1))
+    for f in MAX_FRAGS_CHOICES)
+
+
+# Fused tiles of 8-16 tokens take at least four stages where the plain ones take three: faster
+# for fused-layer, slower for the plain GEMMs (notes/layer.md v16).
+FUSED_SMALL_STAGES = 4
+
+
+@functools.lru_cache(maxsize=None)
+def fused_config(cfg: GemmConfig, mode: str) -> GemmConfig:
+    """`cfg` in a fused mode: one to three more warps and the h tile in shared memory (a stage
+    fewer wherever the two would not fit), and for tiles of up to 16 tokens at least
+    FUSED_SMALL_STAGES stages. Cached: launchers ask on every launch."""
+    fused = replace(cfg, mode=mode)
+    if cfg.max_frags <= 2:
+        fused = replace(fused, stages=max(fused.stages, FUSED_SMALL_STAGES))
+    while fused.smem_bytes + 4096 > SMEM_LIMIT and fused.stages > 2:
+        fused = replace(fused, stages=fused.stages - 1)
+    return fused.validate()
+
+
+# The fused instantiations the heuristic's tiles lead to (four row tiles per warp up to 16 tokens).
+SHIPPED_FUSED = tuple(fused_config(heuristic(4096, 4096, [8 * f] * 4), mode)
+                      for f in MAX_FRAGS_CHOICES for mode in ("swiglu", "layer"))
