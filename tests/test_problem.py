@@ -1,4 +1,5 @@
-import time
+import sys
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -140,11 +141,48 @@ def test_skew_makes_hot_experts():
     assert len(set(hot)) > 1
 
 
+def python_calls(fn):
+    """(fn(), number of Python and C function calls made while it ran): work that a loop over
+    tokens or rows would multiply, where wall-clock time depends on the machine's load."""
+    calls = [0]
+
+    def count(frame, event, arg):
+        if event in ("call", "c_call"):
+            calls[0] += 1
+
+    sys.setprofile(count)
+    try:
+        out = fn()
+    finally:
+        sys.setprofile(None)
+    return out, calls[0]
+
+
+def peak_bytes(fn):
+    """(fn(), peak bytes traced while it ran; NumPy's buffers included)."""
+    tracemalloc.start()
+    try:
+        out = fn()
+        return out, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def test_routing_is_vectorised():
-    t = time.perf_counter()
-    r = make_routing(20_000, 288, 8, skew=1.0, seed=0)
-    assert time.perf_counter() - t < 10
-    assert r.offsets[-1] == 160_000
+    """Work per chunk of 8192 tokens, not per token, and the score matrices of one chunk at a
+    time: three chunks' tokens take a few dozen calls more than one token, in the memory of a
+    few (chunk, E) float64 matrices."""
+    from lab.problem import _ROUTING_CHUNK
+
+    make_routing(4, 288, 8, seed=1)  # first-call imports out of the count
+    tokens = 3 * _ROUTING_CHUNK
+    _, one = python_calls(lambda: make_routing(1, 288, 8, skew=1.0, seed=0))
+    r, many = python_calls(lambda: make_routing(tokens, 288, 8, skew=1.0, seed=0))
+    assert r.offsets[-1] == tokens * 8
+    assert many - one <= 3 * 30, (one, many)
+    _, peak = peak_bytes(lambda: make_routing(tokens, 288, 8, skew=1.0, seed=0))
+    matrix = _ROUTING_CHUNK * 288 * 8
+    assert peak < 5 * matrix, f"{peak / matrix:.1f} (chunk, E) float64 matrices"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,14 +234,21 @@ def test_random_weights_are_seeded():
     assert not np.array_equal(a.w13_packed, c.w13_packed)
 
 
-def test_random_weights_are_fast():
-    # 16 of the default 288 experts at full H and I (227 MB); the full problem is 18x this.
-    p = MoEProblem(experts=16)
-    t = time.perf_counter()
-    w = random_weights(p)
-    dt = time.perf_counter() - t
-    assert w.nbytes() == 16 * 4096 * 6144 * 9 // 16 + 3 * 16 * 4
-    assert dt < 3.0, f"{dt:.2f} s for 227 MB of codes"
+def test_random_weights_work_per_expert_and_memory_of_the_output():
+    """Codes are drawn whole arrays at a time: the calls grow with the experts, not with H or
+    I, and memory is the output plus one expert's temporaries (the full problem is 4.08 GB)."""
+    random_weights(MoEProblem(experts=1, hidden=64, intermediate=64, top_k=1))  # first-call imports
+    tiny, full = MoEProblem(experts=4, hidden=64, intermediate=64, top_k=1), MoEProblem(experts=4, top_k=1)
+    _, calls_tiny = python_calls(lambda: random_weights(tiny))
+    _, calls_full = python_calls(lambda: random_weights(full))
+    _, calls_double = python_calls(lambda: random_weights(MoEProblem(experts=8, top_k=1)))
+    assert calls_full == calls_tiny and calls_double - calls_full <= 4 * 60, (calls_tiny, calls_full, calls_double)
+    w, peak = peak_bytes(lambda: random_weights(full))
+    assert w.nbytes() == 4 * 4096 * 6144 * 9 // 16 + 3 * 4 * 4
+    one_expert = 4096 * 6144 * 9 // 16
+    assert peak - w.nbytes() < one_expert, f"{(peak - w.nbytes()) / 2**20:.1f} MiB beyond the output"
+    w8, peak8 = peak_bytes(lambda: random_weights(MoEProblem(experts=8, top_k=1)))
+    assert abs((peak8 - w8.nbytes()) - (peak - w.nbytes())) < 2**20  # temporaries do not grow with experts
 
 
 def test_random_activations_fit_the_static_input_scale():
