@@ -16,6 +16,7 @@ and each GEMM are also timed after that long of back-to-back runs: held load tri
     python scripts/bench_gemm.py --json results/bench_gemm.json
     python scripts/bench_gemm.py --sustain-ms 1000 --no-cublas --json results/bench_gemm_sustained.json
     python scripts/bench_gemm.py --mean-tokens 8 --config 4,4,128,4 --config 8,2,128,4,1 --config 4,4,128,3,0,2
+    python scripts/bench_gemm.py --model qwen3-235b-a22b       (--model list: the presets)
 """
 
 from __future__ import annotations
@@ -27,11 +28,14 @@ import numpy as np
 from tabulate import tabulate
 
 from lab import nvfp4
+from lab.cli import study_arguments
 from lab.device_info import setup_info
 from lab.gemm_bench import GemmBench, log, problem_of, study_parser, write_json
+from lab.gpu import require_gpu, run_script
 from lab.kernels import grouped_gemm as gg
 from lab.kernels.stream_read import measure_read_roofline
 from lab.kernels.stream_read import stream_read
+from lab.models import resolve_shape
 from lab.timing import time_cuda, time_sustained
 
 TAG = "bench_gemm"
@@ -47,9 +51,10 @@ def parse_config(text: str) -> tuple[int, ...]:
 
 def main(argv=None) -> int:
     ap = study_parser(__doc__, [2, 4, 8, 32], 20)
-    ap.add_argument("--skew", type=float, default=0.0)
+    study_arguments(ap)
+    ap.add_argument("--skew", type=float, default=0.0, help="routing skew: 0 uniform, else p ~ 1/rank**skew")
     ap.add_argument("--check-experts", type=int, default=16, help="experts checked against float64 (0: none)")
-    ap.add_argument("--no-cublas", action="store_true")
+    ap.add_argument("--no-cublas", action="store_true", help="leave out the cuBLAS fp16 rows")
     ap.add_argument("--config", type=parse_config, action="append", default=[],
                     help="override the tile: warps,row_tiles,k_step,stages[,mma[,ctas_per_sm]] (token tile from "
                          "the heuristic; mma 0 = mma.sync, 1 = wgmma; ctas_per_sm 0 = as many as fit); repeat to "
@@ -59,6 +64,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not (np.isfinite(args.sustain_ms) and 0 <= args.sustain_ms <= 60_000):
         ap.error(f"--sustain-ms: must be in 0..60000, got {args.sustain_ms}")
+    resolve_shape(args, ap)
+    require_gpu(TAG)  # before any output: without a GPU the script says so in one line
 
     problem = problem_of(args)
     setup = setup_info()
@@ -88,7 +95,7 @@ def main(argv=None) -> int:
                 log(TAG, f"{gemm} mean {mean}: {case.rows} rows, max count {case.counts.max()}, {cfg}")
                 row = bench.measure(case, cfg, bw, args.iterations)
                 if args.sustain_ms:
-                    prep = bench.prepared(gemm, (cfg.block_n, cfg.k_step))
+                    prep = bench.prepared(gemm, (cfg.block_rows, cfg.k_step))
                     t = time_sustained(lambda: gg.grouped_gemm(prep, case.d_xp, case.d_xs, case.d_off, case.d_alpha,
                                                                case.out, cfg), row["ms"], args.sustain_ms,
                                        args.iterations)
@@ -116,7 +123,7 @@ def main(argv=None) -> int:
     print(f"read roofline: {bw:.0f} GB/s (flat streaming read, {roof['bytes'] / 1e9:.3f} GB)"
           + (f"; {roof['sustained']['gbps']:.0f} GB/s after {args.sustain_ms:g} ms of back-to-back reads"
              if args.sustain_ms else ""))
-    print(tabulate(table, headers=["gemm", "tokens/expert", "tile W,R,BK,S,F,mma,ctas", "ms", "GB/s", "% roofline",
+    print(tabulate(table, headers=["gemm", "tokens/expert", "tile warps,row_tiles,k_step,stages,max_frags,mma,ctas_per_sm", "ms", "GB/s", "% roofline",
                                    "% same-pattern read", "read-pattern ms", "cublas-fp16 ms"]
                    + (["sustained ms", "sustained % roofline"] if args.sustain_ms else [])))
     for c in checks:
@@ -171,4 +178,4 @@ def bench_cublas(cp, g, case, iterations) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main, TAG))

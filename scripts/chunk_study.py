@@ -18,10 +18,13 @@ import numpy as np
 from tabulate import tabulate
 
 from lab.device_info import setup_info
+from lab.gpu import require_gpu, run_script
+from lab.cli import study_arguments
 from lab.gemm_bench import log, problem_of, study_parser, write_json
 from lab.kernels import grouped_gemm as gg
 from lab.kernels import jit
 from lab.kernels.stream_read import measure_read_roofline
+from lab.models import resolve_shape
 from lab.problem import make_routing, random_activations, random_weights, tokens_for_mean
 from lab.roofline import layer_bytes, roofline_ms
 
@@ -30,7 +33,7 @@ TAG = "chunk_study"
 
 def waves(counts: np.ndarray, bounds, cfg: gg.GemmConfig, n: int, ctas: int) -> list[float]:
     """w13 units of each chunk over the resident CTAs (1.25 = one full wave and a quarter)."""
-    return [float((counts[e0:e1] > 0).sum() * (n // cfg.block_n) / ctas) for e0, e1 in bounds]
+    return [float((counts[e0:e1] > 0).sum() * (n // cfg.block_rows) / ctas) for e0, e1 in bounds]
 
 
 def timeline(spans: list[dict]) -> dict:
@@ -53,18 +56,20 @@ def timeline(spans: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     ap = study_parser(__doc__, [8, 32], 10)
-    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    study_arguments(ap)
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
+                    help="chunk counts to time (1: the unchunked layer)")
     args = ap.parse_args(argv)
     if any(k < 1 for k in args.k):
         ap.error("--k: every k must be >= 1")
+    resolve_shape(args, ap)
+    cp = require_gpu(TAG)  # before any output: without a GPU the script says so in one line
 
-    from lab.gpu import require_gpu
     from lab.layer import load_layer, upload_weights
     from lab.runner import Runner
     from lab.variants import make
     from lab.variants.chunked import Chunked, chunk_bounds
 
-    cp = require_gpu("chunk_study")
     problem = problem_of(args)
     setup = setup_info()
     log(TAG, "weights")
@@ -114,4 +119,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main, TAG))

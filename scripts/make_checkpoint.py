@@ -2,6 +2,12 @@
 
     python scripts/make_checkpoint.py out.safetensors                      # the study's shape, 4.08 GB
     python scripts/make_checkpoint.py small.safetensors --experts 8 --hidden 512 --intermediate 256
+    python scripts/make_checkpoint.py ckpt_dir --shards 4 --model qwen3-30b-a3b     # a sharded directory
+
+With --shards N the output is a directory laid out as Hugging Face does a model: N shards of
+consecutive experts (so the layer spans all of them), model.safetensors.index.json,
+hf_quant_config.json and a config.json with the expert count and top-k; run_layer.py and
+scale_fold_probe.py read it with --checkpoint DIR. Each step prints a line as it starts.
 """
 
 from __future__ import annotations
@@ -13,37 +19,63 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lab.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from lab.checkpoint import load_checkpoint, save_checkpoint, save_sharded_checkpoint  # noqa: E402
+from lab.models import add_shape_arguments, resolve_shape  # noqa: E402
 from lab.problem import MoEProblem, random_weights  # noqa: E402
+
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[make_checkpoint {time.perf_counter() - _T0:6.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:
     d = MoEProblem()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out", type=Path, help="path of the .safetensors file to write")
-    p.add_argument("--experts", type=int, default=d.experts)
-    p.add_argument("--hidden", type=int, default=d.hidden)
-    p.add_argument("--intermediate", type=int, default=d.intermediate)
+    p.add_argument("out", type=Path, help="the .safetensors file to write (with --shards: the directory)")
+    add_shape_arguments(p)
     p.add_argument("--ratio", type=float, default=d.gate_up_ratio, help="gate/up weight global ratio")
-    p.add_argument("--layer", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--check", action="store_true", help="read the file back and print its report")
+    p.add_argument("--layer", type=int, default=0, help="the layer index in the tensor names")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")
+    p.add_argument("--shards", type=int, metavar="N",
+                   help="write a directory of N shards with model.safetensors.index.json (default: one file)")
+    p.add_argument("--check", action="store_true", help="read the checkpoint back and print its report")
     args = p.parse_args(argv)
-
-    problem = MoEProblem(args.experts, args.hidden, args.intermediate, min(d.top_k, args.experts), args.ratio)
+    shape = resolve_shape(args, p, clamp_top_k=True)
+    if args.layer < 0:
+        p.error(f"--layer: must be >= 0, got {args.layer}")
+    if args.shards is not None and not 1 <= args.shards <= shape.experts:
+        p.error(f"--shards: must be in 1..{shape.experts} (at least one expert per shard), got {args.shards}")
+    problem = MoEProblem(shape.experts, shape.hidden, shape.intermediate, shape.top_k, args.ratio)
     try:
         problem.validate()
     except ValueError as exc:
         p.error(str(exc))
+    if args.shards is None and args.out.is_dir():
+        p.error(f"out: {args.out} is a directory; pass a file name, or --shards N to write a sharded directory")
+    parent = args.out.parent
+    if not parent.is_dir():
+        p.error(f"out: the directory {parent} does not exist")
+
     t0 = time.perf_counter()
+    log(f"drawing synthetic weights: {problem.experts} experts, H={problem.hidden}, I={problem.intermediate}")
     weights = random_weights(problem, seed=args.seed)
     t1 = time.perf_counter()
-    save_checkpoint(args.out, weights, layer=args.layer)
+    if args.shards is None:
+        log(f"writing {args.out} ({weights.nbytes() / 1e9:.3f} GB)")
+        save_checkpoint(args.out, weights, layer=args.layer)
+        size = args.out.stat().st_size
+    else:
+        paths = save_sharded_checkpoint(args.out, weights, layer=args.layer, shards=args.shards,
+                                        top_k=problem.top_k, progress=log)
+        size = sum(f.stat().st_size for f in paths)
     t2 = time.perf_counter()
-    size = args.out.stat().st_size
-    print(f"wrote {args.out}: {size / 1e9:.3f} GB, {problem.experts} experts, H={problem.hidden}, "
+    what = f"{args.shards} shards, " if args.shards is not None else ""
+    print(f"wrote {args.out}: {what}{size / 1e9:.3f} GB, {problem.experts} experts, H={problem.hidden}, "
           f"I={problem.intermediate}, layer {args.layer} (generate {t1 - t0:.1f} s, write {t2 - t1:.1f} s)")
     if args.check:
+        log(f"reading {args.out} back")
         _, report = load_checkpoint(args.out, layer=args.layer)
         print(report.summary())
     return 0

@@ -17,11 +17,12 @@ import argparse
 import sys
 
 from lab.gemm_bench import log
-from lab.gpu import require_gpu
+from lab.gpu import require_gpu, run_script
 from lab.kernels import grouped_gemm as gg
 from lab.kernels.stream_read import stream_read
 from lab.layer import load_layer, upload_weights
-from lab.problem import MoEProblem, make_routing, random_activations, random_weights, tokens_for_mean
+from lab.models import add_shape_arguments, resolve_shape
+from lab.problem import make_routing, random_activations, random_weights, tokens_for_mean
 from lab.runner import Runner
 from lab.variants.fused_swiglu import fusion_for, paired_w13
 
@@ -30,16 +31,15 @@ TAG = "profile_kernels"
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mean-tokens", type=float, default=8)
-    ap.add_argument("--experts", type=int, default=288)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--intermediate", type=int, default=2048)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mean-tokens", type=float, default=8, help="mean tokens per expert of the routed batch")
+    add_shape_arguments(ap)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights, routing and activations")
     args = ap.parse_args(argv)
+    if not args.mean_tokens > 0:
+        ap.error(f"--mean-tokens: must be > 0, got {args.mean_tokens}")
+    problem = resolve_shape(args, ap)
 
     cp = require_gpu("profile_kernels.py")
-    problem = MoEProblem(args.experts, args.hidden, args.intermediate, args.top_k).validate()
     log(TAG, "weights")
     weights = upload_weights(random_weights(problem, seed=args.seed))
     routing = make_routing(tokens_for_mean(args.mean_tokens, problem.experts, problem.top_k), problem.experts,
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     fusion = fusion_for(runner, layer, part.gate_global, part.up_global)
     w13_paired = paired_w13(weights)
     cp.cuda.Device().synchronize()
-    log(TAG, f"w13 tile {cfg}; fused {gg.fused_config(cfg, gg.FUSE_SWIGLU)}")
+    log(TAG, f"w13 tile {cfg}; fused {gg.fused_config(cfg, 'swiglu')}")
     gg.grouped_gemm(part.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, part.h, cfg)
     gg.swiglu_gemm(w13_paired, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, fusion, cfg)
     gg.grouped_gemm(part.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, part.h, cfg,
@@ -63,4 +63,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main, TAG))

@@ -12,16 +12,22 @@ import sys
 from tabulate import tabulate
 
 from lab.device_info import setup_info
+from lab.gpu import require_gpu, run_script
+from lab.cli import study_arguments
 from lab.gemm_bench import GemmBench, log, problem_of, study_parser, write_json
 from lab.kernels import grouped_gemm as gg
 from lab.kernels.stream_read import measure_read_roofline
+from lab.models import resolve_shape
 
 TAG = "read_roofline"
 
 
 def main(argv=None) -> int:
     ap = study_parser(__doc__, [2, 4, 8, 32], 10)
+    study_arguments(ap)
     args = ap.parse_args(argv)
+    resolve_shape(args, ap)
+    require_gpu(TAG)  # before any output: without a GPU the script says so in one line
 
     problem = problem_of(args)
     setup = setup_info()
@@ -46,4 +52,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main, TAG))

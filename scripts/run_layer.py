@@ -3,6 +3,8 @@
     python scripts/run_layer.py                              the study's problem, mean 8 and 32
     python scripts/run_layer.py --variants separate cuda-graph --mean-tokens 8 --json out.json
     python scripts/run_layer.py --experts 16 --hidden 512 --intermediate 256 --iterations 5
+    python scripts/run_layer.py --model deepseek-v3 --mean-tokens 8   (--model list: the presets)
+    python scripts/run_layer.py --checkpoint path/to/model-dir --layer 3
 
 Prints a setup table, the bytes table with its roofline, the read bandwidth measured in the
 same run (a flat streaming read), the layer table (ms and % of roofline at each mean, and
@@ -12,7 +14,9 @@ error against float64) and separate's stage table at --stage-mean. --json writes
 Correctness (unless --no-check): `separate` stage by stage against the float64 reference (all
 experts on small problems, a seeded sample of --check-experts on large ones), every other
 valid variant bitwise equal to separate, the layer's relative error against float64 reported.
-Without a GPU it prints the bytes table and exits with status 1.
+Before anything is allocated the host and device memory the run needs is estimated, and a
+run that cannot fit is refused (status 2) with both figures. Without a GPU it prints the bytes
+table and exits with status 1.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from pathlib import Path
 import numpy as np
 from tabulate import tabulate
 
-from lab import roofline
-from lab.checkpoint import CheckpointError, load_checkpoint
+from lab import memory, models, roofline
+from lab.checkpoint import CheckpointError, describe_skipped, inspect_checkpoint, load_checkpoint
+from lab.checks import format_rel
 from lab.timing import Timing
 from lab.problem import MoEProblem, make_routing, random_activations, random_weights, tokens_for_mean
 from lab.variants import NAMES
@@ -52,10 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"variants to run (default all: {' '.join(NAMES)})")
     ap.add_argument("--mean-tokens", nargs="+", type=float, default=[8.0, 32.0], metavar="M",
                     help="mean tokens per expert, one run each (default 8 32)")
-    ap.add_argument("--experts", type=int, help=f"E (default {DEFAULTS.experts}, or the checkpoint's)")
-    ap.add_argument("--hidden", type=int, help=f"H (default {DEFAULTS.hidden}, or the checkpoint's)")
-    ap.add_argument("--intermediate", type=int, help=f"I (default {DEFAULTS.intermediate}, or the checkpoint's)")
-    ap.add_argument("--top-k", type=int, default=DEFAULTS.top_k)
+    models.add_shape_arguments(ap, default_from=", or the checkpoint's")
     ap.add_argument("--iterations", type=int, default=20, help="timed iterations per variant (median, min, max)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed runs before each round's timed ones")
     ap.add_argument("--rounds", type=int,
@@ -63,10 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default 4, or --iterations if fewer)")
     ap.add_argument("--settle-ms", type=float, default=500.0,
                     help="idle pause before each variant's burst of a round (0: sustained, power-capped load)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the synthetic weights, the routing, the activations and the checked experts")
     ap.add_argument("--skew", type=float, default=0.0, help="routing skew: 0 uniform, else p ~ 1/rank**skew")
-    ap.add_argument("--checkpoint", help="ModelOpt NVFP4 safetensors file (default: synthetic weights)")
-    ap.add_argument("--layer", type=int, help="layer index in the checkpoint (default: its only layer)")
+    ap.add_argument("--checkpoint", metavar="PATH",
+                    help="ModelOpt NVFP4 checkpoint: a .safetensors file, or a directory with "
+                         "model.safetensors.index.json and its shards (default: synthetic weights)")
+    ap.add_argument("--layer", type=int, help="MoE layer index in the checkpoint (default: its only one)")
     ap.add_argument("--check-experts", type=int, default=16,
                     help="experts checked against float64 on large problems (>= 16)")
     ap.add_argument("--stage-mean", type=float, default=8.0, help="mean whose stage table is printed")
@@ -101,37 +106,61 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--skew: must be finite and >= 0, got {args.skew}")
     if args.check_experts < 16:
         ap.error(f"--check-experts: must be >= 16 (use --no-check to skip checks), got {args.check_experts}")
-    if args.checkpoint and not Path(args.checkpoint).is_file():
-        ap.error(f"--checkpoint: no such file: {args.checkpoint}")
+    if args.checkpoint and not Path(args.checkpoint).exists():
+        ap.error(f"--checkpoint: no such file or directory: {args.checkpoint}")
     if args.checkpoint is None and args.layer is not None:
         ap.error("--layer: needs --checkpoint")
-    try:
-        flags_problem(args).validate()
-    except ValueError as exc:
-        ap.error(str(exc))
+    if args.model == "list":
+        print(models.table())
+        ap.exit(0)
+    if args.model is not None:
+        try:
+            models.model(args.model)
+        except ValueError as exc:
+            ap.error(str(exc))
+    if args.checkpoint is None:
+        models.resolve_shape(args, ap)  # the preset, flags over it; the checkpoint's shape otherwise
     return args
 
 
 def flags_problem(args) -> MoEProblem:
-    return MoEProblem(args.experts or DEFAULTS.experts, args.hidden or DEFAULTS.hidden,
-                      args.intermediate or DEFAULTS.intermediate, args.top_k)
+    """The problem the shape flags ask for (after parse_args, without --checkpoint)."""
+    return MoEProblem(args.experts, args.hidden, args.intermediate, args.top_k)
 
 
-def resolve_weights(args):
-    """(problem, MoEWeights or None, checkpoint report or None). Synthetic weights are drawn later
-    (only on a GPU machine); a checkpoint is read now and must match every shape flag given."""
+def resolve_problem(args):
+    """(problem, checkpoint plan or None). A checkpoint's headers are read and checked now (its
+    data later, once the memory estimate has passed); its shape must match every shape flag
+    given, and --model's preset when given."""
     if not args.checkpoint:
-        return flags_problem(args), None, None
+        return flags_problem(args).validate(), None
     given = {k: getattr(args, k) for k in ("experts", "hidden", "intermediate") if getattr(args, k) is not None}
-    problem = flags_problem(args) if len(given) == 3 else None
-    log(f"reading checkpoint {args.checkpoint}")
-    weights, report = load_checkpoint(args.checkpoint, layer=args.layer, problem=problem)
-    found = {"experts": report.experts, "hidden": report.hidden, "intermediate": report.intermediate}
+    preset = models.model(args.model) if args.model else None
+    problem = MoEProblem(given["experts"], given["hidden"], given["intermediate"]) if len(given) == 3 else None
+    log(f"reading the headers of checkpoint {args.checkpoint}")
+    plan = inspect_checkpoint(args.checkpoint, layer=args.layer, problem=problem)
+    found = {"experts": plan.experts, "hidden": plan.hidden, "intermediate": plan.intermediate}
     for k, v in given.items():
         if found[k] != v:
             raise CheckpointError(f"{args.checkpoint}: --{k} {v} does not match the checkpoint's {k}={found[k]}")
+    for k in found:
+        if preset is not None and k not in given and getattr(preset, k) != found[k]:
+            raise CheckpointError(f"{args.checkpoint}: --model {preset.name} has {k}={getattr(preset, k)}, the "
+                                  f"checkpoint's layer {plan.layer} has {k}={found[k]}")
+    top_k = args.top_k or (preset.top_k if preset else None) or plan.quant.top_k or DEFAULTS.top_k
+    if plan.skipped:
+        log(f"checkpoint: skipped {describe_skipped(plan.skipped)}")
+    log(f"checkpoint: layer {plan.layer}, {plan.experts} experts in {len(plan.files)} file(s); quantization from "
+        f"{plan.quant.source}")
+    return MoEProblem(plan.experts, plan.hidden, plan.intermediate, top_k).validate(), plan
+
+
+def load_weights(args, plan):
+    """(MoEWeights, report) of the checkpoint whose plan resolve_problem made."""
+    log(f"reading checkpoint {args.checkpoint}: layer {plan.layer}")
+    weights, report = load_checkpoint(args.checkpoint, plan=plan)
     log(report.summary())
-    return weights.problem(args.top_k).validate(), weights, report
+    return weights, report
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,8 +216,8 @@ def correct_label(entry: dict) -> str:
         return "baseline" if all(c["ok"] for c in checks) else "baseline, FAILED stage checks"
     if expect == "match":
         return "match" if all(c["ok"] for c in checks) else "MISMATCH"
-    worst = max(c["rel"] for c in checks)
-    return f"approx ({worst:.1e})"
+    rels = [c["rel"] for c in checks if c.get("rel") is not None]
+    return f"approx ({max(rels):.1e})" if rels else f"approx ({format_rel(None)})"
 
 
 def run_gpu(args, problem, weights, routings, cp) -> dict:
@@ -266,7 +295,8 @@ def run_gpu(args, problem, weights, routings, cp) -> dict:
                     entry["checks"].append({"mean": mean, "ok": res["ok"], "layer_rel": res["layer_rel"]})
                     for stage in ("x_q", "h", "a", "a_q", "out", "bf16"):
                         log(f"    {stage}: {'ok' if res[stage]['ok'] else 'FAILED'}: {res[stage]['detail']}")
-                    log(f"    layer vs float64: rel {res['layer_rel']:.2e} (bf16 {res['layer_rel_bf16']:.2e})")
+                    log(f"    layer vs float64: rel {format_rel(res['layer_rel'])} "
+                        f"(bf16 {format_rel(res['layer_rel_bf16'])})")
                 elif baseline is None:
                     entry["errors"].append(f"mean {mean}: no baseline to compare with (separate failed)")
                 elif v.expect == "match":
@@ -276,7 +306,7 @@ def run_gpu(args, problem, weights, routings, cp) -> dict:
                 elif v.expect == "approx":
                     rel = checks.approx_error(layer, ref_out, rows_sel)
                     entry["checks"].append({"mean": mean, "ok": True, "rel": rel})
-                    log(f"  {name}: rel error vs float64 {rel:.2e}")
+                    log(f"  {name}: rel error vs float64 {format_rel(rel)}")
             if name in args.variants:
                 timed[name] = v  # prepared and checked; timed below, with the others
         # Interleaved rounds: every variant runs a share of the iterations in each round, so a
@@ -379,8 +409,8 @@ def print_results(result, problem, routings, brows, lrows, srows, args) -> None:
             print(f"{r['variant']}: skipped: {entry['skipped']}")
     for mean, res in result["separate_checks"].items():
         print(f"check at mean {mean:g}: separate stage by stage on {len(res['experts'])} experts: "
-              f"{'ok' if res['ok'] else 'FAILED'}; layer vs float64 rel {res['layer_rel']:.2e} "
-              f"(bf16 output {res['layer_rel_bf16']:.2e})")
+              f"{'ok' if res['ok'] else 'FAILED'}; layer vs float64 rel {format_rel(res['layer_rel'])} "
+              f"(bf16 output {format_rel(res['layer_rel_bf16'])})")
         for stage in ("x_q", "h", "a", "a_q", "out", "bf16"):
             if not res[stage]["ok"]:
                 print(f"  {stage}: FAILED: {res[stage]['detail']}")
@@ -401,8 +431,13 @@ def main(argv=None) -> int:
     argv_list = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv_list)
     try:
-        problem, weights, report = resolve_weights(args)
-    except (CheckpointError, ValueError) as exc:
+        problem, plan = resolve_problem(args)
+        host_limit, host_source = memory.host_limit()
+        memory.require_fits(memory.routing_host(problem, args.mean_tokens), host_limit, host_source,
+                            f"drawing the routings of --mean-tokens {' '.join(f'{m:g}' for m in args.mean_tokens)}")
+        for m in args.mean_tokens:
+            memory.rows_fit_int32(problem, m)
+    except (CheckpointError, ValueError) as exc:  # MemoryLimitError is a ValueError
         print(f"run_layer: {exc}", file=sys.stderr)
         return 2
     log(f"problem {problem}")
@@ -422,6 +457,18 @@ def main(argv=None) -> int:
                                    "error": "no CUDA GPU"})
         return 1
     cp = require_gpu("run_layer")
+    try:
+        need = memory.run_layer_memory(problem, args.mean_tokens, [*args.variants, "separate"],
+                                       check=not args.no_check, skew=args.skew)
+        memory.require_fits(need.host, host_limit, host_source)
+        memory.require_fits(need.device, *memory.device_limit(cp))
+        log(f"memory: about {need.host.total / 1e9:.3g} GB host, {need.device.total / 1e9:.3g} GB device")
+        weights, report = load_weights(args, plan) if plan else (None, None)
+    except (CheckpointError, ValueError) as exc:
+        print(f"run_layer: {exc}", file=sys.stderr)
+        return 2
+    if weights is not None:
+        problem = weights.problem(problem.top_k).validate()
 
     result = run_gpu(args, problem, weights, routings, cp)
     brows = bytes_rows(problem, routings, result["gbps"])
@@ -450,15 +497,17 @@ def _jsonable(o):
         return {str(k): _jsonable(v) for k, v in o.items()}
     if isinstance(o, (list, tuple)):
         return [_jsonable(v) for v in o]
-    if isinstance(o, np.generic):
-        return o.item()
     if isinstance(o, np.ndarray):
-        return o.tolist()
+        return _jsonable(o.tolist())
+    if isinstance(o, np.generic):
+        o = o.item()
+    if isinstance(o, float) and not np.isfinite(o):
+        return None  # JSON has no NaN: null, as an undefined relative error is
     return o
 
 
 def write_json(path: str, data: dict) -> None:
-    Path(path).write_text(json.dumps(_jsonable(data), indent=1))
+    Path(path).write_text(json.dumps(_jsonable(data), indent=1, allow_nan=False))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The grouped GEMM over its tile space, like the study's tile table (tile, gemm, tokens, ms,
 GB/s, roof%): does a token tile below 128, impossible in CUTLASS, recover anything on the H200?
 
-By default one factor at a time around the heuristic's tile (token tile 8..128, N tile 64..256,
+By default one factor at a time around the heuristic's tile (token tile 8..128, block_rows 64..256,
 K step 64..256, pipeline depth); `--full` takes the whole grid. A token tile smaller than an
 expert's tokens makes the kernel take several passes over that expert's weights: that cost is
 part of what the sweep measures. Tiles that cannot be built or launched are reported with the
@@ -19,23 +19,26 @@ from dataclasses import replace
 from tabulate import tabulate
 
 from lab.device_info import setup_info
+from lab.gpu import require_gpu, run_script
+from lab.cli import study_arguments
 from lab.gemm_bench import GemmBench, log, problem_of, study_parser, write_json
 from lab.kernels import grouped_gemm as gg
 from lab.kernels.stream_read import measure_read_roofline
+from lab.models import resolve_shape
 
 TAG = "tile_sweep"
 TOKEN_TILES = (8, 16, 32, 64, 128)
-N_TILES = {64: (4, 1), 128: (2, 4), 256: (4, 4)}  # rows per CTA -> (consumer warps, 16-row tiles per warp)
+BLOCK_ROWS = {64: (4, 1), 128: (2, 4), 256: (4, 4)}  # rows per CTA -> (consumer warps, 16-row tiles per warp)
 K_STEPS = (64, 128, 256)
 STAGES = (2, 3, 4, 6)
 
 
 def candidates(base: gg.GemmConfig, full: bool) -> list[tuple[dict, object]]:
     """(tile description, GemmConfig or the reason it cannot exist) for the sweep."""
-    def make(tokens, n_tile, k_step, stages):
-        # the heuristic's own warp split for its N tile, the table's for the others
-        w, r = (base.warps, base.row_tiles) if n_tile == base.block_n else N_TILES[n_tile]
-        desc = {"token_tile": tokens, "n_tile": n_tile, "k_step": k_step, "stages": stages}
+    def make(tokens, block_rows, k_step, stages):
+        # the heuristic's own warp split for its block_rows, the table's for the others
+        w, r = (base.warps, base.row_tiles) if block_rows == base.block_rows else BLOCK_ROWS[block_rows]
+        desc = {"token_tile": tokens, "block_rows": block_rows, "k_step": k_step, "stages": stages}
         if tokens // 8 not in gg.MAX_FRAGS_CHOICES:
             return desc, f"token tile {tokens} not compiled (max {8 * gg.MAX_FRAGS_CHOICES[-1]})"
         try:
@@ -44,25 +47,28 @@ def candidates(base: gg.GemmConfig, full: bool) -> list[tuple[dict, object]]:
         except ValueError as exc:
             return desc, str(exc)
 
-    base_n = base.block_n
+    base_n = base.block_rows
     if full:
-        grid = itertools.product(TOKEN_TILES, N_TILES, K_STEPS, STAGES)
+        grid = itertools.product(TOKEN_TILES, BLOCK_ROWS, K_STEPS, STAGES)
     else:
         pts = {(base.token_tile, base_n, base.k_step, base.stages)}
         pts |= {(t, base_n, base.k_step, base.stages) for t in TOKEN_TILES}
-        pts |= {(base.token_tile, n, base.k_step, base.stages) for n in N_TILES}
+        pts |= {(base.token_tile, n, base.k_step, base.stages) for n in BLOCK_ROWS}
         pts |= {(base.token_tile, base_n, k, base.stages) for k in K_STEPS}
         pts |= {(base.token_tile, base_n, base.k_step, s) for s in STAGES}
         grid = pts
-    # grouped by weight layout (N tile, K step): each layout is prepared once
+    # grouped by weight layout (block_rows, k_step): each layout is prepared once
     return [make(*p) for p in sorted(grid, key=lambda t: (t[1], t[2], t[0], t[3]))]
 
 
 def main(argv=None) -> int:
     ap = study_parser(__doc__, [2, 4, 8, 32], 5)
-    ap.add_argument("--gemms", nargs="+", default=["w13", "w2"], choices=["w13", "w2"])
+    study_arguments(ap)
+    ap.add_argument("--gemms", nargs="+", default=["w13", "w2"], choices=["w13", "w2"], help="the GEMMs to sweep")
     ap.add_argument("--full", action="store_true", help="the whole grid, not one factor at a time")
     args = ap.parse_args(argv)
+    resolve_shape(args, ap)
+    require_gpu(TAG)  # before any output: without a GPU the script says so in one line
 
     problem = problem_of(args)
     setup = setup_info()
@@ -90,11 +96,11 @@ def main(argv=None) -> int:
                 if "error" in row:
                     log(TAG, f"{gemm} mean {mean}: {desc}: {row['error']}")
                 rows.append(row)
-    table = [[r["gemm"], r["mean_tokens"], r["token_tile"], r["n_tile"], r["k_step"], r["stages"],
+    table = [[r["gemm"], r["mean_tokens"], r["token_tile"], r["block_rows"], r["k_step"], r["stages"],
               f"{r['ms']:.3f}" if "ms" in r else "-", f"{r['gbps']:.0f}" if "gbps" in r else "-",
               f"{r['roof_pct']:.1f}" if "roof_pct" in r else r.get("error", "")[:60]] for r in rows]
     print(f"read roofline: {bw:.0f} GB/s")
-    print(tabulate(table, headers=["gemm", "tokens/expert", "token tile", "N tile", "K step", "stages", "ms",
+    print(tabulate(table, headers=["gemm", "tokens/expert", "token tile", "block_rows", "k_step", "stages", "ms",
                                    "GB/s", "roof% (or why not)"]))
     write_json(args.json, "scripts/tile_sweep.py", setup=setup,
                read_roofline=roof, rows=rows)
@@ -102,4 +108,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main, TAG))
