@@ -174,6 +174,38 @@ def layer(x, routing: Routing, weights: MoEWeights, experts=None) -> dict:
     }
 
 
+def layer_unquantized(x, routing: Routing, weights: MoEWeights, experts=None) -> tuple[np.ndarray, np.ndarray]:
+    """The layer as it would be without activation quantization: the NVFP4 weights (with their
+    globals) applied to x as given and to the SwiGLU output as computed, in float64.
+
+        h = x[row] @ dec(w13[e]).T;  a = silu(h_gate * gate_global[e]) * (h_up * up_global[e])
+        out = w2_global[e] * (a @ dec(w2[e]).T)
+
+    The error every implementation pays against it (the lab's quantized activations, a peer's
+    fp8 or bf16 arithmetic) is the error a user of the layer pays. Only the rows of `experts`
+    (default all) are computed: returns (rows, out) with rows the grouped row indices of those
+    experts in expert order and out (len(rows), H) float64."""
+    x = np.asarray(x)
+    if x.shape != (routing.tokens, weights.hidden):
+        raise ValueError(f"x must be (T, H) = ({routing.tokens}, {weights.hidden}), got {x.shape}")
+    E, I = weights.experts, weights.intermediate
+    offs = _check_offsets(routing.offsets, routing.rows, E)
+    rows, outs = [], []
+    for e in _expert_list(experts, E):
+        r0, r1 = offs[e], offs[e + 1]
+        if r1 == r0:
+            continue
+        xr = x[routing.row_token[r0:r1]].astype(np.float64)  # this expert's rows only: x may be large
+        h = xr @ nvfp4.dequantize_blocks(weights.w13_packed[e], weights.w13_scales[e]).T
+        a = _silu(h[:, :I] * float(weights.gate_global[e])) * (h[:, I:] * float(weights.up_global[e]))
+        w2d = nvfp4.dequantize_blocks(weights.w2_packed[e], weights.w2_scales[e])
+        rows.append(np.arange(r0, r1))
+        outs.append(float(weights.w2_global[e]) * (a @ w2d.T))
+    if not rows:
+        return np.zeros(0, dtype=np.int64), np.zeros((0, weights.hidden))
+    return np.concatenate(rows), np.concatenate(outs)
+
+
 def rel_frobenius(a, b) -> float:
     """||a - b||_F / ||b||_F in float64. Raises ValueError if either holds NaN or Inf.
 

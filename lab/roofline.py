@@ -1,4 +1,4 @@
-"""Bytes the MoE layer must move, per stage, and the memory-roofline time they imply.
+"""Bytes the MoE layer must move and the flops it must do, per stage, and the roofline they imply.
 
     stage   reads                                   writes
     w13     w13 weights (packed + scales), x NVFP4   h fp32 (rows, 2I)
@@ -9,6 +9,11 @@ An NVFP4 matrix of (n, K) is n*K/2 code bytes + n*K/16 scale bytes; per-tensor g
 routing metadata (a few KB) are left out. ``active=True`` counts weights only for experts
 with at least one row, as a grouped GEMM reads nothing of an expert with no rows. At the
 default shape, w13 is 2.718 GB and w2 1.359 GB (4.077 GB, decimal): the study's table.
+
+Useful flops count real rows only (no padding to a tile): 2 * rows * H * 2I for w13 and
+2 * rows * I * H for w2 (SwiGLU's few flops per element are left out). The roofline of a run
+is the larger of its bytes over the read bandwidth and its flops over the dense tensor peak,
+both measured in the same run (`binding`); the one that gives the larger time binds.
 """
 
 from __future__ import annotations
@@ -123,3 +128,26 @@ def bytes_table(problem: MoEProblem, counts, gbps: float = H200_GBPS, active: bo
         out.append({"stage": name, "weights_GB": w / 1e9, "act_GB": (t - w) / 1e9,
                     "total_GB": t / 1e9, "roofline_ms": roofline_ms(t, gbps)})
     return out
+
+
+def gemm_flops(n: int, k: int, counts) -> int:
+    """Useful flops of a grouped GEMM of (N, K) weights on experts with `counts` rows each."""
+    return 2 * int(np.asarray(counts, dtype=np.int64).sum()) * n * k
+
+
+def layer_flops(problem: MoEProblem, counts) -> dict[str, int]:
+    """{"w13", "w2", "layer"}: useful flops of the layer's two GEMMs for per-expert `counts`."""
+    H, I = problem.hidden, problem.intermediate
+    w13, w2 = gemm_flops(2 * I, H, counts), gemm_flops(H, I, counts)
+    return {"w13": w13, "w2": w2, "layer": w13 + w2}
+
+
+def binding(nbytes: float, flops: float, read_gbps: float, tensor_tflops: float) -> dict:
+    """The roofline of `nbytes` and `flops` against both ceilings: {"ms", "binds" ("read" or
+    "tensor"), "read_ms", "tensor_ms"}. Ties go to the read, the lab's usual ceiling."""
+    if read_gbps <= 0 or tensor_tflops <= 0:
+        raise ValueError(f"ceilings must be > 0, got read {read_gbps} GB/s, tensor {tensor_tflops} TFLOP/s")
+    read_ms = roofline_ms(nbytes, read_gbps)
+    tensor_ms = flops / (tensor_tflops * 1e12) * 1e3
+    binds = "tensor" if tensor_ms > read_ms else "read"
+    return {"ms": max(read_ms, tensor_ms), "binds": binds, "read_ms": read_ms, "tensor_ms": tensor_ms}

@@ -1,0 +1,238 @@
+"""The layer and each of its GEMMs over tokens per expert, from decode to prefill, against the
+peers a user would pick instead, all measured in one process against both ceilings.
+
+    python scripts/token_axis.py --json results/token_axis.json
+    python scripts/token_axis.py --mean-tokens 8 128 512 --no-peers
+    python scripts/token_axis.py --model qwen3-30b-a3b --skew 0.4
+
+First the two ceilings: the flat streaming read (GB/s) and dense fp16 x fp16 -> fp32 cuBLAS
+GEMM throughput (TFLOP/s). Then, for each mean tokens per expert: the lab's variants
+(--variants; default separate, cuda-graph, fused-swiglu, fused-layer), each checked bitwise
+against separate, and the peers (torch-bf16, torch-fp8; reported as skipped, with the way to
+get them, when torch is missing). All are timed in interleaved rounds after an idle pause, as
+run_layer times. Each time is compared with the run's roofline, the larger of bytes / read and
+useful flops / tensor peak (the table names which binds), and with the fastest peer; each
+output with a float64 layer on unquantized activations (the error a user pays), on a seeded
+sample of experts. The GEMM rows are separate's and the peers' w13 and w2 stages.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from tabulate import tabulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import peers  # noqa: E402  (after the path line above)
+from lab import checks, memory, models, reference, roofline  # noqa: E402
+from lab.cli import study_arguments  # noqa: E402
+from lab.device_info import setup_info  # noqa: E402
+from lab.gemm_bench import log, study_parser, write_json  # noqa: E402
+from lab.gpu import require_gpu, run_script  # noqa: E402
+from lab.problem import make_routing, random_activations, random_weights, tokens_for_mean  # noqa: E402
+from lab.timing import Timing  # noqa: E402
+from lab.variants import NAMES as LAB_NAMES  # noqa: E402
+from lab.variants import make as make_variant  # noqa: E402
+
+TAG = "token_axis"
+MEANS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+LAB_DEFAULT = ["separate", "cuda-graph", "fused-swiglu", "fused-layer"]
+VALID = ("baseline", "match")  # a lab variant counts for "best" only if its output is separate's
+
+
+def build_parser():
+    ap = study_parser(__doc__, MEANS, 10)
+    study_arguments(ap)
+    ap.add_argument("--variants", nargs="+", default=LAB_DEFAULT, metavar="NAME",
+                    help=f"the lab's variants (separate always runs: the others are checked against it); "
+                         f"known: {' '.join(LAB_NAMES)}")
+    ap.add_argument("--no-peers", action="store_true", help="leave out torch-bf16 and torch-fp8")
+    ap.add_argument("--skew", type=float, default=0.0, help="routing skew (lab.problem.make_routing; 0 = uniform)")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds per mean")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed runs before each timed burst")
+    ap.add_argument("--settle-ms", type=float, default=300.0,
+                    help="idle pause before each timed burst, so every burst starts below the power cap")
+    ap.add_argument("--check-experts", type=int, default=4,
+                    help="experts (seeded sample) whose rows are compared with the float64 layer")
+    return ap
+
+
+def bf16_rows(layer, rows) -> np.ndarray:
+    """Rows of the layer's bf16 output as float64."""
+    import cupy as cp
+
+    if not len(rows):
+        return np.zeros((0, layer.problem.hidden))
+    return layer.out_bf16[cp.asarray(rows)].get().view(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def rates(ms: float | None, nbytes: int, flops: int, roof: dict) -> dict:
+    """ms -> GB/s, TFLOP/s and % of the binding roofline (None where ms is None)."""
+    if ms is None:
+        return {"ms": None, "gbps": None, "tflops": None, "roof_pct": None}
+    return {"ms": ms, "gbps": nbytes / (ms * 1e-3) / 1e9, "tflops": flops / (ms * 1e-3) / 1e12,
+            "roof_pct": 100.0 * roof["ms"] / ms}
+
+
+def measure_mean(args, problem, dweights, mean: float, ceilings: dict, seed: int) -> dict:
+    """Everything measured at one mean: routing, roofline, each implementation's check and time."""
+    from lab.layer import load_layer
+    from lab.runner import Runner
+
+    E, k = problem.experts, problem.top_k
+    routing = make_routing(tokens_for_mean(mean, E, k), E, k, skew=args.skew, seed=seed)
+    counts = routing.counts
+    x = random_activations(routing.tokens, problem.hidden, seed=seed)
+    lb = roofline.layer_bytes(problem, counts, active=True)
+    fl = roofline.layer_flops(problem, counts)
+    read, tensor = ceilings["read"]["gbps"], ceilings["tensor"]["tflops"]
+    roof = roofline.binding(lb.total, fl["layer"], read, tensor)
+    point = {"mean": mean, "tokens": routing.tokens, "rows": routing.rows, "max_count": int(counts.max()),
+             "empty_experts": int((counts == 0).sum()), "bytes": lb.total, "flops": fl["layer"], "roofline": roof,
+             "impls": {}, "gemm": {}}
+    log(TAG, f"mean {mean:g}: {routing.tokens} tokens, {routing.rows} rows, max {counts.max()} on one expert; "
+             f"roofline {roof['ms']:.3f} ms ({roof['binds']} binds)")
+
+    runner = Runner()
+    layer = load_layer(runner, dweights, routing, x)
+    experts = checks.sample_experts(counts, args.check_experts, seed=seed)
+    ref_rows, ref_out = reference.layer_unquantized(x, routing, dweights.host, experts)
+
+    lab_names = ["separate"] + [n for n in args.variants if n != "separate"]
+    peer_names = [] if args.no_peers else list(peers.NAMES)
+    timed, baseline = {}, None
+    for name in lab_names + peer_names:
+        is_peer = name in peer_names
+        v = peers.make(name) if is_peer else make_variant(name)
+        entry = point["impls"][name] = {"expect": v.expect, "peer": is_peer, "check": None, "skipped": None,
+                                        "error": None, "e2e_rel": None}
+        try:
+            runner.prepare(v, layer)
+        except NotImplementedError as exc:
+            entry["skipped"] = str(exc)
+            log(TAG, f"  {name}: skipped ({exc})")
+            continue
+        except Exception as exc:  # reported in the table; the other implementations go on
+            entry["error"] = f"prepare: {type(exc).__name__}: {exc}"
+            log(TAG, f"  {name}: {entry['error']}")
+            continue
+        try:
+            if is_peer:
+                runner.run(v, layer)
+                runner.synchronize()
+                got = v.result(layer)[ref_rows].astype(np.float64)
+            else:
+                runner.checked_run(v, layer)
+                got = bf16_rows(layer, ref_rows)
+        except Exception as exc:
+            entry["error"] = f"run: {type(exc).__name__}: {exc}"
+            log(TAG, f"  {name}: {entry['error']}")
+            continue
+        entry["e2e_rel"] = checks.rel_error(got, ref_out)
+        if not is_peer:
+            if name == "separate":
+                baseline = layer.out_bf16.copy()
+                entry["check"] = {"ok": True, "detail": "baseline"}
+            elif v.expect == "match":
+                same = bool(runner.cp.array_equal(layer.out_bf16, baseline))
+                entry["check"] = {"ok": same, "detail": "bitwise equal to separate" if same else "MISMATCH"}
+            else:
+                entry["check"] = {"ok": None, "detail": v.expect}
+        log(TAG, f"  {name}: {entry['check']['detail'] if entry['check'] else 'peer'}; "
+                 f"vs float64 (unquantized activations) {checks.format_rel(entry['e2e_rel'])}")
+        timed[name] = v
+
+    # Interleaved rounds after an idle pause each (see run_layer: the power cap otherwise slows
+    # later bursts, and a drift of the machine falls on every implementation alike).
+    per_round = -(-args.iterations // args.rounds)
+    samples = {name: [] for name in timed}
+    for _ in range(args.rounds):
+        for name, v in timed.items():
+            runner.synchronize()
+            time.sleep(args.settle_ms / 1000)
+            samples[name].append(runner.time_samples(v, layer, per_round, args.warmup))
+    for name, v in timed.items():
+        t = Timing.of(np.concatenate(samples[name]))
+        entry = point["impls"][name]
+        entry["timing"] = t.as_dict()
+        entry.update(rates(t.median_ms, lb.total, fl["layer"], roof))
+        if name == "separate" or point["impls"][name]["peer"]:
+            runner.synchronize()
+            time.sleep(args.settle_ms / 1000)
+            st = runner.time_stages(v, layer, per_round, args.warmup)
+            for gemm in ("w13", "w2"):
+                if gemm in st:
+                    nb = getattr(lb, gemm).total
+                    g_roof = roofline.binding(nb, fl[gemm], read, tensor)
+                    point["gemm"].setdefault(gemm, {"roofline": g_roof, "bytes": nb, "flops": fl[gemm]})[name] = \
+                        rates(st[gemm].median_ms, nb, fl[gemm], g_roof)
+
+    valid = {n: e for n, e in point["impls"].items()
+             if not e["peer"] and e.get("ms") is not None and e["check"] and e["check"]["ok"] and e["expect"] in VALID}
+    peer_ms = {n: e["ms"] for n, e in point["impls"].items() if e["peer"] and e.get("ms") is not None}
+    point["best_lab"] = min(valid, key=lambda n: valid[n]["ms"]) if valid else None
+    point["fastest_peer"] = min(peer_ms, key=peer_ms.get) if peer_ms else None
+    for e in point["impls"].values():  # > 1: faster than the fastest peer
+        e["x_fastest_peer"] = (peer_ms[point["fastest_peer"]] / e["ms"]
+                               if point["fastest_peer"] and e.get("ms") else None)
+    return point
+
+
+def print_point(point: dict) -> None:
+    roof = point["roofline"]
+    print(f"\nmean {point['mean']:g} tokens/expert ({point['tokens']} tokens, {point['rows']} rows): roofline "
+          f"{roof['ms']:.3f} ms, {roof['binds']} binds (read {roof['read_ms']:.3f}, tensor {roof['tensor_ms']:.3f})")
+    rows = []
+    for name, e in point["impls"].items():
+        best = " (best lab)" if name == point["best_lab"] else ""
+        if e.get("ms") is None:
+            rows.append([name + best, "-", "-", "-", "-", "-", e["skipped"] or e["error"]])
+            continue
+        check = e["check"]["detail"] if e["check"] else "peer"
+        rows.append([name + best, f"{e['ms']:.3f}", f"{e['gbps']:.0f}", f"{e['tflops']:.0f}", f"{e['roof_pct']:.1f}",
+                     "-" if e["x_fastest_peer"] is None else f"{e['x_fastest_peer']:.2f}",
+                     f"{check}; e2e {checks.format_rel(e['e2e_rel'])}"])
+    print(tabulate(rows, headers=["implementation", "ms", "GB/s", "TFLOP/s", f"roof% ({roof['binds']})",
+                                  "x fastest peer", "check"]))
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    problem = models.resolve_shape(args, ap)
+    for name in args.variants:
+        if name not in LAB_NAMES:
+            ap.error(f"--variants: unknown {name!r}; known: {' '.join(LAB_NAMES)}")
+    for m in args.mean_tokens:
+        if not (m > 0 and np.isfinite(m)):
+            ap.error(f"--mean-tokens: each mean must be a positive number, got {m:g}")
+        memory.rows_fit_int32(problem, m)
+    cp = require_gpu(TAG)  # before any output: without a GPU the script says so in one line
+
+    from lab.ceilings import measure_ceilings
+    from lab.layer import upload_weights
+
+    setup = setup_info()
+    weights = random_weights(problem, seed=args.seed)
+    dweights = upload_weights(weights)
+    log(TAG, "ceilings: flat streaming read, dense fp16 cuBLAS GEMM")
+    ceilings = measure_ceilings(iterations=args.iterations)
+    log(TAG, f"read {ceilings['read']['gbps']:.0f} GB/s, tensor {ceilings['tensor']['tflops']:.0f} TFLOP/s")
+    points = []
+    for i, mean in enumerate(args.mean_tokens):
+        log(TAG, f"[{i + 1}/{len(args.mean_tokens)}] mean {mean:g}")
+        points.append(measure_mean(args, problem, dweights, mean, ceilings, seed=args.seed + i))
+        print_point(points[-1])
+        cp.get_default_memory_pool().free_all_blocks()
+    write_json(args.json, "scripts/token_axis.py", setup=setup, problem=problem.__dict__, skew=args.skew,
+               ceilings=ceilings, points=points)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_script(main, TAG))
