@@ -56,6 +56,12 @@ def test_template_instance_found_through_the_markers_shifted_back_references():
     ("_ZN1aS0_S9_SA_SZ_S10_E", "_ZN1aS_S8_S9_SY_SZ_E"),  # base 36, with a carry
     ("_Z12S1_in_a_nameS0_", "_Z12S1_in_a_nameS_"),  # source names are skipped by length
     ("_Z1fILi10ELb1EEvT_S1_", "_Z1fILi10ELb1EEvT_S0_"),  # literals and template parameters kept
+    ("_Z1fILNS0_4ModeE0ELDnEEvS1_", "_Z1fILNS_4ModeE0ELDnEEvS0_"),  # an enum literal's type is a name
+    # the GEMM's instantiation with an enum argument, as the marker spells it, and as ptxas does
+    ("_ZN8lab_gemm18grouped_gemm_nvfp4ILi4ELi4ELi128ELi3ELi1ELi0ELi1ELi0ELNS0_4ModeE0ELb0EEEvPKvPKhS6_PKiPKfPfiiiS4_"
+     "S6_S6_S8_SA_SB_iiiPiSA_SA_fPhSD_SC_PtPj",
+     "_ZN8lab_gemm18grouped_gemm_nvfp4ILi4ELi4ELi128ELi3ELi1ELi0ELi1ELi0ELNS_4ModeE0ELb0EEEvPKvPKhS5_PKiPKfPfiiiS3_"
+     "S5_S5_S7_S9_SA_iiiPiS9_S9_fPhSC_SB_PtPj"),
 ])
 def test_back_references_move_down_by_one(inside, want):
     assert jit._unshift_substitutions(inside) == want

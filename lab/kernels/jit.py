@@ -133,34 +133,52 @@ def _unshift_substitutions(mangled: str) -> str:
 
     Inside the marker's name the kernel's mangled name follows one substitution candidate of
     its own (the marker's template name), so each of the kernel's back-references counts one
-    more than in the kernel's own name. Source names are skipped by their length prefix and
-    literals to their closing E, so their characters are never read as references."""
-    out, i, n = [], 0, len(mangled)
-    while i < n:
+    more than in the kernel's own name. A small reader of the grammar the kernels use: source
+    names are skipped by their length prefix and a literal's value up to its E, so neither is
+    read as a reference, while a literal's type (an enum's nested name) is read like any name."""
+    out: list[str] = []
+
+    def token(i: int) -> int:
         c = mangled[i]
         if c.isdigit():  # <source-name>: length, identifier
             j = i
-            while j < n and mangled[j].isdigit():
+            while mangled[j].isdigit():
                 j += 1
             j += int(mangled[i:j])
             out.append(mangled[i:j])
-            i = j
-        elif c == "S" and (m := re.match(r"S([0-9A-Z]*)_", mangled[i:])):
+            return j
+        if c == "S" and (m := re.match(r"S([0-9A-Z]*)_", mangled[i:])):
             if not m.group(1):
                 raise ValueError(f"{mangled}: S_ refers to the marker, not to the kernel's name")
             seq = int(m.group(1), 36)  # S_ is candidate 0, S<seq>_ candidate seq + 1
             out.append("S_" if seq == 0 else "S" + _base36(seq - 1) + "_")
-            i += m.end()
-        elif c in "TA" and (m := re.match(r"[TA][0-9]*_", mangled[i:])):  # template parameter, array bound
+            return i + m.end()
+        if c in "TA" and (m := re.match(r"[TA][0-9]*_", mangled[i:])):  # template parameter, array bound
             out.append(m.group(0))
-            i += m.end()
-        elif c == "L" and not mangled.startswith("L_Z", i):  # <expr-primary> literal: type, value, E
-            j = mangled.index("E", i)
-            out.append(mangled[i:j + 1])
-            i = j + 1
-        else:
+            return i + m.end()
+        if c == "L" and not mangled.startswith("L_Z", i):  # literal: L <type> <value> E
+            out.append(c)
+            if mangled[i + 1] in "NS0123456789":  # a named type (an enum): read as a name
+                j = token(i + 1)
+            else:  # a builtin type: one letter, or D and one
+                j = i + (3 if mangled[i + 1] == "D" else 2)
+                out.append(mangled[i + 1:j])
+            k = mangled.index("E", j)
+            out.append(mangled[j:k + 1])
+            return k + 1
+        if c in "NIXL":  # nested name, template arguments, expression, external name: up to their E
             out.append(c)
             i += 1
+            while mangled[i] != "E":
+                i = token(i)
+            out.append("E")
+            return i + 1
+        out.append(c)
+        return i + 1
+
+    i = 0
+    while i < len(mangled):
+        i = token(i)
     return "".join(out)
 
 
