@@ -290,6 +290,29 @@ def test_gpu_quantize_input_matches_nvfp4_bit_for_bit(case):
 
 
 @pytest.mark.gpu
+def test_gpu_every_scale_code_decodes_like_kernel_e4m3_decode():
+    """Each of the 126 finite positive scale codes pinned by its block's amax (6 * s), the other
+    elements on e2m1 values and midpoints times s and one ulp beside them: the codes depend on
+    the kernel's decode of s through s * g, so they match kernel_quantize (kernel_e4m3_decode)
+    and lab.nvfp4 for every code."""
+    rng = np.random.default_rng()
+    codes = np.arange(1, 0x7F, dtype=np.uint8)
+    s = kernel_e4m3_decode(codes)
+    steps = np.concatenate([nvfp4.E2M1_VALUES[:8], MIDPOINTS])
+    el = (rng.choice(steps, (codes.size, 4, 15)) * s[:, None, None]).astype(f32)
+    el = np.where(rng.random(el.shape) < 0.5, el, np.nextafter(el, rng.choice([-np.inf, np.inf], el.shape).astype(f32)))
+    el = np.where(rng.random(el.shape) < 0.5, el, -el).astype(f32)
+    x = np.concatenate([np.broadcast_to((f32(6) * s)[:, None, None], (codes.size, 4, 1)), el], axis=-1)
+    x = x.reshape(codes.size, 64).astype(f32)
+    packed, scales, bad = gpu_quantize(x, 1.0)
+    assert bad == 0 and (scales == codes[:, None]).all()
+    kp, ks = kernel_quantize(x, 1.0)
+    np.testing.assert_array_equal(scales, ks)
+    np.testing.assert_array_equal(packed, kp)
+    assert_codes_equal(packed, scales, nvfp4.quantize(x, 1.0))
+
+
+@pytest.mark.gpu
 def test_gpu_e2m1_encode_is_kernel_e2m1_on_every_float32_in_range():
     """Every float32 in [-6, 6] (subnormals and -0.0 included) as q = x / (s * g) with s * g = 1:
     blocks of 16 whose first element 6 pins the scale to 1.0 (0x38) under global 1, so each code
