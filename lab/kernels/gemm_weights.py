@@ -158,12 +158,21 @@ def unpair_gate_up_rows(a, block_rows: int, xp=np):
 def default_layout(n: int, k: int) -> tuple[int, int]:
     """(block_rows, k_step) the heuristic uses for an (N, K) weight: the widest block of rows
     that divides N (256 = 8 warps x 2 tiles), and k_step 128 (else 64 or 256) dividing K."""
-    block_rows = next((b for b in (256, 128, 64) if n % b == 0), None)
+    return shared_layout([(n, k)])
+
+
+def shared_layout(shapes) -> tuple[int, int]:
+    """(block_rows, k_step) that every (N, K) in `shapes` can be prepared with: the widest block
+    of rows dividing every N and the first of k_step 128, 64, 256 dividing every K. Two GEMMs
+    in one launch (the fused layer, one-launch-2G) share one tile, so they need one layout;
+    N and K multiples of 64 always have one (64, 64)."""
+    shapes = [(int(n), int(k)) for n, k in shapes]
+    block_rows = next((b for b in (256, 128, 64) if all(n % b == 0 for n, _ in shapes)), None)
     if block_rows is None:
-        raise ValueError(f"N={n} must be a multiple of 64")
-    k_step = next((s for s in (128, 64, 256) if k % s == 0), None)
+        raise ValueError(f"N={' and '.join(str(n) for n, _ in shapes)} must be multiples of 64")
+    k_step = next((s for s in (128, 64, 256) if all(k % s == 0 for _, k in shapes)), None)
     if k_step is None:
-        raise ValueError(f"K={k} must be a multiple of 64")
+        raise ValueError(f"K={' and '.join(str(k) for _, k in shapes)} must be multiples of 64")
     return block_rows, k_step
 
 

@@ -29,7 +29,7 @@ from lab.kernels.gemm_config import (FUSED_SMALL_STAGES, MAX_FRAGS_CHOICES, MODE
                                      resident_ctas)
 from lab.kernels.gemm_weights import (ATOM_BYTES, ATOM_CODE_BYTES, ATOM_K, ATOM_ROWS, DECODE_MASK,  # noqa: F401
                                       ENCODE_TABLES, K_SLOTS, PreparedWeights, check_weight_shapes,
-                                      decode_words, decode_x_words, default_layout, pair_gate_up_rows, permute_k,
+                                      decode_words, decode_x_words, default_layout, pair_gate_up_rows, permute_k, shared_layout,
                                       prepare_weights, unpair_gate_up_rows, unprepare_weights)
 
 SOURCE = "grouped_gemm.cu"

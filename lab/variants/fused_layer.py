@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from lab.kernels import grouped_gemm as gg
 
-from .fused_swiglu import fusion_for, paired_w13
-from .one_launch_2g import pair_config
+from .fused_swiglu import fusion_for
+from .one_launch_2g import pair_plan
 
 name = "fused-layer"
 expect = "match"
@@ -33,8 +33,7 @@ class FusedLayer:
 
     def prepare(self, runner, layer) -> None:
         part = layer.full
-        self.cfg = pair_config(layer.w13_cfg, layer.w2_cfg)
-        self.w13 = paired_w13(layer.weights)
+        self.cfg, self.w13, self.w2 = pair_plan(layer, paired=True)
         self.fusion = fusion_for(runner, layer, part.gate_global, part.up_global, out_bf16=part.out_bf16)
         self.run(runner, layer)  # compiles, and checks the launch's arguments once
         self.graph = runner.capture(lambda: self._launch(runner, layer))
@@ -42,7 +41,7 @@ class FusedLayer:
     def _launch(self, runner, layer) -> None:
         part = layer.full
         with runner.stage("layer"):
-            gg.fused_layer(self.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, part.w2,
+            gg.fused_layer(self.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, self.w2,
                            part.w2_alpha, self.fusion, self.cfg, stream=runner.stream)
 
     def run(self, runner, layer) -> None:

@@ -19,14 +19,15 @@ name = "fused-swiglu"
 expect = "match"
 
 
-def paired_w13(weights) -> gg.PreparedWeights:
-    """w13 prepared with gate/up pairing, once per DeviceWeights (kept in its cache)."""
+def paired_w13(weights, layout: tuple[int, int] | None = None) -> gg.PreparedWeights:
+    """w13 prepared with gate/up pairing (in `layout`, default the heuristic's), once per
+    DeviceWeights and layout (kept in its cache)."""
     import cupy as cp
 
-    key = "w13_paired"
+    key = ("w13_paired", layout)
     if key not in weights.cache:
         h = weights.host
-        weights.cache[key] = gg.prepare_weights(h.w13_packed, h.w13_scales, xp=cp, pair_gate_up=True)
+        weights.cache[key] = gg.prepare_weights(h.w13_packed, h.w13_scales, xp=cp, layout=layout, pair_gate_up=True)
     return weights.cache[key]
 
 
