@@ -39,29 +39,40 @@ def dense_gemm(a, b, c, stream) -> None:
 
     k, m = a.shape
     n = b.shape[0]
-    handle = cp.cuda.device.get_cublas_handle()
-    cublas.setStream(handle, stream.ptr)
     one = np.array(1.0, dtype=np.float32)
     zero = np.array(0.0, dtype=np.float32)
-    cublas.gemmEx(handle, _CUBLAS_OP_N, _CUBLAS_OP_N, m, n, k, one.ctypes.data, a.data.ptr, _CUDA_R_16F, m,
-                  b.data.ptr, _CUDA_R_16F, k, zero.ctypes.data, c.data.ptr, _CUDA_R_32F, m,
-                  _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+    with stream:
+        handle = cp.cuda.device.get_cublas_handle()
+        cublas.setStream(handle, stream.ptr)
+        cublas.gemmEx(handle, _CUBLAS_OP_N, _CUBLAS_OP_N, m, n, k, one.ctypes.data, a.data.ptr, _CUDA_R_16F, m,
+                      b.data.ptr, _CUDA_R_16F, k, zero.ctypes.data, c.data.ptr, _CUDA_R_32F, m,
+                      _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
 
 
 def measure_tensor_peak(shapes=TENSOR_SHAPES, iterations: int = 10, seed: int = 0) -> dict:
     """Dense fp16 x fp16 -> fp32 GEMM throughput: {"tflops": best, "shapes": [{m, n, k, ms,
-    tflops}]}. Inputs are random (never zeros: a GPU draws less power on zeros)."""
+    tflops}]}. Inputs are random (never zeros: a GPU draws less power on zeros), and a few
+    outputs of each shape are checked against float64 dot products, so that a GEMM that did not
+    run cannot pass for a fast one."""
     cp = require_gpu("measure_tensor_peak")
     rng = cp.random.default_rng(seed)
     stream = cp.cuda.Stream(non_blocking=True)
     rows = []
     for m, n, k in shapes:
-        a = rng.standard_normal((k, m), dtype=cp.float32).astype(cp.float16)
-        b = rng.standard_normal((n, k), dtype=cp.float32).astype(cp.float16)
-        c = cp.empty((n, m), dtype=cp.float32)
-        t = time_cuda(lambda: dense_gemm(a, b, c, stream), iterations=iterations, warmup=3, stream=stream)
+        with stream:
+            a = rng.standard_normal((k, m), dtype=cp.float32).astype(cp.float16)
+            b = rng.standard_normal((n, k), dtype=cp.float32).astype(cp.float16)
+            c = cp.full((n, m), cp.nan, dtype=cp.float32)
+        stream.synchronize()
+        t = time_cuda(lambda a=a, b=b, c=c: dense_gemm(a, b, c, stream), iterations=iterations, warmup=3,
+                      stream=stream)
+        for j, i in ((0, 0), (n - 1, m - 1), (n // 3, m // 2)):
+            want = float(cp.asnumpy(a[:, i]).astype(np.float64) @ cp.asnumpy(b[j]).astype(np.float64))
+            got = float(c[j, i].get())
+            if not abs(got - want) <= 1e-3 * (1.0 + abs(want)):
+                raise RuntimeError(f"measure_tensor_peak: the {m}x{n}x{k} cuBLAS GEMM gave C[{i},{j}] = {got}, "
+                                   f"float64 says {want}")
         rows.append({"m": m, "n": n, "k": k, "ms": t.median_ms, "tflops": 2.0 * m * n * k / (t.median_ms * 1e-3) / 1e12})
-        del a, b, c
     cp.get_default_memory_pool().free_all_blocks()
     return {"tflops": max(r["tflops"] for r in rows), "shapes": rows}
 

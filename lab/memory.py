@@ -14,14 +14,13 @@ estimates stay above what is measured). They are upper estimates: a run that fit
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .nvfp4 import BLOCK
-from .problem import MoEProblem, expert_probabilities, tokens_for_mean
+from .problem import MoEProblem, tokens_for_mean
 
 GB = 1e9
 FLAT_READ_BYTES = 4_077_000_000  # lab/kernels/stream_read.measure_read_roofline's default buffer
@@ -85,15 +84,6 @@ def routing_host(problem: MoEProblem, means) -> Estimate:
     return Estimate("host", {"routings": sum(kept), "drawing a routing": extra})
 
 
-def padded_rows(problem: MoEProblem, mean: float, skew: float = 0.0) -> int:
-    """Rows cublas-fp16 pads every expert to (E x the largest count): the hottest expert's
-    expected count, plus six standard deviations, at most every token."""
-    tokens = tokens_for_mean(mean, problem.experts, problem.top_k)
-    p = float(expert_probabilities(problem.experts, skew).max()) if skew else 1.0 / problem.experts
-    expect = tokens * min(1.0, problem.top_k * p)
-    return problem.experts * min(tokens, int(math.ceil(expect + 6 * math.sqrt(expect) + 6)))
-
-
 def run_layer_memory(problem: MoEProblem, means, variants=(), check: bool = True, skew: float = 0.0) -> RunMemory:
     """Host and device memory at the peak of run_layer's GPU run: weights, routings, one mean's
     batch at a time (the largest), the layouts `variants` add, and the flat read."""
@@ -124,8 +114,12 @@ def run_layer_memory(problem: MoEProblem, means, variants=(), check: bool = True
         layouts["w13 paired for the fused epilogue"] = w13
     if "fold-b" in variants:
         layouts["w13 folded (fold-b)"] = w13
-    if variants & {"cublas-fp16", "cublas-fp16-experts"}:
-        layouts["fp16 weights (cublas)"] = e * (2 * i * h + h * i) * 2
+    if "torch-bf16" in variants:  # peers/torch_grouped.py: its own weights, and one expert chunk's float32
+        layouts["bf16 weights (torch-bf16)"] = e * 3 * i * h * 2
+    if "torch-fp8" in variants:
+        layouts["fp8 weights and row scales (torch-fp8)"] = e * 3 * i * h + e * (2 * i + h) * 4
+    if variants & {"torch-bf16", "torch-fp8"}:
+        layouts["dequantization chunk (torch)"] = 8 * 2 * i * h * (4 + 8 + 4)
     batch_dev = 0
     for m in means:
         rows, t = rows_tokens(m)
@@ -133,9 +127,8 @@ def run_layer_memory(problem: MoEProblem, means, variants=(), check: bool = True
         b += rows * (h * (0.5 + 1 / BLOCK) + 2 * i * 4 + i * (0.5 + 1 / BLOCK) + h * 4 + h * 2)  # layer buffers
         if check:
             b += rows * i * (4 + 0.5 + 1 / BLOCK)
-        if variants & {"cublas-fp16", "cublas-fp16-experts"}:
-            pad = padded_rows(problem, m, skew)
-            b += pad * (h * 2 + 2 * i * 2 + i * 4 + i * (0.5 + 1 / BLOCK) + i * 2 + h * 2) + rows * h * 2
+        for peer in variants & {"torch-bf16", "torch-fp8"}:  # x rows, h, a (and its fp32 copy), out
+            b += rows * (h * 2 + 2 * i * 2 + i * (2 + 4) + h * 2) + (rows * (h + i) * 4 if peer == "torch-fp8" else 0)
         batch_dev = max(batch_dev, int(b))
     # the flat read runs once, before any variant adds a layout or a batch is loaded
     timed = Estimate("device", {**layouts, "one mean's batch": batch_dev})

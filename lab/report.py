@@ -32,7 +32,7 @@ RUN_ALL = ("python scripts/run_layer.py --variants separate cuda-graph fused-swi
            "one-launch-2G --json results/run_layer.json")
 # study -> the script that writes results/<study>.json
 STUDIES = {"read_roofline": "scripts/read_roofline.py", "chunk_study": "scripts/chunk_study.py",
-           "tile_sweep": "scripts/tile_sweep.py"}
+           "tile_sweep": "scripts/tile_sweep.py", "token_axis": "scripts/token_axis.py"}
 # The page and the runs it renders, from the repository root: the current run of each script
 # under results/. `python scripts/report.py` with no arguments renders exactly these, so the
 # committed page is reproducible; a new run replaces its file here or is added to this list.
@@ -43,6 +43,7 @@ PAGE_RUNS = {
     "read_roofline": "results/read_roofline.json",
     "chunk_study": "results/chunk_study.json",
     "tile_sweep": "results/tile_sweep.json",
+    "token_axis": "results/token_axis.json",
 }
 # The key scripts/report.py gives each run it loads: the file the page cites for it.
 FILE_KEY = "_file"
@@ -313,14 +314,14 @@ def _stage_mean(run: dict) -> str | None:
 
 def gemm_table(rows: list[dict]) -> str:
     held = any(r.get("sustained_ms") is not None for r in rows)
-    head = ["gemm", "tokens/expert", "tile warps,row_tiles,k_step,stages,max_frags,mma", "ms", "% roofline", "read-pattern % roofline",
-            "cuBLAS fp16 ms"] + (["held ms", "held % roofline"] if held else [])
+    head = ["gemm", "tokens/expert", "tile warps,row_tiles,k_step,stages,max_frags,mma", "ms", "% roofline",
+            "read-pattern % roofline"] + (["held ms", "held % roofline"] if held else [])
     body = []
     for r in rows:
         c = r["config"]
         tile = f"{c['warps']},{c['row_tiles']},{c['k_step']},{c['stages']},{c['max_frags']},{c.get('mma', 0)}"
         body.append([r["gemm"], r["mean_tokens"], tile, _fmt(r["ms"]), _fmt(r["roof_pct"], 1),
-                     _fmt(r.get("read_pattern_roof_pct"), 1), _fmt(r.get("cublas_ms"))]
+                     _fmt(r.get("read_pattern_roof_pct"), 1)]
                     + ([_fmt(r.get("sustained_ms")), _fmt(r.get("sustained_roof_pct"), 1)] if held else []))
     return tabulate(body, head, tablefmt="github")
 
@@ -350,6 +351,112 @@ def verdicts(rows: list[dict], stages: list[dict], gemm_rows: list[dict], means:
     """Every layer and GEMM verdict as one flat list of sentences."""
     return [s for v in layer_verdicts(rows, stages, means).values() for s in v] + gemm_verdicts(gemm_rows)
 
+
+# ---------------------------------------------------------------------------------------------
+# token axis (token_axis.json): the layer from decode to prefill against the peers
+# ---------------------------------------------------------------------------------------------
+
+
+def _ta_impl(point: dict, name: str) -> dict | None:
+    e = point["impls"].get(name)
+    return e if e is not None and e.get("ms") is not None else None
+
+
+def token_axis_table(points: list[dict]) -> str:
+    """One row per mean: the roofline and what binds, the lab's best valid variant, separate and
+    each peer (ms and % of the binding roofline), the best's ratio to the fastest peer."""
+    peer_names = list(dict.fromkeys(n for p in points for n, e in p["impls"].items() if e["peer"]))
+    head = (["tokens/expert", "roofline ms (binds)", "best lab variant", "ms", "roof%", "separate ms"] +
+            [f"{n} ms" for n in peer_names] + ["x fastest peer", "error vs float64: lab / " + " / ".join(peer_names)])
+    body = []
+    for p in points:
+        best = _ta_impl(p, p["best_lab"]) if p.get("best_lab") else None
+        sep = _ta_impl(p, "separate")
+        row = [f"{p['mean']:g}", f"{p['roofline']['ms']:.3f} ({p['roofline']['binds']})",
+               p.get("best_lab") or "-", _fmt(best and best["ms"]), _fmt(best and best["roof_pct"], 1),
+               _fmt(sep and sep["ms"])]
+        row += [_fmt(_ta_impl(p, n) and _ta_impl(p, n)["ms"]) for n in peer_names]
+        row.append(_fmt(best and best["x_fastest_peer"], 2))
+        errs = [best and best.get("e2e_rel")] + [_ta_impl(p, n) and _ta_impl(p, n).get("e2e_rel") for n in peer_names]
+        row.append(" / ".join("-" if e is None else f"{e:.1e}" for e in errs))
+        body.append(row)
+    return tabulate(body, head, tablefmt="github", disable_numparse=True)
+
+
+def token_axis_gemm_table(points: list[dict]) -> str:
+    """Each GEMM stage of separate and of the peers: ms and % of that GEMM's binding roofline."""
+    names = list(dict.fromkeys(n for p in points for g in p.get("gemm", {}).values() for n in g
+                               if n not in ("roofline", "bytes", "flops")))
+    head = ["tokens/expert", "gemm", "roofline ms (binds)"] + [f"{n} ms (roof%)" for n in names]
+    body = []
+    for p in points:
+        for gemm, g in p.get("gemm", {}).items():
+            body.append([f"{p['mean']:g}", gemm, f"{g['roofline']['ms']:.3f} ({g['roofline']['binds']})"] +
+                        ["-" if n not in g else f"{g[n]['ms']:.3f} ({g[n]['roof_pct']:.0f}%)" for n in names])
+    return tabulate(body, head, tablefmt="github", disable_numparse=True)
+
+
+def token_axis_verdicts(ta: dict) -> list[str]:
+    """Where NVFP4 on the H200 beats each peer and by how much, where it does not and what binds
+    there, and the accuracy each implementation pays."""
+    points = sorted(ta["points"], key=lambda p: p["mean"])
+    out = []
+    peer_names = list(dict.fromkeys(n for p in points for n, e in p["impls"].items() if e["peer"]))
+    if not peer_names or not any(_ta_impl(p, n) for p in points for n in peer_names):
+        skipped = {e.get("skipped") for p in points for e in p["impls"].values() if e["peer"] and e.get("skipped")}
+        return [f"No peer was measured{': ' + '; '.join(sorted(skipped)) if skipped else ''}."]
+    for n in peer_names:
+        ratios = [(p["mean"], _ta_impl(p, n)["ms"] / _ta_impl(p, p["best_lab"])["ms"]) for p in points
+                  if _ta_impl(p, n) and p.get("best_lab")]
+        if not ratios:
+            continue
+        wins = [(m, r) for m, r in ratios if r > 1 + NOISE_PCT / 100]
+        losses = [(m, r) for m, r in ratios if r < 1 - NOISE_PCT / 100]
+        lead = []
+        for m, r in ratios:  # the lab leads from the smallest mean up to the first mean it does not
+            if r <= 1 + NOISE_PCT / 100:
+                break
+            lead.append((m, r))
+        if lead:
+            text = (f"Against {n}, the lab's best valid variant is faster at every mean from {lead[0][0]:g} to "
+                    f"{lead[-1][0]:g} tokens per expert: {min(r for _, r in lead):.2f}x to "
+                    f"{max(r for _, r in lead):.2f}x.")
+        else:
+            text = f"Against {n}, the lab is not faster at the smallest mean measured ({ratios[0][0]:g})."
+        if losses:
+            text += (f" It is slower at {', '.join(f'{m:g}' for m, _ in losses)} "
+                     f"({', '.join(f'{1 / r:.2f}x' for _, r in losses)} the peer's time).")
+        elif len(wins) == len(ratios):
+            text += " It is faster at every mean measured."
+        out.append(text)
+    slow = [p for p in points if p.get("fastest_peer") and p.get("best_lab")
+            and _ta_impl(p, p["best_lab"])["x_fastest_peer"] < 1 - NOISE_PCT / 100]
+    for p in slow:
+        best = _ta_impl(p, p["best_lab"])
+        out.append(f"At {p['mean']:g} tokens per expert the binding ceiling is the {p['roofline']['binds']} one; "
+                   f"the lab's {p['best_lab']} reaches {best['roof_pct']:.0f}% of it ({best['tflops']:.0f} TFLOP/s, "
+                   f"{best['gbps']:.0f} GB/s) against {p['fastest_peer']}'s "
+                   f"{_ta_impl(p, p['fastest_peer'])['roof_pct']:.0f}%.")
+    errs = {}
+    for p in points:
+        for n, e in p["impls"].items():
+            if e.get("e2e_rel") is not None and (e["peer"] or n == p.get("best_lab")):
+                errs.setdefault("lab (W4A4)" if not e["peer"] else n, []).append(e["e2e_rel"])
+    if errs:
+        out.append("Error against the float64 layer on unquantized activations (what a user pays), over the "
+                   "means: " + "; ".join(f"{k} {min(v):.1e}-{max(v):.1e}" for k, v in errs.items()) + ".")
+    return out
+
+
+def token_axis_section(ta: dict) -> list[str]:
+    c = ta["ceilings"]
+    points = sorted(ta["points"], key=lambda p: p["mean"])
+    return [f"From {_source(ta)}; flat read {c['read']['gbps']:.0f} GB/s, dense fp16 tensor peak "
+            f"{c['tensor']['tflops']:.0f} TFLOP/s (cuBLAS), both in this run. The roofline of each mean is the "
+            f"larger of its bytes over the read and its useful flops over the tensor peak; roof% is against that "
+            f"one. x fastest peer = the fastest peer's ms / the lab's (above 1: the lab is faster).", "",
+            token_axis_table(points), "", "Each GEMM (separate's stages and the peers'):", "",
+            token_axis_gemm_table(points), "", "Verdicts:", ""] + [f"- {v}" for v in token_axis_verdicts(ta)] + [""]
 
 # ---------------------------------------------------------------------------------------------
 # read roofline (read_roofline.json): mainloop or access pattern?
@@ -549,7 +656,7 @@ def _source(run: dict) -> str:
 
 def render(layer_runs: list[dict], gemm_runs: list[dict], out_md: Path, charts: bool = True,
            read_roofline: dict | None = None, chunk_study: dict | None = None,
-           tile_sweep: dict | None = None) -> str:
+           tile_sweep: dict | None = None, token_axis: dict | None = None) -> str:
     """Write the findings page and return its markdown. The page links its charts whether or not
     they are drawn: with ``charts`` and matplotlib they are (re)drawn beside it, otherwise the
     files there are left as they are. A study passed as None is reported as not measured, naming
@@ -565,6 +672,13 @@ def render(layer_runs: list[dict], gemm_runs: list[dict], out_md: Path, charts: 
               "`lab/report.py` lists; every figure comes from those files, and every comparison is between "
               "figures of one run."), "",
              "## Setup", "", tabulate([[k, v] for k, v in setup.items()], ["", ""], tablefmt="github"), ""]
+    parts += ["## Token axis: from decode to prefill, against the fastest peer", ""]
+    if token_axis is None:
+        parts += [missing("token_axis"), ""]
+    else:
+        parts += token_axis_section(token_axis) + [f"![{TOKEN_ALT}]({TOKEN_PNG})", ""]
+        if plt is not None:
+            _token_chart(plt, token_axis, out_md.parent / TOKEN_PNG)
     for i, run in enumerate(layer_runs, 1):
         means = layer_means(run)
         parts += [f"## Layer, run {i} ({_source(run)})", "",
@@ -634,6 +748,8 @@ def charts_of(text: str) -> list[str]:
 # charts (matplotlib, imported only here)
 # ---------------------------------------------------------------------------------------------
 
+TOKEN_PNG = "token-axis-h200.png"
+TOKEN_ALT = "time per token over tokens per expert: the lab, the peers and both ceilings"
 LAYER_PNG = "layer-h200.png"
 LAYER_ALT = "layer variants against the read roofline, every run"
 TILE_PNG = "tile-sweep-h200.png"
@@ -817,6 +933,49 @@ def _tile_chart(plt, sweep: dict, path: Path) -> None:
     ax.set_title(f"Tile sweep: best tile per token tile (whiskers down to the worst block_rows, K step, stages)\n"
                  f"{sweep.get(FILE_KEY, sweep.get('script', '?'))}, {sweep.get('setup', {}).get('lab_commit', '?')}: "
                  f"flat read {sweep['read_roofline']['gbps']:.0f} GB/s", fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def _token_chart(plt, ta: dict, path: Path) -> None:
+    """Time per token over tokens per expert (both log): the lab's best valid variant, separate
+    and each peer, and both ceilings as dashed lines (the roofline is the higher of the two)."""
+    points = sorted(ta["points"], key=lambda p: p["mean"])
+    xs = [p["mean"] for p in points]
+    fig, ax = plt.subplots(figsize=(12.5, 6.2))
+
+    def per_token(p, ms):
+        return None if ms is None else 1e3 * ms / p["tokens"]
+
+    series = {"lab, best valid variant": [per_token(p, (_ta_impl(p, p["best_lab"]) or {}).get("ms"))
+                                          if p.get("best_lab") else None for p in points],
+              "lab, separate": [per_token(p, (_ta_impl(p, "separate") or {}).get("ms")) for p in points]}
+    for n in dict.fromkeys(n for p in points for n, e in p["impls"].items() if e["peer"]):
+        series[n] = [per_token(p, (_ta_impl(p, n) or {}).get("ms")) for p in points]
+    styles = {"lab, best valid variant": ("C0", "-", "o"), "lab, separate": ("C0", ":", "."),
+              "torch-bf16": ("C1", "-", "s"), "torch-fp8": ("C3", "-", "^")}
+    for label, ys in series.items():
+        pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+        if pts:
+            c, ls, mk = styles.get(label, (None, "-", "o"))
+            ax.plot(*zip(*pts), color=c, linestyle=ls, marker=mk, label=label)
+    for key, label, color in (("read_ms", "read ceiling (bytes / flat read)", "k"),
+                              ("tensor_ms", "tensor ceiling (useful flops / fp16 peak)", "0.5")):
+        ax.plot(xs, [1e3 * p["roofline"][key] / p["tokens"] for p in points], color=color, linestyle="--",
+                linewidth=1.2, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(xs, [f"{x:g}" for x in xs])
+    ax.set_xlabel("mean tokens per expert")
+    ax.set_ylabel("microseconds per token (layer)")
+    ax.grid(alpha=0.3, which="both")
+    c = ta["ceilings"]
+    ax.set_title(f"The layer over tokens per expert: lab, peers and both ceilings\n"
+                 f"{ta.get(FILE_KEY, ta.get('script', '?'))}, {ta.get('setup', {}).get('lab_commit', '?')}: "
+                 f"flat read {c['read']['gbps']:.0f} GB/s, fp16 tensor {c['tensor']['tflops']:.0f} TFLOP/s",
+                 fontsize=10)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)

@@ -5,16 +5,16 @@ For w13 and w2 of the study's problem at each mean tokens per expert it times
   - `read-pattern`: the GEMM's own grid, pipeline and copies with no decode or MMA (the
     achievable read rate of exactly this access pattern),
   - the GEMM itself,
-  - cuBLAS on fp16 weights dequantized at load (e2m1 x e4m3 is exact in fp16), strided-batched
-    over experts padded to the largest count: the row a user would pick instead,
 and prints one table (gemm, tokens, ms, GB/s, % of roofline, % of same-pattern read).
 Every figure is a burst (20 runs between host-side checks). With `--sustain-ms` the flat read
 and each GEMM are also timed after that long of back-to-back runs: held load trips the H200's
 700 W power cap, which slows the GEMM by ~10% and the flat read not at all (notes/gemm.md v15).
+The GEMMs a user would run instead (torch's grouped GEMMs on bf16 and fp8 weights) are timed
+stage by stage, beside the lab's, by scripts/token_axis.py.
 "Bytes" are what the GEMM must move: weights of experts with tokens, activations in, fp32 out.
 
     python scripts/bench_gemm.py --json results/bench_gemm.json
-    python scripts/bench_gemm.py --sustain-ms 1000 --no-cublas --json results/bench_gemm_sustained.json
+    python scripts/bench_gemm.py --sustain-ms 1000 --json results/bench_gemm_sustained.json
     python scripts/bench_gemm.py --mean-tokens 8 --config 4,4,128,4 --config 8,2,128,4,1 --config 4,4,128,3,0,2
     python scripts/bench_gemm.py --model qwen3-235b-a22b       (--model list: the presets)
 """
@@ -27,7 +27,6 @@ import sys
 import numpy as np
 from tabulate import tabulate
 
-from lab import nvfp4
 from lab.cli import study_arguments
 from lab.device_info import setup_info
 from lab.gemm_bench import GemmBench, log, problem_of, study_parser, write_json
@@ -54,7 +53,6 @@ def main(argv=None) -> int:
     study_arguments(ap)
     ap.add_argument("--skew", type=float, default=0.0, help="routing skew: 0 uniform, else p ~ 1/rank**skew")
     ap.add_argument("--check-experts", type=int, default=16, help="experts checked against float64 (0: none)")
-    ap.add_argument("--no-cublas", action="store_true", help="leave out the cuBLAS fp16 rows")
     ap.add_argument("--config", type=parse_config, action="append", default=[],
                     help="override the tile: warps,row_tiles,k_step,stages[,mma[,ctas_per_sm]] (token tile from "
                          "the heuristic; mma 0 = mma.sync, 1 = wgmma; ctas_per_sm 0 = as many as fit); repeat to "
@@ -109,22 +107,20 @@ def main(argv=None) -> int:
                     log(TAG, f"  check vs float64 on {sample.size} experts: rel Frobenius {err:.2e}")
                 if row["unwritten"]:
                     log(TAG, f"  ERROR: {row['unwritten']} output elements not written")
-                if not args.no_cublas:
-                    row.update(bench_cublas(cp, bench.gemms[gemm], case, args.iterations))
                 rows_out.append(row)
                 log(TAG, f"  gemm {row['ms']:.3f} ms ({row['roof_pct']:.1f}% of roofline), read pattern "
-                         f"{row['read_pattern_ms']:.3f} ms, cublas-fp16 {row.get('cublas_ms', float('nan')):.3f} ms")
+                         f"{row['read_pattern_ms']:.3f} ms")
 
     table = [[r["gemm"], r["mean_tokens"], "{warps},{row_tiles},{k_step},{stages},{max_frags},{mma},{ctas_per_sm}".format(**r["config"]),
               f"{r['ms']:.3f}", f"{r['gbps']:.0f}", f"{r['roof_pct']:.1f}", f"{r['pattern_pct']:.1f}",
-              f"{r['read_pattern_ms']:.3f}", f"{r.get('cublas_ms', float('nan')):.3f}"]
+              f"{r['read_pattern_ms']:.3f}"]
              + ([f"{r['sustained_ms']:.3f}", f"{r['sustained_roof_pct']:.1f}"] if args.sustain_ms else [])
              for r in rows_out]
     print(f"read roofline: {bw:.0f} GB/s (flat streaming read, {roof['bytes'] / 1e9:.3f} GB)"
           + (f"; {roof['sustained']['gbps']:.0f} GB/s after {args.sustain_ms:g} ms of back-to-back reads"
              if args.sustain_ms else ""))
     print(tabulate(table, headers=["gemm", "tokens/expert", "tile warps,row_tiles,k_step,stages,max_frags,mma,ctas_per_sm", "ms", "GB/s", "% roofline",
-                                   "% same-pattern read", "read-pattern ms", "cublas-fp16 ms"]
+                                   "% same-pattern read", "read-pattern ms"]
                    + (["sustained ms", "sustained % roofline"] if args.sustain_ms else [])))
     for c in checks:
         print(f"check {c['gemm']} mean {c['mean']}: rel Frobenius {c['rel_frobenius']:.2e} on {len(c['experts'])} experts")
@@ -141,40 +137,6 @@ def sustained_read(cp, args, nbytes: int = 4_077_000_000) -> dict:
     first = time_cuda(lambda: stream_read(buf, sink), iterations=3, warmup=1)
     t = time_sustained(lambda: stream_read(buf, sink), first.median_ms, args.sustain_ms, args.iterations)
     return {"ms": t.median_ms, "gbps": buf.nbytes / (t.median_ms * 1e-3) / 1e9, "sustain_ms": args.sustain_ms}
-
-
-def dequant_fp16(cp, packed, scales, chunk: int = 16):
-    """(E, N, K) fp16 of e2m1 x e4m3 (no global): exact in fp16."""
-    e, n, k2 = packed.shape
-    out = cp.empty((e, n, 2 * k2), dtype=cp.float16)
-    lut = cp.asarray(nvfp4.E2M1_VALUES.astype(np.float16))
-    slut = cp.asarray(nvfp4.decode_e4m3(np.arange(256, dtype=np.uint8)).astype(np.float16))
-    for e0 in range(0, e, chunk):
-        p = cp.asarray(packed[e0:e0 + chunk])
-        codes = cp.stack([lut[p & 0xF], lut[p >> 4]], axis=-1).reshape(p.shape[0], n, 2 * k2)
-        s = slut[cp.asarray(scales[e0:e0 + chunk])]
-        out[e0:e0 + chunk] = (codes.reshape(p.shape[0], n, -1, 16) * s[..., None]).reshape(codes.shape)
-    return out
-
-
-def bench_cublas(cp, g, case, iterations) -> dict:
-    """fp16 weights (exact e2m1 x e4m3) through cuBLAS strided-batched GEMM over padded experts."""
-    if "fp16" not in g:
-        g["fp16"] = dequant_fp16(cp, g["packed"], g["scales"])  # (E, N, K)
-    wt = g["fp16"]
-    e, k = wt.shape[0], case.k
-    m = int(case.counts.max())
-    lut = cp.asarray(nvfp4.E2M1_VALUES.astype(np.float16))
-    slut = cp.asarray(nvfp4.decode_e4m3(np.arange(256, dtype=np.uint8)).astype(np.float16))
-    codes = cp.stack([lut[case.d_xp & 0xF], lut[case.d_xp >> 4]], axis=-1).reshape(case.rows, k)
-    xdec = (codes.reshape(-1, k // 16, 16) * slut[case.d_xs][..., None]).reshape(-1, k)
-    xpad = cp.zeros((e, m, k), dtype=cp.float16)
-    for ex in np.flatnonzero(case.counts):
-        xpad[ex, :case.counts[ex]] = xdec[case.offsets[ex]:case.offsets[ex + 1]]
-    wT = wt.transpose(0, 2, 1)
-    out = cp.empty((e, m, case.n), dtype=cp.float16)
-    t = time_cuda(lambda: cp.matmul(xpad, wT, out=out), iterations=max(3, iterations // 2))
-    return {"cublas_ms": t.median_ms, "cublas_padded_m": m}
 
 
 if __name__ == "__main__":

@@ -27,15 +27,20 @@ import sys
 import time
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 from tabulate import tabulate
 
-from lab import memory, models, roofline
+from lab import memory, models, reference, roofline
 from lab.checkpoint import CheckpointError, describe_skipped, inspect_checkpoint, load_checkpoint
 from lab.checks import format_rel
 from lab.timing import Timing
 from lab.problem import MoEProblem, make_routing, random_activations, random_weights, tokens_for_mean
-from lab.variants import NAMES
+from lab.variants import NAMES as LAB_NAMES
+
+import peers
+
+NAMES = (*LAB_NAMES, *peers.NAMES)  # the lab's variants, then the peers a user would run instead
 
 DEFAULTS = MoEProblem()
 SMALL_WEIGHT_BYTES = 256 << 20  # at most this much weight: check every expert against float64
@@ -226,7 +231,10 @@ def run_gpu(args, problem, weights, routings, cp) -> dict:
     from lab.kernels.stream_read import measure_read_roofline
     from lab.layer import load_layer, upload_weights
     from lab.runner import Runner
-    from lab.variants import make
+    from lab.variants import make as make_lab
+
+    def make(name):
+        return peers.make(name) if name in peers.NAMES else make_lab(name)
 
     setup = setup_info()
     log(f"device: {setup.get('gpu')}")
@@ -237,11 +245,14 @@ def run_gpu(args, problem, weights, routings, cp) -> dict:
     dweights = upload_weights(weights)
     cp.cuda.Device().synchronize()
 
-    log("read roofline: flat streaming read")
+    from lab.ceilings import measure_tensor_peak
+
+    log("ceilings: flat streaming read, dense fp16 cuBLAS GEMM")
     roof = measure_read_roofline(iterations=args.iterations)
     cp.get_default_memory_pool().free_all_blocks()
     gbps = roof["gbps"]
-    log(f"read roofline {gbps:.0f} GB/s")
+    tensor = measure_tensor_peak(iterations=max(3, args.iterations // 2))
+    log(f"read roofline {gbps:.0f} GB/s, dense fp16 tensor peak {tensor['tflops']:.0f} TFLOP/s")
 
     small = weights.nbytes() <= SMALL_WEIGHT_BYTES
     order = list(args.variants)
@@ -261,6 +272,8 @@ def run_gpu(args, problem, weights, routings, cp) -> dict:
         n_check = problem.experts if small else args.check_experts
         experts = checks.sample_experts(routing.counts, n_check, seed=args.seed + i)
         rows_sel = checks.expert_rows(layer.offsets_host, experts)
+        if not args.no_check:  # the float64 layer on unquantized activations: the error a user pays
+            e2e_rows, e2e_ref = reference.layer_unquantized(x, routing, dweights.host, experts)
         baseline, ref_out = None, None
         timed: dict = {}
         for name in order:
@@ -284,8 +297,13 @@ def run_gpu(args, problem, weights, routings, cp) -> dict:
                     entry["errors"].append(f"mean {mean}: {type(exc).__name__}: {exc}")
                     log(f"  {name}: {type(exc).__name__}: {exc}")
                     continue
-                bits = layer.out_bf16.get()
-                entry["checksum"][mean] = checks.checksum(bits)
+                out_peer = v.result(layer) if hasattr(v, "result") else None  # a peer keeps its output
+                bits = layer.out_bf16.get() if out_peer is None else None
+                if bits is not None:
+                    entry["checksum"][mean] = checks.checksum(bits)
+                got = out_peer[e2e_rows] if out_peer is not None else \
+                    bits[e2e_rows].view(ml_dtypes.bfloat16).astype(np.float64)
+                entry.setdefault("e2e_rel", {})[mean] = checks.rel_error(got, e2e_ref)
                 if name == "separate":
                     log(f"  separate: checking stage by stage on {len(experts)} experts against float64")
                     res = checks.check_separate(runner, layer, experts)
@@ -304,9 +322,11 @@ def run_gpu(args, problem, weights, routings, cp) -> dict:
                     entry["checks"].append({"mean": mean, "ok": ok, "detail": msg})
                     log(f"  {name}: {'match' if ok else 'MISMATCH'} ({msg})")
                 elif v.expect == "approx":
-                    rel = checks.approx_error(layer, ref_out, rows_sel)
+                    rel = entry["e2e_rel"][mean] if out_peer is not None else \
+                        checks.approx_error(layer, ref_out, rows_sel)
                     entry["checks"].append({"mean": mean, "ok": True, "rel": rel})
                     log(f"  {name}: rel error vs float64 {format_rel(rel)}")
+                log(f"  {name}: vs float64 on unquantized activations {format_rel(entry['e2e_rel'][mean])}")
             if name in args.variants:
                 timed[name] = v  # prepared and checked; timed below, with the others
         # Interleaved rounds: every variant runs a share of the iterations in each round, so a
@@ -345,23 +365,32 @@ def run_gpu(args, problem, weights, routings, cp) -> dict:
         cp.get_default_memory_pool().free_all_blocks()
 
     return {"setup": setup, "read_roofline": roof, "table": table, "separate_checks": separate_checks,
-            "stages": stages, "gbps": gbps, "gpu_states": gpu_states}
+            "stages": stages, "gbps": gbps, "tensor_peak": tensor, "gpu_states": gpu_states}
 
 
 def layer_rows(result: dict, problem, routings, variants) -> list[dict]:
-    gbps = result["gbps"]
+    """One row per variant: ms, % of the binding roofline (the larger of bytes / read and useful
+    flops / tensor peak, both measured in this run), its time against the fastest peer's, and
+    its error against float64 on unquantized activations."""
+    gbps, tflops = result["gbps"], result["tensor_peak"]["tflops"]
+    peer_ms = {m: [result["table"][n]["ms"][m] for n in variants if n in peers.NAMES and m in result["table"][n]["ms"]]
+               for m in routings}
     rows = []
     for name in variants:
         entry = result["table"][name]
-        row = {"variant": name, "expect": entry["expect"], "correct": correct_label(entry),
+        row = {"variant": name, "expect": entry["expect"], "peer": name in peers.NAMES, "correct": correct_label(entry),
                "checks": entry["checks"], "checksum": entry["checksum"], "timing": entry["timing"],
-               "stage_ms": entry["stages"]}
+               "stage_ms": entry["stages"], "e2e_rel": {f"{m:g}": v for m, v in entry.get("e2e_rel", {}).items()}}
         for mean, routing in routings.items():
             ms = entry["ms"].get(mean)
-            roof_ms = roofline.roofline_ms(roofline.layer_bytes(problem, routing.counts, active=True).total, gbps)
+            roof = roofline.binding(roofline.layer_bytes(problem, routing.counts, active=True).total,
+                                    roofline.layer_flops(problem, routing.counts)["layer"], gbps, tflops)
             row[f"ms@{mean:g}"] = ms
-            row[f"roof%@{mean:g}"] = None if ms is None else 100 * roof_ms / ms
-            row[f"roofline_ms@{mean:g}"] = roof_ms
+            row[f"roof%@{mean:g}"] = None if ms is None else 100 * roof["ms"] / ms
+            row[f"roofline_ms@{mean:g}"] = roof["ms"]
+            row[f"binds@{mean:g}"] = roof["binds"]
+            fastest = min(peer_ms[mean]) if peer_ms[mean] else None
+            row[f"x_fastest_peer@{mean:g}"] = None if ms is None or fastest is None else fastest / ms
         rows.append(row)
     return rows
 
@@ -398,10 +427,18 @@ def print_results(result, problem, routings, brows, lrows, srows, args) -> None:
     roof = result["read_roofline"]
     print(f"\nread bandwidth (flat streaming read of {roof['bytes'] / 1e9:.3f} GB, this run): {result['gbps']:.0f} GB/s")
     means = list(routings)
-    headers = ["variant"] + [f"ms @{m:g}" for m in means] + [f"roof% @{m:g}" for m in means] + ["correct"]
+    binds = {m: lrows[0][f"binds@{m:g}"] for m in means} if lrows else {}
+    headers = (["variant"] + [f"ms @{m:g}" for m in means] + [f"roof% @{m:g} ({binds[m]})" for m in means] +
+               [f"x fastest peer @{m:g}" for m in means] + [f"vs float64 @{m:g}" for m in means] + ["correct"])
     table = [[r["variant"]] + [fmt(r[f"ms@{m:g}"], ".3f") for m in means] +
-             [fmt(r[f"roof%@{m:g}"], ".1f") for m in means] + [r["correct"]] for r in lrows]
-    print("\nLayer (median ms; roof% = roofline ms of the active bytes at the measured bandwidth / ms)")
+             [fmt(r[f"roof%@{m:g}"], ".1f") for m in means] + [fmt(r[f"x_fastest_peer@{m:g}"], ".2f") for m in means] +
+             [format_rel(r["e2e_rel"].get(f"{m:g}")) if f"{m:g}" in r["e2e_rel"] else "-" for m in means] +
+             [r["correct"]] for r in lrows]
+    print(f"\nDense fp16 tensor peak (cuBLAS, this run): {result['tensor_peak']['tflops']:.0f} TFLOP/s")
+    print("\nLayer (median ms; roof% = the binding roofline of this run / ms, the binding ceiling in the header: "
+          "read = active bytes at the measured read bandwidth, tensor = useful flops at the measured tensor peak; "
+          "x fastest peer = the fastest peer's ms / ms; vs float64 = error against the layer on unquantized "
+          "activations, the error a user pays)")
     print(tabulate(table, headers=headers, disable_numparse=True))
     for r in lrows:
         entry = result["table"][r["variant"]]
@@ -481,7 +518,7 @@ def main(argv=None) -> int:
             "script": "scripts/run_layer.py", "argv": argv_list,
             "setup": result["setup"], "problem": vars(problem),
             "checkpoint": report.as_dict() if report else None,
-            "read_roofline": result["read_roofline"], "bytes": brows, "layer": lrows, "stages": srows,
+            "read_roofline": result["read_roofline"], "tensor_peak": result["tensor_peak"], "bytes": brows, "layer": lrows, "stages": srows,
             "separate_checks": result["separate_checks"], "gpu_states": result["gpu_states"]})
         log(f"wrote {args.json}")
     failed = [r["variant"] for r in lrows if r["correct"].startswith(("MISMATCH", "ERROR", "baseline, FAILED"))]

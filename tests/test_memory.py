@@ -79,15 +79,17 @@ def test_estimates_grow_with_the_mean_and_cover_the_weights(problem, mean, facto
     assert big.host.total >= small.host.total and big.device.total >= small.device.total
     assert small.host.total >= memory.weight_bytes(problem) and small.device.total >= memory.weight_bytes(problem)
     plain = memory.run_layer_memory(problem, [mean], ["separate"]).device.total
-    assert memory.run_layer_memory(problem, [mean], ["separate", "cublas-fp16"]).device.total >= plain
+    assert memory.run_layer_memory(problem, [mean], ["separate", "torch-bf16"]).device.total >= plain
 
 
 def test_weight_bytes_of_the_study_and_the_layouts_variants_add():
     p = MoEProblem()
     assert memory.weight_bytes(p) == pytest.approx(4.077e9, rel=1e-3)
-    fp16 = memory.run_layer_memory(p, [8], ["separate", "cublas-fp16"]).device
-    assert fp16.parts["fp16 weights (cublas)"] == 288 * 3 * 4096 * 2048 * 2  # (E, 3 I H) fp16
-    assert fp16.total > memory.weight_bytes(p) + fp16.parts["fp16 weights (cublas)"]
+    bf16 = memory.run_layer_memory(p, [8], ["separate", "torch-bf16"]).device
+    assert bf16.parts["bf16 weights (torch-bf16)"] == 288 * 3 * 4096 * 2048 * 2  # (E, 3 I H) bf16
+    assert bf16.total > memory.weight_bytes(p) + bf16.parts["bf16 weights (torch-bf16)"]
+    fp8 = memory.run_layer_memory(p, [8], ["separate", "torch-fp8"]).device
+    assert fp8.parts["fp8 weights and row scales (torch-fp8)"] == 288 * 3 * 4096 * 2048 + 288 * (2 * 2048 + 4096) * 4
 
 
 @settings(deadline=None, max_examples=20, suppress_health_check=[HealthCheck.function_scoped_fixture])

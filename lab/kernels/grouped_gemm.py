@@ -34,6 +34,15 @@ from lab.kernels.gemm_weights import (ATOM_BYTES, ATOM_CODE_BYTES, ATOM_K, ATOM_
 
 SOURCE = "grouped_gemm.cu"
 
+__all__ = [  # the launchers, and what gemm_weights and gemm_config define, under one import
+    "SOURCE", "Fusion", "grouped_gemm", "grouped_gemm_pair", "swiglu_gemm", "fused_layer",
+    "FUSED_SMALL_STAGES", "MAX_FRAGS_CHOICES", "MODES", "SHIPPED_CONFIGS", "SHIPPED_FUSED", "SMEM_LIMIT",
+    "GemmConfig", "frags_for", "fused_config", "heuristic", "resident_ctas",
+    "ATOM_BYTES", "ATOM_CODE_BYTES", "ATOM_K", "ATOM_ROWS", "DECODE_MASK", "ENCODE_TABLES", "K_SLOTS",
+    "PreparedWeights", "check_weight_shapes", "decode_words", "decode_x_words", "default_layout",
+    "pair_gate_up_rows", "permute_k", "prepare_weights", "shared_layout", "unpair_gate_up_rows", "unprepare_weights",
+]
+
 
 def _check_activation(x_packed, x_scales, offsets, alpha, out, prep: PreparedWeights, optional_out=False):
     import cupy as cp

@@ -8,12 +8,14 @@ Each variant has a ``name``, an ``expect`` saying what its output should be, ``p
                                            bitwise equal to separate's output
     ceiling   one-launch-2G                numerically wrong by construction; timed as a bound
     approx    fold-b                       option (b): gate/up ratio folded into e4m3 scales
-              cublas-fp16, cublas-fp16-experts   fp16 arithmetic; compared with float64
+
+What a user would run instead (PyTorch's grouped GEMMs) lives beside the lab, in `peers/`, on
+the same runner contract.
 """
 
 from __future__ import annotations
 
-from . import chunked, cublas_fp16, cuda_graph, fold_b, fused_layer, fused_swiglu, one_launch_2g, separate
+from . import chunked, cuda_graph, fold_b, fused_layer, fused_swiglu, one_launch_2g, separate
 
 # name -> factory, in the order the layer table lists them
 REGISTRY = {
@@ -24,8 +26,6 @@ REGISTRY = {
     fused_layer.name: fused_layer.FusedLayer,
     one_launch_2g.name: one_launch_2g.OneLaunch2G,
     fold_b.name: fold_b.FoldB,
-    cublas_fp16.name: cublas_fp16.CublasFp16,
-    cublas_fp16.name_per_expert: lambda: cublas_fp16.CublasFp16(per_expert=True),
 }
 NAMES = tuple(REGISTRY)
 

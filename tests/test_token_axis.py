@@ -1,0 +1,186 @@
+"""The token axis: which ceiling binds, the peers (present or not), the float64 layer on
+unquantized activations, and the findings page's section rendered from a recorded run."""
+
+from __future__ import annotations
+
+import copy
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import peers
+from lab import nvfp4, reference, report, roofline
+from lab.problem import MoEProblem, make_routing, random_activations, random_weights
+
+FIXTURE = Path(__file__).parent / "fixtures" / "token_axis.json"
+
+
+# ------------------------------------------------------------------------ roofline arithmetic
+
+
+def test_flops_count_real_rows_only():
+    p = MoEProblem(experts=4, hidden=128, intermediate=64)
+    counts = np.array([3, 0, 5, 1])
+    f = roofline.layer_flops(p, counts)
+    assert f["w13"] == 2 * 9 * 128 * 128 and f["w2"] == 2 * 9 * 64 * 128 and f["layer"] == f["w13"] + f["w2"]
+    assert roofline.gemm_flops(64, 128, np.zeros(4, int)) == 0
+
+
+@settings(max_examples=300)
+@given(st.floats(1e3, 1e12), st.floats(1e6, 1e16), st.floats(100, 10_000), st.floats(10, 3000))
+def test_binding_is_the_larger_of_the_two_times(nbytes, flops, gbps, tflops):
+    b = roofline.binding(nbytes, flops, gbps, tflops)
+    read_ms, tensor_ms = nbytes / (gbps * 1e9) * 1e3, flops / (tflops * 1e12) * 1e3
+    assert b["read_ms"] == pytest.approx(read_ms) and b["tensor_ms"] == pytest.approx(tensor_ms)
+    assert b["ms"] == max(b["read_ms"], b["tensor_ms"])
+    assert b["binds"] == ("tensor" if tensor_ms > read_ms else "read")
+
+
+def test_the_study_shape_turns_tensor_bound_between_32_and_512_tokens():
+    p = MoEProblem()
+    binds = {}
+    for mean in (8, 32, 512):
+        c = np.full(p.experts, mean)
+        binds[mean] = roofline.binding(roofline.layer_bytes(p, c, active=True).total,
+                                       roofline.layer_flops(p, c)["layer"], 4600, 760)["binds"]
+    assert binds == {8: "read", 32: "read", 512: "tensor"}
+    with pytest.raises(ValueError, match="ceilings"):
+        roofline.binding(1, 1, 0, 760)
+
+
+# ------------------------------------------------------------------------ float64 layer, unquantized
+
+
+def test_unquantized_layer_is_the_weights_applied_to_the_activations_as_given():
+    """Against an independent dense computation: every expert's weights decoded from the nibble
+    and e4m3 tables by hand, globals applied to the rows they belong to."""
+    p = MoEProblem(experts=3, hidden=64, intermediate=64, top_k=2)
+    w = random_weights(p, seed=3)
+    routing = make_routing(7, p.experts, p.top_k, seed=3)
+    x = random_activations(7, p.hidden, seed=3)
+    rows, out = reference.layer_unquantized(x, routing, w, experts=[0, 2])
+    e4m3 = nvfp4.decode_e4m3(np.arange(256, dtype=np.uint8)).astype(np.float64)
+
+    def dense(packed, scales):
+        codes = np.stack([packed & 15, packed >> 4], -1).reshape(packed.shape[0], -1)
+        return nvfp4.E2M1_VALUES.astype(np.float64)[codes] * np.repeat(e4m3[scales], 16, axis=1)
+
+    want_rows, want = [], []
+    for e in (0, 2):
+        r0, r1 = routing.offsets[e], routing.offsets[e + 1]
+        xe = x[routing.row_token[r0:r1]].astype(np.float64)
+        h = xe @ dense(w.w13_packed[e], w.w13_scales[e]).T
+        g, u = h[:, :64] * w.gate_global[e], h[:, 64:] * w.up_global[e]
+        a = g / (1 + np.exp(-g)) * u
+        want.append(w.w2_global[e] * (a @ dense(w.w2_packed[e], w.w2_scales[e]).T))
+        want_rows.append(np.arange(r0, r1))
+    np.testing.assert_array_equal(rows, np.concatenate(want_rows))
+    np.testing.assert_allclose(out, np.concatenate(want), rtol=1e-12, atol=1e-12 * np.abs(out).max())
+    with pytest.raises(ValueError, match="x must be"):
+        reference.layer_unquantized(x[:3], routing, w)
+
+
+# ------------------------------------------------------------------------ peers
+
+
+def test_peers_are_known_by_name_and_torch_is_never_imported_by_the_lab():
+    import subprocess
+    import sys
+
+    assert peers.NAMES == ("torch-bf16", "torch-fp8")
+    with pytest.raises(ValueError, match="known: torch-bf16, torch-fp8"):
+        peers.make("torch-int4")
+    code = ("import sys, lab, lab.variants, lab.layer, lab.runner, lab.report, lab.ceilings, peers; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+@pytest.mark.skipif(peers.available(), reason="torch is installed: the absence path cannot be seen")
+def test_without_torch_a_peer_says_how_to_get_it():
+    v = peers.make("torch-fp8")
+    assert v.expect == "approx" and v.name == "torch-fp8"
+    with pytest.raises(NotImplementedError, match=r"pip install -e '\.\[peers\]'"):
+        v.prepare(None, None)
+
+
+# ------------------------------------------------------------------------ the findings page section
+
+
+def _fixture() -> dict:
+    ta = json.loads(FIXTURE.read_text())
+    ta[report.FILE_KEY] = "tests/fixtures/token_axis.json"
+    return ta
+
+
+def test_section_lists_every_mean_and_the_verdicts_follow_the_numbers():
+    ta = _fixture()
+    text = "\n".join(report.token_axis_section(ta))
+    for p in ta["points"]:
+        assert f"| {p['mean']:g} " in text
+    v = report.token_axis_verdicts(ta)
+    assert v[0].startswith("Against torch-bf16, the lab's best valid variant is faster at every mean from 8 to 600")
+    # make the lab lose at the largest mean: the verdict must say where, by how much and what binds
+    slow = copy.deepcopy(ta)
+    last = slow["points"][-1]
+    best = last["impls"][last["best_lab"]]
+    best["ms"] = 3 * last["impls"]["torch-bf16"]["ms"]
+    best["x_fastest_peer"] = last["impls"]["torch-bf16"]["ms"] / best["ms"]
+    v = report.token_axis_verdicts(slow)
+    assert any(f"from 8 to 64 tokens per expert" in s and f"slower at {last['mean']:g} (3.00x" in s for s in v), v
+    assert any(s.startswith(f"At {last['mean']:g} tokens per expert the binding ceiling is the read one") for s in v)
+
+
+def test_without_peers_the_verdict_says_why():
+    ta = _fixture()
+    for p in ta["points"]:
+        for n in ("torch-bf16", "torch-fp8"):
+            p["impls"][n] = {"peer": True, "expect": "approx", "skipped": peers.torch_grouped.INSTALL_HINT}
+    assert report.token_axis_verdicts(ta) == [f"No peer was measured: {peers.torch_grouped.INSTALL_HINT}."]
+
+
+def test_chart_is_drawn_at_page_width(tmp_path):
+    pytest.importorskip("matplotlib")
+    plt = report._pyplot()
+    path = tmp_path / report.TOKEN_PNG
+    report._token_chart(plt, _fixture(), path)
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", head[16:24])
+    assert 800 <= width <= report.CHART_MAX_PX and height < width
+
+
+# ------------------------------------------------------------------------ GPU: the peers' numbers
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not peers.available(), reason="needs torch (pip install -e '.[peers]')")
+@pytest.mark.parametrize("name, bound", [("torch-bf16", 2e-2), ("torch-fp8", 1.5e-1)])
+def test_peers_compute_the_layer(name, bound):
+    """A peer's output against the float64 layer on unquantized activations: bf16 rounds at
+    ~1e-2, fp8 at ~1e-1 of the output's norm; a wrong operand order or a missing global is off
+    by far more. Every expert's rows are compared (empty experts included in the routing)."""
+    from lab import checks
+    from lab.layer import load_layer, upload_weights
+    from lab.runner import Runner
+
+    p = MoEProblem(experts=6, hidden=256, intermediate=128, top_k=2)
+    seed = int(np.random.default_rng().integers(2**31))
+    w = random_weights(p, seed=seed)
+    routing = make_routing(40, p.experts, p.top_k, skew=1.0, seed=seed)
+    x = random_activations(40, p.hidden, seed=seed)
+    runner = Runner()
+    layer = load_layer(runner, upload_weights(w), routing, x)
+    v = peers.make(name)
+    runner.prepare(v, layer)
+    runner.run(v, layer)
+    rows, want = reference.layer_unquantized(x, routing, w)
+    got = v.result(layer)
+    assert np.isfinite(got).all()
+    err = checks.rel_error(got[rows].astype(np.float64), want)
+    assert err is not None and err < bound, f"seed {seed}: {name} {err:.3e}"
