@@ -289,9 +289,11 @@ def test_chunked_launched_directly_is_bitwise_equal_to_separate(gpu_case):
 
 @pytest.mark.gpu
 def test_fold_b_is_separate_on_the_folded_weights_bit_for_bit(gpu_case):
-    """fold-b against separate on weights whose gate scales the independent oracle folded
-    (oracles.fold_e4m3), run with fold-b's arithmetic (w13 alpha float32(w13_input_scale *
-    up_global), no global in SwiGLU): the same bits, and not option (a)'s."""
+    """fold-b against separate on weights whose scales the independent oracle folded
+    (oracles.fold_e4m3) the way fold-b folds them: per expert into the half with the smaller
+    global, by g_small / g_large in float32, run with fold-b's arithmetic (w13 alpha
+    float32(w13_input_scale * g_large), no global in SwiGLU): the same bits, and not option
+    (a)'s."""
     import dataclasses
 
     import cupy as cp
@@ -305,11 +307,16 @@ def test_fold_b_is_separate_on_the_folded_weights_bit_for_bit(gpu_case):
     got_bf16, got_out = layer.out_bf16.get(), layer.out.get()
     host = layer.weights.host
     i, e = layer.problem.intermediate, layer.problem.experts
-    ratio = (host.gate_global.astype(np.float32) / host.up_global.astype(np.float32)).astype(np.float32)
+    g, u = host.gate_global.astype(np.float32), host.up_global.astype(np.float32)
+    large = np.maximum(g, u)
+    factor = (np.minimum(g, u) / large).astype(np.float32)
     scales = host.w13_scales.copy()
-    scales[:, :i], _ = fold_e4m3(host.w13_scales[:, :i], ratio[:, None, None])
-    folded = dataclasses.replace(host, w13_scales=scales, gate_global=host.up_global.copy())
-    alpha = (np.float32(host.w13_input_scale) * host.up_global.astype(np.float32)).astype(np.float32)
+    for ex in range(e):
+        half = slice(0, i) if g[ex] < u[ex] else slice(i, 2 * i)
+        scales[ex, half], saturated = fold_e4m3(host.w13_scales[ex, half], factor[ex])
+        assert not saturated.any()  # a factor <= 1 never saturates
+    folded = dataclasses.replace(host, w13_scales=scales, gate_global=large.copy(), up_global=large.copy())
+    alpha = (np.float32(host.w13_input_scale) * large).astype(np.float32)
     ones = cp.ones(e, cp.float32)
     dw = dataclasses.replace(upload_weights(folded), w13_alpha=cp.asarray(alpha), gate_global=ones, up_global=ones)
     sep_runner = poisoned_runner(layer.problem, layer.routing)
