@@ -454,7 +454,9 @@ def token_axis_section(ta: dict) -> list[str]:
     return [f"From {_source(ta)}; flat read {c['read']['gbps']:.0f} GB/s, dense fp16 tensor peak "
             f"{c['tensor']['tflops']:.0f} TFLOP/s (cuBLAS), both in this run. The roofline of each mean is the "
             f"larger of its bytes over the read and its useful flops over the tensor peak; roof% is against that "
-            f"one. x fastest peer = the fastest peer's ms / the lab's (above 1: the lab is faster).", "",
+            f"one. x fastest peer = the fastest peer's ms / the lab's (above 1: the lab is faster). The tensor "
+            f"ceiling is the fp16 one, the rate the lab's decoded operands can use; fp8 tensor cores run at twice "
+            f"it, so torch-fp8 can pass 100% where its GEMMs are compute bound.", "",
             token_axis_table(points), "", "Each GEMM (separate's stages and the peers'):", "",
             token_axis_gemm_table(points), "", "Verdicts:", ""] + [f"- {v}" for v in token_axis_verdicts(ta)] + [""]
 

@@ -383,7 +383,7 @@ def test_default_runs_reproduce_the_committed_page(tmp_path):
 
 def test_committed_charts_fit_the_page():
     charts = report.charts_of(PAGE.read_text())
-    assert charts == [report.LAYER_PNG, report.TILE_PNG]
+    assert charts == [report.TOKEN_PNG, report.LAYER_PNG, report.TILE_PNG]
     for c in charts:
         w, h = png_size(PAGE.parent / c)
         assert 600 <= w <= report.CHART_MAX_PX and h <= report.CHART_MAX_PX, (c, w, h)

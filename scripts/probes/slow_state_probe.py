@@ -5,10 +5,10 @@
 # it is the power cap).
 import sys
 
-import cupy as cp
 import numpy as np
 
 from lab.gemm_bench import problem_of, study_parser, write_json
+from lab.gpu import require_gpu, run_script
 from lab.kernels.stream_read import measure_read_roofline, stream_read
 from lab.layer import load_layer, upload_weights
 from lab.problem import make_routing, random_activations, random_weights, tokens_for_mean
@@ -17,14 +17,15 @@ from lab.timing import time_cuda_samples
 from lab.variants import make
 
 
-def main():
+def main(argv=None):
     ap = study_parser(__doc__, [8], 5)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--variants", nargs="+", default=["separate", "cuda-graph", "fused-swiglu", "fused-layer"])
     ap.add_argument("--flat-in-rounds", action="store_true",
                     help="time the flat read as one more entry of every round (4 GB buffer kept)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    cp = require_gpu("slow_state_probe")  # before any output: without a GPU, one line
     problem = problem_of(args)
     dweights = upload_weights(random_weights(problem, seed=args.seed))
     mean = args.mean_tokens[0]
@@ -62,4 +63,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main, "slow_state_probe"))

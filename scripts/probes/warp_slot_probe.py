@@ -5,7 +5,7 @@ import argparse
 import collections
 import sys
 
-import cupy as cp
+from lab.gpu import require_gpu, run_script
 
 SRC = r"""
 extern "C" __global__ void slots(int* out) {
@@ -23,8 +23,9 @@ extern "C" __global__ void slots(int* out) {
 """
 
 
-def main():
-    argparse.ArgumentParser(description=__doc__).parse_args()
+def main(argv=None):
+    argparse.ArgumentParser(description=__doc__).parse_args(argv)
+    cp = require_gpu("warp_slot_probe")  # before any output: without a GPU, one line
     k = cp.RawKernel(SRC, "slots")
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     smem = 100 * 1024  # two CTAs per SM at most
@@ -44,4 +45,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main, "warp_slot_probe"))

@@ -14,6 +14,7 @@ import sys
 import numpy as np
 
 from lab.gemm_bench import write_json
+from lab.gpu import require_gpu, run_script
 
 ITERS = 2048
 
@@ -129,7 +130,7 @@ extern "C" __global__ void rate(float* out, long long* cycles, int iters) {{
 '''
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--n", type=int, nargs="+", default=[8, 16, 32, 40, 64, 128])
     ap.add_argument("--chains", type=int, nargs="+", default=[1, 2, 4])
@@ -146,8 +147,8 @@ def main():
     ap.add_argument("--ss", action="store_true", help="also A from shared memory")
     ap.add_argument("--mma-off", action="store_true", help="also each split case with no MMAs (the ALU work alone)")
     ap.add_argument("--json")
-    args = ap.parse_args()
-    import cupy as cp
+    args = ap.parse_args(argv)
+    cp = require_gpu("wgmma_rate_probe")  # before any output: without a GPU, one line
 
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     clock_hz = cp.cuda.Device().attributes["ClockRate"] * 1e3
@@ -191,4 +192,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main, "wgmma_rate_probe"))
