@@ -50,7 +50,7 @@ def main(argv=None):
             runner.prepare(v, layer)
             runner.checked_run(v, layer)
             bf16 = layer.out_bf16.get().view(ml_dtypes.bfloat16).astype(np.float64)
-            _, saturated = scale_fold.fold_w13_scales(weights, into)
+            _, _, saturated = scale_fold.fold_w13_scales(weights, into)
             row = {"mean": mean, "into": into, "saturated_scales": int(saturated.sum()),
                    "vs_option_a": checks.rel_error(layer.out.get()[sel].astype(np.float64), ref_a),
                    "vs_unquantized": checks.rel_error(bf16[e2e_rows], ref_e2e)}
