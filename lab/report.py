@@ -39,7 +39,9 @@ STUDIES = {"read_roofline": "scripts/read_roofline.py", "chunk_study": "scripts/
 PAGE = "docs/findings-h200.md"
 PAGE_RUNS = {
     "layer": ("results/run_layer.json", "results/run_layer_sustained.json"),
-    "gemm": ("results/bench_gemm.json", "results/bench_gemm_sustained.json"),
+    "gemm": ("results/bench_gemm.json",),
+    "models": ("results/run_layer.json", "results/run_layer_deepseek-v3.json", "results/run_layer_qwen3-235b-a22b.json",
+               "results/run_layer_qwen3-30b-a3b.json", "results/run_layer_llama-4-maverick.json"),
     "read_roofline": "results/read_roofline.json",
     "chunk_study": "results/chunk_study.json",
     "tile_sweep": "results/tile_sweep.json",
@@ -461,6 +463,71 @@ def token_axis_section(ta: dict) -> list[str]:
             token_axis_gemm_table(points), "", "Verdicts:", ""] + [f"- {v}" for v in token_axis_verdicts(ta)] + [""]
 
 # ---------------------------------------------------------------------------------------------
+# real models (run_layer --model per preset)
+# ---------------------------------------------------------------------------------------------
+
+
+def _model_name(run: dict) -> str:
+    argv = list(map(str, run.get("argv", [])))
+    return argv[argv.index("--model") + 1] if "--model" in argv else "study"
+
+
+def _best(rows: list[dict], mean: str) -> dict | None:
+    ok = [r for r in rows if not r.get("peer") and _valid(r) and r.get(f"ms@{mean}") is not None]
+    return min(ok, key=lambda r: r[f"ms@{mean}"]) if ok else None
+
+
+def _fastest_peer(rows: list[dict], mean: str) -> dict | None:
+    ps = [r for r in rows if r.get("peer") and r.get(f"ms@{mean}") is not None]
+    return min(ps, key=lambda r: r[f"ms@{mean}"]) if ps else None
+
+
+def models_table(runs: list[dict]) -> str:
+    """One row per (model, mean): shape, best valid variant, its ms and roof% (binding ceiling),
+    the fastest peer's ms, and the ratio."""
+    body = []
+    for run in runs:
+        p = run["problem"]
+        shape = f"{p['experts']} x {p['hidden']} x {p['intermediate']}, top {p['top_k']}"
+        for mean in layer_means(run):
+            best, peer = _best(run["layer"], mean), _fastest_peer(run["layer"], mean)
+            binds = best.get(f"binds@{mean}", "read") if best else "-"
+            body.append([_model_name(run), shape, mean, best["variant"] if best else "-",
+                         _fmt(best and best[f"ms@{mean}"]), _fmt(best and best[f"roof%@{mean}"], 1) + f" ({binds})",
+                         f"{peer['variant']} {_fmt(peer[f'ms@{mean}'])}" if peer else "-",
+                         _fmt(best and peer and peer[f"ms@{mean}"] / best[f"ms@{mean}"], 2)])
+    return tabulate(body, ["model", "experts x H x I", "tokens/expert", "best valid variant", "ms", "roof%",
+                           "fastest peer ms", "x fastest peer"], tablefmt="github", disable_numparse=True)
+
+
+def models_verdicts(runs: list[dict]) -> list[str]:
+    out = []
+    for mean in ("8", "32"):
+        pts = [(_model_name(r), _best(r["layer"], mean), _fastest_peer(r["layer"], mean)) for r in runs
+               if mean in layer_means(r)]
+        pts = [(m, b, p) for m, b, p in pts if b is not None]
+        if not pts:
+            continue
+        roofs = [b[f"roof%@{mean}"] for _, b, _ in pts]
+        ratios = [p[f"ms@{mean}"] / b[f"ms@{mean}"] for _, b, p in pts if p is not None]
+        lo = min(pts, key=lambda t: t[1][f"roof%@{mean}"])
+        text = (f"At {mean} tokens per expert the best valid variant reaches {min(roofs):.0f}-{max(roofs):.0f}% of the "
+                f"binding ceiling over the {len(pts)} shapes (lowest: {lo[0]}, {lo[1]['variant']})")
+        if ratios:
+            text += f", {min(ratios):.2f}x-{max(ratios):.2f}x faster than the fastest peer"
+        out.append(text + ".")
+    small = [(_model_name(r), r) for r in runs if r["problem"]["hidden"] * r["problem"]["intermediate"] <= 2048 * 768]
+    for name, r in small:
+        b = _best(r["layer"], "8")
+        if b is not None and b["roof%@8"] < 85:
+            out.append(f"{name} is the smallest shape ({r['problem']['experts']} experts of "
+                       f"{r['problem']['hidden']} x {r['problem']['intermediate']}): its weight stream is over in "
+                       f"{b['ms@8']:.3f} ms, where a launch's fixed cost and tail weigh most; {b['variant']} reaches "
+                       f"{b[f'roof%@8']:.0f}% at 8 tokens per expert.")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # read roofline (read_roofline.json): mainloop or access pattern?
 # ---------------------------------------------------------------------------------------------
 
@@ -658,7 +725,8 @@ def _source(run: dict) -> str:
 
 def render(layer_runs: list[dict], gemm_runs: list[dict], out_md: Path, charts: bool = True,
            read_roofline: dict | None = None, chunk_study: dict | None = None,
-           tile_sweep: dict | None = None, token_axis: dict | None = None) -> str:
+           tile_sweep: dict | None = None, token_axis: dict | None = None,
+           model_runs: list[dict] | None = None) -> str:
     """Write the findings page and return its markdown. The page links its charts whether or not
     they are drawn: with ``charts`` and matplotlib they are (re)drawn beside it, otherwise the
     files there are left as they are. A study passed as None is reported as not measured, naming
@@ -681,6 +749,14 @@ def render(layer_runs: list[dict], gemm_runs: list[dict], out_md: Path, charts: 
         parts += token_axis_section(token_axis) + [f"![{TOKEN_ALT}]({TOKEN_PNG})", ""]
         if plt is not None:
             _token_chart(plt, token_axis, out_md.parent / TOKEN_PNG)
+    if model_runs:
+        parts += ["## Real models: their routed-expert shapes at 8 and 32 tokens per expert", "",
+                  ("`python scripts/run_layer.py --model NAME` for each preset in lab/models.py (the study's own "
+                   "shape is the default run); every variant and both peers, each run on its own. best = the "
+                   "fastest variant whose output equals separate's; roof% against the binding ceiling of that "
+                   "run."), "", models_table(model_runs), ""]
+        parts += [f"- From {_source(r)} ({_model_name(r)})" for r in model_runs] + ["", "Verdicts:", ""]
+        parts += [f"- {v}" for v in models_verdicts(model_runs)] + [""]
     for i, run in enumerate(layer_runs, 1):
         means = layer_means(run)
         parts += [f"## Layer, run {i} ({_source(run)})", "",

@@ -40,7 +40,9 @@ def main(argv=None) -> int:
     for study, script in STUDIES.items():
         ap.add_argument(f"--{study.replace('_', '-')}", dest=study, default=str(ROOT / PAGE_RUNS[study]),
                         help=f"{script} JSON (optional)")
-    ap.add_argument("--out", default=str(ROOT / PAGE))
+    ap.add_argument("--models", nargs="*", default=[str(ROOT / p) for p in PAGE_RUNS["models"]],
+                    help="run_layer.py --model JSON files, one per preset (the per-model table)")
+    ap.add_argument("--out", default=str(ROOT / PAGE), help="the page to write (charts go beside it)")
     ap.add_argument("--no-charts", action="store_true", help="leave the charts beside the page as they are")
     args = ap.parse_args(argv)
 
@@ -54,7 +56,7 @@ def main(argv=None) -> int:
         return run
 
     runs = []
-    for flag, paths in (("--layer", args.layer), ("--gemm", args.gemm)):
+    for flag, paths in (("--layer", args.layer), ("--gemm", args.gemm), ("--models", args.models)):
         loaded = [load(flag, p) for p in paths]
         if any(d is None for d in loaded):
             return 2
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
             return 2
     out = Path(args.out)
     charts = not args.no_charts and have_matplotlib()
-    text = render(runs[0], runs[1], out, charts=charts, **studies)
+    text = render(runs[0], runs[1], out, charts=charts, model_runs=runs[2], **studies)
     if not args.no_charts and not charts:
         left = " and ".join(_shown(str(out.parent / c)) for c in charts_of(text))
         print(f"report: matplotlib is not installed: left {left} as they are "
