@@ -204,23 +204,3 @@ def layer_unquantized(x, routing: Routing, weights: MoEWeights, experts=None) ->
     if not rows:
         return np.zeros(0, dtype=np.int64), np.zeros((0, weights.hidden))
     return np.concatenate(rows), np.concatenate(outs)
-
-
-def rel_frobenius(a, b) -> float:
-    """||a - b||_F / ||b||_F in float64. Raises ValueError if either holds NaN or Inf.
-
-    A zero reference gives 0.0 when a is zero too, else inf.
-    """
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    if a.shape != b.shape:
-        raise ValueError(f"shapes differ: {a.shape} vs {b.shape}")
-    if not np.isfinite(a).all():
-        raise ValueError("a contains NaN or Inf")
-    if not np.isfinite(b).all():
-        raise ValueError("b (the reference) contains NaN or Inf")
-    num = float(np.linalg.norm((a - b).ravel()))
-    den = float(np.linalg.norm(b.ravel()))
-    if den == 0.0:
-        return 0.0 if num == 0.0 else float("inf")
-    return num / den

@@ -27,6 +27,7 @@ import sys
 import numpy as np
 from tabulate import tabulate
 
+from lab.checks import format_rel
 from lab.cli import study_arguments
 from lab.device_info import setup_info
 from lab.gemm_bench import GemmBench, log, problem_of, study_parser, write_json
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
                     err = bench.check(case, sample)
                     checks.append({"gemm": gemm, "mean": mean, "config": cfg.__dict__,
                                    "experts": sample.tolist(), "rel_frobenius": err})
-                    log(TAG, f"  check vs float64 on {sample.size} experts: rel Frobenius {err:.2e}")
+                    log(TAG, f"  check vs float64 on {sample.size} experts: rel Frobenius {format_rel(err)}")
                 if row["unwritten"]:
                     log(TAG, f"  ERROR: {row['unwritten']} output elements not written")
                 rows_out.append(row)
@@ -123,10 +124,13 @@ def main(argv=None) -> int:
                                    "% same-pattern read", "read-pattern ms"]
                    + (["sustained ms", "sustained % roofline"] if args.sustain_ms else [])))
     for c in checks:
-        print(f"check {c['gemm']} mean {c['mean']}: rel Frobenius {c['rel_frobenius']:.2e} on {len(c['experts'])} experts")
+        print(f"check {c['gemm']} mean {c['mean']}: rel Frobenius {format_rel(c['rel_frobenius'])} on "
+              f"{len(c['experts'])} experts")
     write_json(args.json, "scripts/bench_gemm.py", setup=setup,
                read_roofline=roof, rows=rows_out, checks=checks)
-    bad = any(c["rel_frobenius"] > 1e-5 for c in checks) or any(r["unwritten"] for r in rows_out)
+    # an undefined error (a zero reference, which random inputs never give) is a failed check too
+    bad = any(c["rel_frobenius"] is None or c["rel_frobenius"] > 1e-5 for c in checks) or \
+        any(r["unwritten"] for r in rows_out)
     return 1 if bad else 0
 
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from lab import nvfp4, reference
+from lab import checks, nvfp4, reference
 from lab.kernels import grouped_gemm as gg
 from lab.kernels import jit
 
@@ -351,7 +351,7 @@ def test_gemm_matches_float64(counts, nb, ka, seed, data):
     assert_within_element_bound(got, xq, xs, offsets, packed, scales, alpha)
     ref = reference.grouped_gemm(xq, xs, offsets, packed, scales, alpha)
     if got.size and np.abs(ref).max() > 0:
-        assert reference.rel_frobenius(got, ref) <= 1e-5
+        assert checks.rel_error(got, ref) <= 1e-5
 
 
 @pytest.mark.gpu
@@ -396,7 +396,7 @@ def test_every_token_count_per_instruction(mma, frags):
     got = run_gemm(cp, packed, scales, xq, xs, offsets, alpha, cfg)
     assert np.isfinite(got).all()
     ref = reference.grouped_gemm(xq, xs, offsets, packed, scales, alpha)
-    worst = max((reference.rel_frobenius(got[offsets[i]:offsets[i + 1]], ref[offsets[i]:offsets[i + 1]]), i)
+    worst = max((checks.rel_error(got[offsets[i]:offsets[i + 1]], ref[offsets[i]:offsets[i + 1]]), i)
                 for i in range(e) if counts[i])
     assert worst[0] <= 1e-5, f"expert {worst[1]} with {counts[worst[1]]} tokens: {worst[0]:.2e}"
     assert_within_element_bound(got, xq, xs, offsets, packed, scales, alpha)
@@ -417,7 +417,7 @@ def test_subnormal_fp16_weights_are_not_flushed():
     alpha = np.ones(e, np.float32)
     got = run_gemm(cp, packed, scales, xq, xs, offsets, alpha)
     ref = reference.grouped_gemm(xq, xs, offsets, packed, scales, alpha)
-    assert reference.rel_frobenius(got, ref) <= 1e-5
+    assert checks.rel_error(got, ref) <= 1e-5
     assert_within_element_bound(got, xq, xs, offsets, packed, scales, alpha)
 
 
@@ -466,7 +466,7 @@ def test_all_configs_bitwise_equal_and_deterministic():
         cfgs = [c for c in gg.SHIPPED_CONFIGS if c.mma == mma]
         outs = [run_gemm(cp, packed, scales, xq, xs, offsets, alpha, cfg) for cfg in cfgs]
         outs.append(run_gemm(cp, packed, scales, xq, xs, offsets, alpha, cfgs[0], poison=7.0))
-        assert reference.rel_frobenius(outs[0], ref) <= 1e-5, f"mma={mma}"
+        assert checks.rel_error(outs[0], ref) <= 1e-5, f"mma={mma}"
         for cfg, o in zip(cfgs + ["rerun"], outs):
             bad = np.argwhere(o.view(np.uint32) != outs[0].view(np.uint32))
             assert bad.size == 0, f"{cfg}: first mismatch at {bad[0].tolist()}"
@@ -485,7 +485,7 @@ def test_one_expert_takes_all_tokens_and_empty_problem():
     alpha = np.ones(e, np.float32)
     got = run_gemm(cp, packed, scales, xq, xs, offsets, alpha)
     ref = reference.grouped_gemm(xq, xs, offsets, packed, scales, alpha)
-    assert reference.rel_frobenius(got, ref) <= 1e-5
+    assert checks.rel_error(got, ref) <= 1e-5
     empty = run_gemm(cp, packed, scales, xq[:0], xs[:0], np.zeros(e + 1, np.int64), alpha)
     assert empty.shape == (0, n)
 
