@@ -97,3 +97,15 @@ def quantize(x, g) -> tuple[np.ndarray, np.ndarray]:
     nib = np.searchsorted(GRID, mag) + 8 * (scaled & np.signbit(q))
     nib = np.where(scaled, nib, 0).astype(np.uint8).reshape(rows, k)
     return (nib[:, 0::2] | nib[:, 1::2] << 4).astype(np.uint8), scales
+
+
+WEIGHT_ARRAYS = ("w13_packed", "w13_scales", "w2_packed", "w2_scales", "gate_global", "up_global", "w2_global")
+
+
+def assert_same_weights(a, b) -> None:
+    """Two MoEWeights hold the same arrays (dtype, shape, every bit) and input scales."""
+    for f in WEIGHT_ARRAYS:
+        x, y = getattr(a, f), getattr(b, f)
+        assert x.dtype == y.dtype and x.shape == y.shape, f
+        np.testing.assert_array_equal(x, y, err_msg=f)
+    assert a.w13_input_scale == b.w13_input_scale and a.w2_input_scale == b.w2_input_scale

@@ -18,18 +18,9 @@ from lab.checkpoint import (
     write_safetensors,
 )
 from lab.problem import MoEProblem, random_weights
-from oracles import e4m3_from_bits
+from oracles import assert_same_weights, e4m3_from_bits
 
 SMALL = MoEProblem(experts=4, hidden=128, intermediate=64, top_k=2)
-ARRAYS = ("w13_packed", "w13_scales", "w2_packed", "w2_scales", "gate_global", "up_global", "w2_global")
-
-
-def assert_same_weights(a, b):
-    for f in ARRAYS:
-        x, y = getattr(a, f), getattr(b, f)
-        assert x.dtype == y.dtype and x.shape == y.shape, f
-        np.testing.assert_array_equal(x, y, err_msg=f)
-    assert a.w13_input_scale == b.w13_input_scale and a.w2_input_scale == b.w2_input_scale
 
 
 @settings(deadline=None, max_examples=15)

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lab import checks, layer as layer_mod, reference
+from lab import checks, layer as layer_mod
 from lab.problem import MoEProblem, Routing, make_routing, random_activations, random_weights
 from lab.runner import EXPECTS
 from lab.variants import NAMES, REGISTRY, make
@@ -233,6 +233,17 @@ def poisoned_runner(problem, routing):
     return r
 
 
+def assert_matches_separate(runner, layer, v, bf16, out, label) -> None:
+    """A checked run of `v` writes separate's bf16 output (and fp32 output, where it has one)
+    bit for bit."""
+    runner.checked_run(v, layer)
+    ok, msg = checks.compare_bits(layer.out_bf16.get(), bf16)
+    assert ok, f"{label}: {msg}"
+    if getattr(v, "fp32_out", True):
+        ok, msg = checks.compare_bits(layer.out.get().view(np.uint32), out.view(np.uint32))
+        assert ok, f"{label} fp32 out: {msg}"
+
+
 @pytest.fixture(scope="module", params=range(len(GPU_CASES)))
 def gpu_case(request):
     from lab.layer import load_layer, upload_weights
@@ -268,12 +279,7 @@ def test_matching_variants_are_bitwise_equal_to_separate(gpu_case, name):
     v = make(name)
     runner.prepare(v, layer)
     for _ in range(2):  # a second run, over the first one's buffers, must not differ
-        runner.checked_run(v, layer)
-        ok, msg = checks.compare_bits(layer.out_bf16.get(), bf16)
-        assert ok, f"{name}: {msg}"
-        if getattr(v, "fp32_out", True):
-            ok, msg = checks.compare_bits(layer.out.get().view(np.uint32), out.view(np.uint32))
-            assert ok, f"{name} fp32 out: {msg}"
+        assert_matches_separate(runner, layer, v, bf16, out, name)
 
 
 @pytest.mark.gpu
@@ -363,12 +369,7 @@ def test_matching_variants_equal_separate_on_drawn_routings(drawn_routing_weight
     for name in MATCHING:
         v = make(name)
         runner.prepare(v, layer)
-        runner.checked_run(v, layer)
-        ok, msg = checks.compare_bits(layer.out_bf16.get(), bf16)
-        assert ok, f"{name}: {msg}"
-        if getattr(v, "fp32_out", True):
-            ok, msg = checks.compare_bits(layer.out.get().view(np.uint32), out.view(np.uint32))
-            assert ok, f"{name} fp32 out: {msg}"
+        assert_matches_separate(runner, layer, v, bf16, out, name)
 
 
 @pytest.mark.gpu
