@@ -132,7 +132,7 @@ def test_section_lists_every_mean_and_the_verdicts_follow_the_numbers():
     best["ms"] = 3 * last["impls"]["torch-bf16"]["ms"]
     best["x_fastest_peer"] = last["impls"]["torch-bf16"]["ms"] / best["ms"]
     v = report.token_axis_verdicts(slow)
-    assert any(f"from 8 to 64 tokens per expert" in s and f"slower at {last['mean']:g} (3.00x" in s for s in v), v
+    assert any("from 8 to 64 tokens per expert" in s and f"slower at {last['mean']:g} (3.00x" in s for s in v), v
     assert any(s.startswith(f"At {last['mean']:g} tokens per expert the binding ceiling is the read one") for s in v)
 
 
