@@ -184,3 +184,38 @@ def test_peers_compute_the_layer(name, bound):
     assert np.isfinite(got).all()
     err = checks.rel_error(got[rows].astype(np.float64), want)
     assert err is not None and err < bound, f"seed {seed}: {name} {err:.3e}"
+
+
+# ------------------------------------------------------------------------ every variant, every mean
+
+
+@pytest.mark.parametrize("skew", [0.0, 1.2])
+def test_the_tiles_of_every_variant_hold_from_1_to_2048_tokens_per_expert(skew):
+    """What the launches of every variant are planned from, at the study's shape over the whole
+    axis and under skewed routing: the heuristic's tiles and their fused and paired forms are
+    valid for both GEMMs, the units and row blocks fit the kernel's counters, and the fused
+    layer's readiness counts fit int32."""
+    from dataclasses import replace
+
+    from lab.kernels import grouped_gemm as gg
+    from lab.problem import tokens_for_mean
+
+    p = MoEProblem()
+    for mean in (1, 8, 64, 512, 2048):
+        routing = make_routing(tokens_for_mean(mean, p.experts, p.top_k), p.experts, p.top_k, skew=skew, seed=1)
+        counts = routing.counts
+        shapes = {"w13": (2 * p.intermediate, p.hidden), "w2": (p.hidden, p.intermediate)}
+        cfgs = {g: gg.heuristic(n, k, counts).validate(n, k) for g, (n, k) in shapes.items()}
+        layout = gg.shared_layout(shapes.values())
+        paired = [gg.heuristic(n, k, counts, layout) for n, k in shapes.values()]
+        pair = replace(paired[0], max_frags=max(c.max_frags for c in paired))
+        for n, k in shapes.values():
+            pair.validate(n, k)
+        for mode in ("swiglu", "layer"):
+            gg.fused_config(cfgs["w13"], mode).validate(*shapes["w13"])
+        units = sum(int((counts > 0).sum()) * (n // c.block_rows) for c, (n, _) in zip(cfgs.values(), shapes.values()))
+        assert units < 2**31
+        fused = gg.fused_config(pair, "layer")
+        most = (shapes["w13"][0] // fused.block_rows) * fused.warps * -(-int(counts.max()) // fused.token_tile)
+        assert most < 2**31, (mean, skew, most)
+        assert routing.rows < 2**31  # offsets are int32
