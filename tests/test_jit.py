@@ -109,3 +109,37 @@ def test_each_activation_kernel_gets_its_own_report():
     # to_bf16 converts 4 floats a thread; it needs far fewer registers than quantizing a block
     assert names["lab_act::to_bf16"].registers < names["lab_act::swiglu_quant"].registers
     assert names["lab_act::swiglu_quant"].smem_static > 0 == names["lab_act::to_bf16"].smem_static
+
+
+def test_source_inlines_every_header_once_in_nvcc_include_order(tmp_path):
+    """What NVRTC gets (one string from jit.source) is what nvcc builds from the files: every
+    `#include` of the GEMM's header tree inlined once, none left, and the flattened text
+    compiles to the same machine code as the file it came from."""
+    import re
+    import subprocess
+
+    from lab.kernels import grouped_gemm as gg
+
+    text = jit.source(gg.SOURCE)
+    assert not re.search(r'^#include "', text, re.M)
+    headers = sorted((jit.KERNEL_DIR / "gemm").glob("*.cuh"))
+    assert headers
+    for h in headers:  # each header's first definition line (one of a kind in the tree) appears once
+        lines = h.read_text().splitlines()
+        first = next(line for line in lines if len(line) > 30 and lines.count(line) == 1
+                     and line.startswith(("__device__", "struct", "constexpr", "enum", "extern")))
+        assert text.count(first) == 1, (h.name, first)
+    nvcc = jit.nvcc_path()
+    if nvcc is None:
+        pytest.skip("needs nvcc")
+    expr = gg.SHIPPED_FUSED[-1].expression
+    cubins = []
+    for name, src in (("files", f'#include "{jit.KERNEL_DIR / gg.SOURCE}"\n'), ("flat", text)):
+        unit = tmp_path / f"{name}.cu"
+        unit.write_text(src + f"\nvoid* lab_keep = (void*)&{expr};\n")
+        out = tmp_path / f"{name}.cubin"
+        proc = subprocess.run([nvcc, "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-o", str(out),
+                               str(unit)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        cubins.append(out.read_bytes())
+    assert cubins[0] == cubins[1]
