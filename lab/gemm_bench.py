@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lab import checks, nvfp4, reference
+from lab import checks, models, nvfp4, reference
 from lab.kernels import grouped_gemm as gg
 from lab.problem import (W2_INPUT_SCALE, W13_INPUT_SCALE, MoEProblem, make_routing, random_activations,
                          random_weights, tokens_for_mean)
@@ -29,21 +29,22 @@ def log(tag: str, msg: str) -> None:
 
 
 def study_parser(doc: str, means: list[float], iterations: int) -> argparse.ArgumentParser:
-    """The arguments every study script takes: means, problem size, seed, iterations, --json."""
+    """The arguments every study script takes, each with its help: means, --model and the shape
+    flags (lab/models.py), seed, iterations, --json."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mean-tokens", type=float, nargs="+", default=means)
-    ap.add_argument("--experts", type=int, default=288)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--intermediate", type=int, default=2048)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--iterations", type=int, default=iterations)
-    ap.add_argument("--json", help="write everything here")
+    ap.add_argument("--mean-tokens", type=float, nargs="+", default=means,
+                    help="mean tokens per expert, one measurement each")
+    models.add_shape_arguments(ap)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights, routing and activations")
+    ap.add_argument("--iterations", type=int, default=iterations, help="timed runs per measurement (median, min, max)")
+    ap.add_argument("--json", help="write every table here as JSON")
     return ap
 
 
 def problem_of(args) -> MoEProblem:
-    return MoEProblem(args.experts, args.hidden, args.intermediate, args.top_k).validate()
+    """The problem the shape flags ask for: --model's preset (the study's by default), each flag
+    given over it (models.resolve_shape, which fills args too); ValueError naming a bad one."""
+    return models.resolve_shape(args)
 
 
 def write_json(path: str | None, script: str, **fields) -> None:

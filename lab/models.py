@@ -86,34 +86,23 @@ def table() -> str:
 
 
 def add_shape_arguments(ap: argparse.ArgumentParser, default_from: str = "") -> None:
-    """Add --model and the four shape flags with their help text. Flags the parser already has
-    (lab/gemm_bench.study_parser's) keep their place and get the same help, so every script
-    documents them alike. Shape flags default to None: resolve_shape tells a flag given from a
-    preset's value.
+    """Add --model and the four shape flags with their help text, so every script documents them
+    alike. Shape flags default to None: resolve_shape tells a flag given from a preset's value.
 
     ``default_from``: words after "default: the model's" in each flag's help (e.g. ", or the
     checkpoint's").
     """
     tail = f"default: the model's{default_from}"
-    flags = {
-        "experts": ("E", f"routed experts ({tail})"),
-        "hidden": ("H", f"hidden size H, a multiple of 64 ({tail})"),
-        "intermediate": ("I", f"each expert's intermediate size I, a multiple of 64 ({tail})"),
-        "top_k": ("K", f"experts each token is routed to, at most E ({tail})"),
-    }
     ap.add_argument("--model", metavar="NAME",
                     help=f"routed-expert shape of a published model: {', '.join(MODELS)} ('list' prints "
                          f"them with their sources); --experts/--hidden/--intermediate/--top-k override it "
                          f"(default {DEFAULT_MODEL}: {_STUDY.experts} x {_STUDY.hidden} x {_STUDY.intermediate}, "
                          f"top {_STUDY.top_k})")
-    have = {a.dest for a in ap._actions}  # (see lab/cli.describe)
-    for dest, (metavar, text) in flags.items():
-        if dest not in have:
-            ap.add_argument(f"--{dest.replace('_', '-')}", type=int, metavar=metavar, help=text)
-    for a in ap._actions:
-        if a.dest in flags:
-            a.metavar, a.help = flags[a.dest]
-            a.default = None
+    ap.add_argument("--experts", type=int, metavar="E", help=f"routed experts ({tail})")
+    ap.add_argument("--hidden", type=int, metavar="H", help=f"hidden size H, a multiple of 64 ({tail})")
+    ap.add_argument("--intermediate", type=int, metavar="I",
+                    help=f"each expert's intermediate size I, a multiple of 64 ({tail})")
+    ap.add_argument("--top-k", type=int, metavar="K", help=f"experts each token is routed to, at most E ({tail})")
 
 
 def given_shape(args) -> dict:

@@ -28,7 +28,6 @@ import numpy as np
 from tabulate import tabulate
 
 from lab.checks import format_rel
-from lab.cli import study_arguments
 from lab.device_info import setup_info
 from lab.gemm_bench import GemmBench, log, problem_of, study_parser, write_json
 from lab.gpu import require_gpu, run_script
@@ -51,7 +50,6 @@ def parse_config(text: str) -> tuple[int, ...]:
 
 def main(argv=None) -> int:
     ap = study_parser(__doc__, [2, 4, 8, 32], 20)
-    study_arguments(ap)
     ap.add_argument("--skew", type=float, default=0.0, help="routing skew: 0 uniform, else p ~ 1/rank**skew")
     ap.add_argument("--check-experts", type=int, default=16, help="experts checked against float64 (0: none)")
     ap.add_argument("--config", type=parse_config, action="append", default=[],

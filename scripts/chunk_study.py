@@ -19,7 +19,6 @@ from tabulate import tabulate
 
 from lab.device_info import setup_info
 from lab.gpu import require_gpu, run_script
-from lab.cli import study_arguments
 from lab.gemm_bench import log, problem_of, study_parser, write_json
 from lab.kernels import grouped_gemm as gg
 from lab.kernels import jit
@@ -56,7 +55,6 @@ def timeline(spans: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     ap = study_parser(__doc__, [8, 32], 10)
-    study_arguments(ap)
     ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
                     help="chunk counts to time (1: the unchunked layer)")
     args = ap.parse_args(argv)

@@ -13,7 +13,6 @@ from tabulate import tabulate
 
 from lab.device_info import setup_info
 from lab.gpu import require_gpu, run_script
-from lab.cli import study_arguments
 from lab.gemm_bench import GemmBench, log, problem_of, study_parser, write_json
 from lab.kernels import grouped_gemm as gg
 from lab.kernels.stream_read import measure_read_roofline
@@ -24,7 +23,6 @@ TAG = "read_roofline"
 
 def main(argv=None) -> int:
     ap = study_parser(__doc__, [2, 4, 8, 32], 10)
-    study_arguments(ap)
     args = ap.parse_args(argv)
     resolve_shape(args, ap)
     require_gpu(TAG)  # before any output: without a GPU the script says so in one line

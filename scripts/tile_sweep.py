@@ -20,7 +20,6 @@ from tabulate import tabulate
 
 from lab.device_info import setup_info
 from lab.gpu import require_gpu, run_script
-from lab.cli import study_arguments
 from lab.gemm_bench import GemmBench, log, problem_of, study_parser, write_json
 from lab.kernels import grouped_gemm as gg
 from lab.kernels.stream_read import measure_read_roofline
@@ -63,7 +62,6 @@ def candidates(base: gg.GemmConfig, full: bool) -> list[tuple[dict, object]]:
 
 def main(argv=None) -> int:
     ap = study_parser(__doc__, [2, 4, 8, 32], 5)
-    study_arguments(ap)
     ap.add_argument("--gemms", nargs="+", default=["w13", "w2"], choices=["w13", "w2"], help="the GEMMs to sweep")
     ap.add_argument("--full", action="store_true", help="the whole grid, not one factor at a time")
     args = ap.parse_args(argv)

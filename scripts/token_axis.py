@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import peers  # noqa: E402  (after the path line above)
 from lab import checks, memory, models, reference, roofline  # noqa: E402
-from lab.cli import study_arguments  # noqa: E402
 from lab.device_info import setup_info  # noqa: E402
 from lab.gemm_bench import log, study_parser, write_json  # noqa: E402
 from lab.gpu import require_gpu, run_script  # noqa: E402
@@ -47,7 +46,6 @@ VALID = ("baseline", "match")  # a lab variant counts for "best" only if its out
 
 def build_parser():
     ap = study_parser(__doc__, MEANS, 10)
-    study_arguments(ap)
     ap.add_argument("--variants", nargs="+", default=LAB_DEFAULT, metavar="NAME",
                     help=f"the lab's variants (separate always runs: the others are checked against it); "
                          f"known: {' '.join(LAB_NAMES)}")

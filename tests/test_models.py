@@ -92,8 +92,7 @@ def test_clamped_top_k_follows_few_experts_unless_given():
 
 
 def test_study_parser_flags_get_help_and_the_preset():
-    ap = study_parser("doc", [8], 3)
-    models.add_shape_arguments(ap)
+    ap = study_parser("doc", [8], 3)  # the shape flags come with it
     text = ap.format_help()
     assert text.count("a multiple of 64") == 2 and "--model NAME" in text and "experts each token" in text
     args = ap.parse_args(["--model", "qwen3-235b-a22b"])
