@@ -19,6 +19,8 @@ MAX_FRAGS_CHOICES = (1, 2, 4, 8)  # 8-token fragments per pass, compiled variant
 # What a launch computes (lab_gemm::Mode): grouped GEMMs with fp32 output; w13 ending in SwiGLU +
 # NVFP4 quantize; the whole layer, w2 after it in the same launch, bf16 output.
 MODES = ("plain", "swiglu", "layer")
+# The activations (lab_gemm::Act): NVFP4 codes and e4m3 scales (W4A4), or bf16 as they are (W4A16).
+ACTS = ("nvfp4", "bf16")
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,7 @@ class GemmConfig:
     """warps: consumer warps; row_tiles: 16-row tiles per warp; k_step: K per pipeline stage;
     stages: pipeline depth; max_frags: 8-token fragments held per pass (token tile = 8*max_frags);
     mma: 0 = mma.sync m16n8k16, 1 = wgmma m64n(8F)k16 (sm_90a, warps a multiple of 4);
-    mode: one of MODES (the fused ones through `fused_config`);
+    mode: one of MODES (the fused ones through `fused_config`); act: one of ACTS;
     ctas_per_sm: at most this many CTAs per SM in the persistent grid (0: as many as fit). Not a
     template argument: it only sizes the grid."""
 
@@ -38,6 +40,7 @@ class GemmConfig:
     mma: int = 0  # 0: mma.sync per 8-token fragment; 1: wgmma m64n(8F)k16 per warpgroup
     mode: str = "plain"
     ctas_per_sm: int = 0
+    act: str = "nvfp4"
 
     @property
     def block_rows(self) -> int:
@@ -78,7 +81,7 @@ class GemmConfig:
     def expression_for(self, read_only: bool) -> str:
         return (f"lab_gemm::grouped_gemm_nvfp4<{self.warps}, {self.row_tiles}, {self.k_step}, {self.stages}, "
                 f"{self.max_frags}, {self.mma}, {self.decoder_warps}, {self.epilogue_warps}, "
-                f"lab_gemm::Mode::{self.mode}, {'true' if read_only else 'false'}>")
+                f"lab_gemm::Mode::{self.mode}, lab_gemm::Act::{self.act}, {'true' if read_only else 'false'}>")
 
 
     @property
@@ -86,8 +89,8 @@ class GemmConfig:
         """Config<>::SMEM in grouped_gemm.cu."""
         ksteps, tokens = self.k_step // 16, self.token_tile
         stage_w = self.stage_bytes
-        stage_xq = tokens * (self.k_step // 2)
-        stage_xs = tokens * (self.k_step // 16)
+        stage_xq = tokens * (self.k_step // 2) if self.act == "nvfp4" else tokens * self.k_step * 2
+        stage_xs = tokens * (self.k_step // 16) if self.act == "nvfp4" else 0
         xf = self.max_frags * ksteps * 32 * 8
         off_w = 128 * (((3 * self.stages + 2) * 8 + 127) // 128)
         off_xs = off_w + self.stages * (stage_w + stage_xq)
@@ -113,6 +116,8 @@ class GemmConfig:
         if self.mode not in MODES or (self.mode != "plain" and self.block_rows % 32):
             raise ValueError(f"mode must be one of {MODES} (a fused mode with a block of a multiple of 32 rows), "
                              f"got mode={self.mode!r}, block_rows={self.block_rows}")
+        if self.act not in ACTS:
+            raise ValueError(f"act must be one of {ACTS}, got {self.act!r}")
         if self.mma not in (0, 1) or (self.mma and self.warps % 4):
             raise ValueError(f"mma must be 0 (mma.sync) or 1 (wgmma, warps a multiple of 4), got {self.mma} "
                              f"with {self.warps} warps")
@@ -164,7 +169,7 @@ def frags_for(max_count: int) -> int:
     return next((f for f in MAX_FRAGS_CHOICES if f >= need), MAX_FRAGS_CHOICES[-1])
 
 
-def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None) -> GemmConfig:
+def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None, act: str = "nvfp4") -> GemmConfig:
     """Default tile for a problem whose weights were prepared with `layout` (default
     `default_layout`): a token tile that holds the routine expert in one pass, four (or two)
     16-row tiles per warp, and stages for ~80 KB of weights in flight per CTA."""
@@ -190,7 +195,7 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None) -> 
     # 64-token tiles: wgmma, one commit group per k atom; smaller tiles stay on mma.sync, which
     # wgmma did not beat there (notes/gemm.md v9-v12).
     mma = 1 if frags >= 8 and warps % 4 == 0 else 0
-    cfg = GemmConfig(warps, row_tiles, k_step, stages, frags, mma, ctas_per_sm=cap)
+    cfg = GemmConfig(warps, row_tiles, k_step, stages, frags, mma, ctas_per_sm=cap, act=act)
     while cfg.smem_bytes + 4096 > SMEM_LIMIT and cfg.stages > 2:
         cfg = replace(cfg, stages=cfg.stages - 1)
     return cfg.validate(n, k)
@@ -220,6 +225,11 @@ def fused_config(cfg: GemmConfig, mode: str) -> GemmConfig:
     while fused.smem_bytes + 4096 > SMEM_LIMIT and fused.stages > 2:
         fused = replace(fused, stages=fused.stages - 1)
     return fused.validate()
+
+
+# W4A16 (bf16 activations): the heuristic's tiles of the study's two GEMMs, as for NVFP4 ones.
+SHIPPED_W4A16 = tuple(dict.fromkeys(heuristic(n, k, [8 * f] * 4, act="bf16")
+                                    for f in MAX_FRAGS_CHOICES for n, k in ((4096, 4096), (4096, 2048))))
 
 
 # The fused instantiations the heuristic's tiles lead to (four row tiles per warp up to 16 tokens).

@@ -65,19 +65,24 @@ namespace lab_gemm {
 // wrong on the H200). The warp counts per role are arguments, set by GemmConfig (gemm_config.py,
 // where their rule lives); everything else derives from the arguments here.
 template <int WARPS_, int ROW_TILES_, int K_STEP_, int STAGES_, int MAX_FRAGS_, int MMA_, int DECODER_WARPS_,
-          int EPILOGUE_WARPS_, Mode MODE_>
+          int EPILOGUE_WARPS_, Mode MODE_, Act ACT_>
 struct Config {
   static constexpr int WARPS = WARPS_, ROW_TILES = ROW_TILES_, K_STEP = K_STEP_, STAGES = STAGES_;
   static constexpr int MAX_FRAGS = MAX_FRAGS_, MMA = MMA_;
   static constexpr int DECODER_WARPS = DECODER_WARPS_, EPILOGUE_WARPS = EPILOGUE_WARPS_;
   static constexpr Mode MODE = MODE_;
+  static constexpr Act ACT = ACT_;
+  // The accumulator holds the product times 2^-28 (both operands decoded as v * s * 2^-14) or
+  // 2^-14 (bf16 activations as they are): the epilogue's multiply by its inverse is exact.
+  static constexpr float ACC_SCALE = ACT == Act::nvfp4 ? 268435456.0f : 16384.0f;
   static constexpr int BLOCK_ROWS = WARPS * ROW_TILES * 16;
   static constexpr int KATOMS = K_STEP / 64;
   static constexpr int KSTEPS = K_STEP / 16;
   static constexpr int TOKEN_TILE = 8 * MAX_FRAGS;
   static constexpr int STAGE_W = WARPS * ROW_TILES * KATOMS * ATOM_BYTES;
-  static constexpr int STAGE_XQ = TOKEN_TILE * (K_STEP / 2);
-  static constexpr int STAGE_XS = TOKEN_TILE * (K_STEP / 16);
+  // activations of one stage: NVFP4 codes and scales, or bf16 values (then no scales)
+  static constexpr int STAGE_XQ = ACT == Act::nvfp4 ? TOKEN_TILE * (K_STEP / 2) : TOKEN_TILE * K_STEP * 2;
+  static constexpr int STAGE_XS = ACT == Act::nvfp4 ? TOKEN_TILE * (K_STEP / 16) : 0;
   static constexpr int XF = MAX_FRAGS * KSTEPS * 32 * 8;  // fp16 B fragments of one stage
   // wgmma: k16 steps per commit group. A whole atom where registers allow (the group's and the
   // previous group's A fragments live at once: 8 * ROW_TILES * GS registers); ptxas serializes
@@ -99,9 +104,9 @@ struct Config {
 // READ_ONLY = true runs the same grid, pipeline and copies but skips decode, MMA and stores:
 // the achievable read rate of exactly this access pattern.
 template <int WARPS, int ROW_TILES, int K_STEP, int STAGES, int MAX_FRAGS, int MMA, int DECODER_WARPS,
-          int EPILOGUE_WARPS, Mode MODE, bool READ_ONLY>
+          int EPILOGUE_WARPS, Mode MODE, Act ACT, bool READ_ONLY>
 __global__ void __launch_bounds__(
-    Config<WARPS, ROW_TILES, K_STEP, STAGES, MAX_FRAGS, MMA, DECODER_WARPS, EPILOGUE_WARPS, MODE>::THREADS, 1)
+    Config<WARPS, ROW_TILES, K_STEP, STAGES, MAX_FRAGS, MMA, DECODER_WARPS, EPILOGUE_WARPS, MODE, ACT>::THREADS, 1)
 grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single problem) the same
     const void* __restrict__ wmap0, const uint8_t* __restrict__ xq0, const uint8_t* __restrict__ xs0,
     const int* __restrict__ offsets0, const float* __restrict__ alpha0, float* __restrict__ out0,
@@ -120,7 +125,7 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
     // goes to out1_bf16 as bf16 bits, written by the epilogue warps (out1 is not written).
     int* __restrict__ ready, unsigned short* __restrict__ out1_bf16,
     unsigned int* __restrict__ nonfinite) {  // SwiGLU values or bf16 outputs that are not finite
-  using C = Config<WARPS, ROW_TILES, K_STEP, STAGES, MAX_FRAGS, MMA, DECODER_WARPS, EPILOGUE_WARPS, MODE>;
+  using C = Config<WARPS, ROW_TILES, K_STEP, STAGES, MAX_FRAGS, MMA, DECODER_WARPS, EPILOGUE_WARPS, MODE, ACT>;
   static_assert(DECODER_WARPS >= 1, "the stages' activations need a decoder warp");
   static_assert((MODE == Mode::plain) == (EPILOGUE_WARPS == 0), "epilogue warps exactly in the fused modes");
   static_assert(C::MODE == Mode::plain || C::BLOCK_ROWS % 32 == 0,
@@ -223,6 +228,18 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
 #pragma unroll 2
           for (int item = (warp - WARPS - 1) * 32 + lane; item < frags * 8 * C::KSTEPS; item += 32 * C::DECODER_WARPS) {
             const int f = item / (8 * C::KSTEPS), j = (item >> 3) & (C::KSTEPS - 1), tr = f * 8 + (item & 7);
+            if constexpr (ACT == Act::bf16) {  // bf16 rows: converted, no scale (ACC_SCALE 2^14)
+              uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
+              if (tr < ntok) {
+                const uint4* src = reinterpret_cast<const uint4*>(qsrc + tr * (K_STEP * 2) + j * 32);
+                lo = src[0];
+                hi = src[1];
+              }
+              uint32_t h0[4], h1[4];
+              decode_bf16_block(lo, hi, h0, h1);
+              store_b_fragments<C>(xf, item, f, j, h0, h1);
+              continue;
+            }
             uint2 raw = make_uint2(0u, 0u);
             uint32_t sbits = 0;
             if (tr < ntok) {
@@ -235,6 +252,8 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
                                     hmul2_lo(decode_x<2>(raw.x), sc), hmul2_lo(decode_x<3>(raw.x), sc)};
             const uint32_t h1[4] = {hmul2_lo(decode_x<0>(raw.y), sc), hmul2_lo(decode_x<1>(raw.y), sc),
                                     hmul2_lo(decode_x<2>(raw.y), sc), hmul2_lo(decode_x<3>(raw.y), sc)};
+            // (the store_b_fragments of this path written out: as a call, ptxas schedules 13 of the
+            // NVFP4 kernels differently)
             if constexpr (MMA == 0) {
               // mma.sync B fragments: [f][k16 step][lane = 4*row + t][b0 b1], i.e. item * 4
               uint2* dst = reinterpret_cast<uint2*>(xf) + item * 4;

@@ -6,6 +6,7 @@
 Shapes and dtypes (all CuPy arrays on the launch's device):
     x_packed   (T, K/2)  uint8   activation codes, even element in the low nibble
     x_scales   (T, K/16) uint8   activation e4m3 block scales (raw bits)
+               or, with GemmConfig.act "bf16" (W4A16): x (T, K) uint16 bf16 bits, x_scales None
     offsets    (E+1,)    int32   rows of expert e are offsets[e]:offsets[e+1]; offsets[E] == T
     alpha      (E,)      float32 per-expert factor (activation global x weight global, or what
                                  the caller wants; the globals are not applied otherwise)
@@ -24,8 +25,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from lab.kernels import jit, tensor_map
-from lab.kernels.gemm_config import (FUSED_SMALL_STAGES, MAX_FRAGS_CHOICES, MODES, SHIPPED_CONFIGS,  # noqa: F401
-                                     SHIPPED_FUSED, SMEM_LIMIT, GemmConfig, frags_for, fused_config, heuristic,
+from lab.kernels.gemm_config import (ACTS, FUSED_SMALL_STAGES, MAX_FRAGS_CHOICES, MODES, SHIPPED_CONFIGS,  # noqa: F401
+                                     SHIPPED_FUSED, SHIPPED_W4A16, SMEM_LIMIT, GemmConfig, frags_for, fused_config, heuristic,
                                      resident_ctas)
 from lab.kernels.gemm_weights import (ATOM_BYTES, ATOM_CODE_BYTES, ATOM_K, ATOM_ROWS, DECODE_MASK,  # noqa: F401
                                       ENCODE_TABLES, K_SLOTS, PreparedWeights, check_weight_shapes,
@@ -36,7 +37,8 @@ SOURCE = "grouped_gemm.cu"
 
 __all__ = [  # the launchers, and what gemm_weights and gemm_config define, under one import
     "SOURCE", "Fusion", "grouped_gemm", "grouped_gemm_pair", "swiglu_gemm", "fused_layer",
-    "FUSED_SMALL_STAGES", "MAX_FRAGS_CHOICES", "MODES", "SHIPPED_CONFIGS", "SHIPPED_FUSED", "SMEM_LIMIT",
+    "ACTS", "FUSED_SMALL_STAGES", "MAX_FRAGS_CHOICES", "MODES", "SHIPPED_CONFIGS", "SHIPPED_FUSED", "SHIPPED_W4A16",
+    "SMEM_LIMIT",
     "GemmConfig", "frags_for", "fused_config", "heuristic", "resident_ctas",
     "ATOM_BYTES", "ATOM_CODE_BYTES", "ATOM_K", "ATOM_ROWS", "DECODE_MASK", "ENCODE_TABLES", "K_SLOTS",
     "PreparedWeights", "check_weight_shapes", "decode_words", "decode_x_words", "default_layout",
@@ -44,14 +46,22 @@ __all__ = [  # the launchers, and what gemm_weights and gemm_config define, unde
 ]
 
 
-def _check_activation(x_packed, x_scales, offsets, alpha, out, prep: PreparedWeights, optional_out=False):
+def _check_activation(x_packed, x_scales, offsets, alpha, out, prep: PreparedWeights, optional_out=False,
+                      act: str = "nvfp4"):
     import cupy as cp
 
     t = x_packed.shape[0] if x_packed.ndim == 2 else -1
-    if x_packed.ndim != 2 or x_packed.dtype != cp.uint8 or x_packed.shape[1] * 2 != prep.k:
-        raise ValueError(f"x_packed: expected (T, {prep.k // 2}) uint8, got {x_packed.shape} {x_packed.dtype}")
-    if x_scales.shape != (t, prep.k // 16) or x_scales.dtype != cp.uint8:
-        raise ValueError(f"x_scales: expected ({t}, {prep.k // 16}) uint8, got {x_scales.shape} {x_scales.dtype}")
+    if act == "bf16":  # W4A16: the rows as bf16 bits, no scales
+        if x_packed.ndim != 2 or x_packed.dtype != cp.uint16 or x_packed.shape[1] != prep.k:
+            raise ValueError(f"x: expected (T, {prep.k}) uint16 (bf16 bits), got {x_packed.shape} {x_packed.dtype}")
+        if x_scales is not None:
+            raise ValueError("x_scales: bf16 activations have no block scales; pass None")
+    else:
+        if x_packed.ndim != 2 or x_packed.dtype != cp.uint8 or x_packed.shape[1] * 2 != prep.k:
+            raise ValueError(f"x_packed: expected (T, {prep.k // 2}) uint8, got {x_packed.shape} {x_packed.dtype}")
+        if x_scales is None or x_scales.shape != (t, prep.k // 16) or x_scales.dtype != cp.uint8:
+            got = None if x_scales is None else (x_scales.shape, x_scales.dtype)
+            raise ValueError(f"x_scales: expected ({t}, {prep.k // 16}) uint8, got {got}")
     if offsets.shape != (prep.experts + 1,) or offsets.dtype != cp.int32:
         raise ValueError(f"offsets: expected ({prep.experts + 1},) int32, got {offsets.shape} {offsets.dtype}")
     if alpha.shape != (prep.experts,) or alpha.dtype != cp.float32:
@@ -62,7 +72,7 @@ def _check_activation(x_packed, x_scales, offsets, alpha, out, prep: PreparedWei
         got = None if out is None else (out.shape, out.dtype)
         raise ValueError(f"out: expected ({t}, {prep.n}) float32, got {got}")
     for name, a in (("x_packed", x_packed), ("x_scales", x_scales), ("out", out)):
-        if not a.flags.c_contiguous:
+        if a is not None and not a.flags.c_contiguous:
             raise ValueError(f"{name}: must be C-contiguous")
 
 
@@ -74,6 +84,11 @@ def grouped_gemm(prep: PreparedWeights, x_packed, x_scales, offsets, alpha, out,
     it plans a run); offsets are not read back here, so the launch can be graph-captured.
     `read_only` launches the same pipeline without decode, MMA or stores (the achievable rate of
     this access pattern).
+
+    With ``cfg.act == "bf16"`` (W4A16) `x_packed` is the activation rows as bf16 bits, (T, K)
+    uint16, and `x_scales` None: the decoders convert them to fp16 as they are (exact for
+    magnitudes in [2^-14, 65504] and zeros; the caller keeps |x| below 65504, where fp16
+    overflows), and out = alpha[e] * x @ dec(w[e]).T as for NVFP4 activations.
     """
     _launch([(prep, x_packed, x_scales, offsets, alpha, out)], cfg, stream, read_only)
 
@@ -173,7 +188,7 @@ def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fu
         cfg = replace(cfg, mode="plain")
     for pi, (prep, x_packed, x_scales, offsets, alpha, out) in enumerate(problems):
         fused_out = fusion is not None and (pi == 0 or fusion.mode == "layer")
-        _check_activation(x_packed, x_scales, offsets, alpha, out, prep, optional_out=fused_out)
+        _check_activation(x_packed, x_scales, offsets, alpha, out, prep, optional_out=fused_out, act=cfg.act)
         cfg.validate(prep.n, prep.k)
         if (cfg.block_rows, cfg.k_step) != (prep.block_rows, prep.k_step):
             raise ValueError(f"cfg: block {cfg.block_rows} x k_step {cfg.k_step} does not match the weights' "
@@ -200,7 +215,7 @@ def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fu
     maps = [tensor_map.device_map(pr[0].data, pr[0].stage_bytes) for pr in problems if pr[0].experts]
     maps += maps[:1] * (2 - len(maps))
     for (prep, x_packed, x_scales, offsets, alpha, out), wmap in zip(problems, maps):
-        args += [wmap, x_packed, x_scales, offsets, alpha, _NULL if out is None else out,
+        args += [wmap, x_packed, _NULL if x_scales is None else x_scales, offsets, alpha, _NULL if out is None else out,
                  np.int32(prep.n), np.int32(prep.k), np.int32(prep.experts)]
     stream = stream if stream is not None else cp.cuda.get_current_stream()
     first_out = problems[0][5] if fusion is None else fusion.a_packed

@@ -80,4 +80,30 @@ __device__ __forceinline__ void decode_tile(const uint4& code, const uint2& scl,
   a[3] = hmul2_hi(p3, s2);
 }
 
+// bf16 (the low or the high half of a word) -> float32, exactly.
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+// Two float32 -> fp16x2 (lo in the low half), round to nearest even: exact for bf16 values of
+// magnitude in [2^-14, 65504] and for zeros (bf16's 8 significant bits fit fp16's 11); smaller
+// ones round to fp16 subnormals, larger ones overflow (the W4A16 path refuses those upstream).
+__device__ __forceinline__ uint32_t f32x2_to_f16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+// One k16 block of one bf16 activation row (w: its 16 values, two per word, k even in the low
+// half) -> k slots 0..7 and 8..15 in K_SLOTS order, as decode_x gives NVFP4 rows: register A of
+// each half holds k = A (low) and A + 4 (high) of that half.
+__device__ __forceinline__ void decode_bf16_block(const uint4& lo, const uint4& hi, uint32_t (&h0)[4],
+                                                  uint32_t (&h1)[4]) {
+  h0[0] = f32x2_to_f16x2(bf16_lo(lo.x), bf16_lo(lo.z));
+  h0[1] = f32x2_to_f16x2(bf16_hi(lo.x), bf16_hi(lo.z));
+  h0[2] = f32x2_to_f16x2(bf16_lo(lo.y), bf16_lo(lo.w));
+  h0[3] = f32x2_to_f16x2(bf16_hi(lo.y), bf16_hi(lo.w));
+  h1[0] = f32x2_to_f16x2(bf16_lo(hi.x), bf16_lo(hi.z));
+  h1[1] = f32x2_to_f16x2(bf16_hi(hi.x), bf16_hi(hi.z));
+  h1[2] = f32x2_to_f16x2(bf16_lo(hi.y), bf16_lo(hi.w));
+  h1[3] = f32x2_to_f16x2(bf16_hi(hi.y), bf16_hi(hi.w));
+}
+
 }  // namespace lab_gemm

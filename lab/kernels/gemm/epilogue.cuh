@@ -32,8 +32,8 @@ __device__ __forceinline__ void store_tile(const float (&acc)[C::ROW_TILES][C::M
         for (int hh = 0; hh < 2; ++hh) {  // tokens tok and tok + 1
           if (tok + hh < count) {
             const size_t at = (size_t)(row0 + tok + hh) * N + n;
-            const float v0 = (acc[r][f][hh] * ACC_SCALE) * out_scale;
-            const float v1 = (acc[r][f][2 + hh] * ACC_SCALE) * out_scale;
+            const float v0 = (acc[r][f][hh] * C::ACC_SCALE) * out_scale;
+            const float v1 = (acc[r][f][2 + hh] * C::ACC_SCALE) * out_scale;
             if (out != nullptr) {
               out[at] = v0;
               out[at + 8] = v1;
@@ -55,10 +55,10 @@ __device__ __forceinline__ void handoff_tile(const float (&acc)[C::ROW_TILES][C:
     for (int f = 0; f < C::MAX_FRAGS; ++f) {
       if (f < frags) {
         float* hrow = htile + (f * 8 + 2 * t4) * C::H_STRIDE + n;
-        hrow[0] = (acc[r][f][0] * ACC_SCALE) * out_scale;
-        hrow[8] = (acc[r][f][2] * ACC_SCALE) * out_scale;
-        hrow[C::H_STRIDE] = (acc[r][f][1] * ACC_SCALE) * out_scale;
-        hrow[C::H_STRIDE + 8] = (acc[r][f][3] * ACC_SCALE) * out_scale;
+        hrow[0] = (acc[r][f][0] * C::ACC_SCALE) * out_scale;
+        hrow[8] = (acc[r][f][2] * C::ACC_SCALE) * out_scale;
+        hrow[C::H_STRIDE] = (acc[r][f][1] * C::ACC_SCALE) * out_scale;
+        hrow[C::H_STRIDE + 8] = (acc[r][f][3] * C::ACC_SCALE) * out_scale;
       }
     }
   }

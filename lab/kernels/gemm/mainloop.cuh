@@ -110,6 +110,24 @@ __device__ __forceinline__ void stage_wgmma(float (&acc)[ROW_TILES][MAX_FRAGS][4
   for (int r = 0; r < R; ++r) fence_acc<MAX_FRAGS>(acc[r]);
 }
 
+// The activation decoders' store of one item (fragment f, k16 block j, token row item & 7) into
+// the stage's B operand, k slots 0..7 (h0) and 8..15 (h1): mma.sync fragments [f][k16 step][lane =
+// 4*row + t][b0 b1], i.e. item * 4; or wgmma core matrices (8 tokens x 8 k, 128 B) [k16 step][f]
+// [k half][token row][16 B].
+template <class C>
+__device__ __forceinline__ void store_b_fragments(uint8_t* xf, int item, int f, int j, const uint32_t (&h0)[4],
+                                                  const uint32_t (&h1)[4]) {
+  if constexpr (C::MMA == 0) {
+    uint2* dst = reinterpret_cast<uint2*>(xf) + item * 4;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) dst[q] = make_uint2(h0[q], h1[q]);
+  } else {
+    uint4* dst = reinterpret_cast<uint4*>(xf + ((j * C::MAX_FRAGS + f) * 2) * 128 + (item & 7) * 16);
+    dst[0] = make_uint4(h0[0], h0[1], h0[2], h0[3]);
+    dst[8] = make_uint4(h1[0], h1[1], h1[2], h1[3]);
+  }
+}
+
 // A decoder's or consumer's next stage: its k chunk and pass within the unit (by increments: no
 // division on run-time values), the ring slot and that slot's parity.
 template <int STAGES>

@@ -9,6 +9,10 @@ namespace lab_gemm {
 // NVFP4 quantize, or the whole layer (w13 with that epilogue, then w2 to bf16, in one launch).
 enum class Mode : int { plain = 0, swiglu = 1, layer = 2 };
 
+// What the activations (the GEMMs' token operand) are: NVFP4 codes and e4m3 block scales,
+// decoded to fp16 as v * s * 2^-14 (W4A4); or bf16, converted to fp16 as they are (W4A16).
+enum class Act : int { nvfp4 = 0, bf16 = 1 };
+
 // Problem p of a launch reads its own kernel arguments (name0 or name1), each role taking the
 // ones it needs as plain parameters: a select of the two, never a copy into an indexed struct.
 #define LAB_P(name) (p ? name##1 : name##0)

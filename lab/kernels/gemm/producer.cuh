@@ -67,8 +67,22 @@ __device__ __forceinline__ void producer_warp(const void* wmap0, const void* wma
       }
       const int tok0 = pass * C::TOKEN_TILE;
       const int ntok = min(C::TOKEN_TILE, count - tok0);
-      constexpr int QCHUNKS = K_STEP / 32;  // 16-byte pieces of one row's codes in this chunk
       uint8_t* qdst = smem + C::OFF_XQ + s * C::STAGE_XQ;
+      if constexpr (C::ACT == Act::bf16) {
+        constexpr int XCHUNKS = K_STEP / 8;  // 16-byte pieces of one bf16 row in this chunk
+        for (int i = lane; i < ntok * XCHUNKS; i += 32) {
+          const int tr = i / XCHUNKS, q = i - tr * XCHUNKS;
+          const uint8_t* src = xq + ((size_t)(row0 + tok0 + tr) * K + kc * K_STEP) * 2 + q * 16;
+          cp_async<16>(smem_addr(qdst + tr * (K_STEP * 2) + q * 16), src);
+        }
+        cp_async_arrive_noinc(pipe.raw0 + 8 * s);
+        if (++s == STAGES) {
+          s = 0;
+          phase ^= 1;
+        }
+        continue;
+      }
+      constexpr int QCHUNKS = K_STEP / 32;  // 16-byte pieces of one row's codes in this chunk
       uint8_t* sdst = smem + C::OFF_XS + s * C::STAGE_XS;
       for (int i = lane; i < ntok * QCHUNKS; i += 32) {
         const int tr = i / QCHUNKS, q = i - tr * QCHUNKS;

@@ -1,0 +1,145 @@
+"""The grouped GEMM with bf16 activations (W4A16): the same kernel, prepared weights, pipeline
+and tiles as W4A4, chosen by GemmConfig.act; the activations converted to fp16 as they are."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from lab import checks, nvfp4
+from lab.kernels import grouped_gemm as gg
+from lab.kernels import jit
+
+
+def test_w4a16_configs_size_bf16_rows_and_name_the_activation():
+    c = gg.GemmConfig(4, 4, 128, 3, 2)
+    b = replace(c, act="bf16")
+    # a stage holds 16 tokens x 128 k of bf16 (4 KB) instead of codes and scales (1 KB + 128 B)
+    assert b.smem_bytes - c.smem_bytes == 3 * (16 * 128 * 2 - (16 * 64 + 16 * 8))
+    assert b.expression.endswith("lab_gemm::Act::bf16, false>") and c.expression.endswith("Act::nvfp4, false>")
+    with pytest.raises(ValueError, match="act must be one of"):
+        replace(c, act="fp8").validate()
+    assert gg.heuristic(4096, 4096, [9] * 8, act="bf16") == replace(gg.heuristic(4096, 4096, [9] * 8), act="bf16")
+    assert {cfg.act for cfg in gg.SHIPPED_W4A16} == {"bf16"} and len(gg.SHIPPED_W4A16) >= 4
+
+
+@pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
+@pytest.mark.parametrize("cfg", gg.SHIPPED_W4A16, ids=lambda c: c.expression.split("<")[1][:-1])
+def test_w4a16_instantiations_compile_without_spills(cfg):
+    for read_only in (False, True):
+        info = jit.ptxas_report(gg.SOURCE, cfg.expression_for(read_only))
+        assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
+        assert info.registers <= 65536 // cfg.threads, info
+        assert not info.wgmma_serialized, info
+
+
+@pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
+def test_w4a16_smem_mirror_equals_the_kernels_config(tmp_path):
+    import subprocess
+
+    lines = [f'#include "{jit.KERNEL_DIR / gg.SOURCE}"']
+    for c in gg.SHIPPED_W4A16:
+        conf = (f"lab_gemm::Config<{c.warps}, {c.row_tiles}, {c.k_step}, {c.stages}, {c.max_frags}, {c.mma}, "
+                f"{c.decoder_warps}, {c.epilogue_warps}, lab_gemm::Mode::{c.mode}, lab_gemm::Act::{c.act}>")
+        lines.append(f'static_assert({conf}::SMEM == {c.smem_bytes}, "{c}");')
+        lines.append(f'static_assert({conf}::ACC_SCALE == 16384.0f, "{c}");')
+    unit = tmp_path / "w4a16.cu"
+    unit.write_text("\n".join(lines) + "\n")
+    proc = subprocess.run([jit.nvcc_path(), "-std=c++17", "-arch=sm_90a", "-c", "-o", str(tmp_path / "w4a16.o"),
+                           str(unit)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_bf16_activations_are_refused_in_the_wrong_form():
+    pytest.importorskip("cupy")
+    from lab.gpu import gpu_available
+
+    if not gpu_available():
+        pytest.skip("needs a CUDA GPU (the launcher's checks take device arrays)")
+    import cupy as cp
+
+    packed = np.random.default_rng(0).integers(0, 256, (2, 64, 64), np.uint8)
+    scales = np.full((2, 64, 8), 0x38, np.uint8)
+    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(64, 128))
+    cfg = replace(gg.heuristic(64, 128, [3, 2], (64, 128)), act="bf16")
+    off, alpha, out = cp.asarray([0, 3, 5], cp.int32), cp.ones(2, cp.float32), cp.zeros((5, 64), cp.float32)
+    with pytest.raises(ValueError, match=r"x: expected \(T, 128\) uint16"):
+        gg.grouped_gemm(prep, cp.zeros((5, 64), cp.uint8), None, off, alpha, out, cfg)
+    with pytest.raises(ValueError, match="no block scales"):
+        gg.grouped_gemm(prep, cp.zeros((5, 128), cp.uint16), cp.zeros((5, 8), cp.uint8), off, alpha, out, cfg)
+
+
+def _bf16(rng, shape, tiny=False):
+    """Random bf16 values spanning 2^-14..2^8 in magnitude (the exact fp16 range and a few
+    binades past 1), both signs, some zeros; `tiny` adds fp16-subnormal magnitudes."""
+    mag = 2.0 ** rng.uniform(-24 if tiny else -14, 8, shape)
+    v = (mag * rng.choice([-1.0, 1.0], shape) * (rng.random(shape) > 0.05)).astype(np.float32)
+    return v.astype(ml_dtypes.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", gg.SHIPPED_W4A16, ids=lambda c: c.expression.split("<")[1][:-1])
+def test_w4a16_gemm_matches_float64_and_is_deterministic(cfg):
+    """out[r] = alpha[e] * x[r] @ dec(w[e]).T with x the bf16 values as given: relative error
+    <= 1e-5 against float64 (the conversion to fp16 is exact in this range; only the fp32 sums
+    round), every element written, the same bits on a second run. Ragged counts with empty
+    experts and one expert past the token tile."""
+    import cupy as cp
+
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    n, k = (512, 256) if cfg.block_rows <= 256 else (cfg.block_rows, 256)
+    n = -(-n // cfg.block_rows) * cfg.block_rows
+    counts = np.array([0, 3, cfg.token_tile + 5, 1, 0, 17])
+    e = counts.size
+    packed = rng.integers(0, 256, (e, n, k // 2), np.uint8)
+    scales = rng.integers(1, 127, (e, n, k // 16)).astype(np.uint8)
+    x = _bf16(rng, (int(counts.sum()), k))
+    offsets = np.r_[0, np.cumsum(counts)].astype(np.int32)
+    alpha = rng.uniform(0.5, 2, e).astype(np.float32)
+    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
+    outs = []
+    for _ in range(2):
+        out = cp.full((x.shape[0], n), cp.nan, cp.float32)
+        gg.grouped_gemm(prep, cp.asarray(x.view(np.uint16)), None, cp.asarray(offsets), cp.asarray(alpha), out, cfg)
+        outs.append(out.get())
+    assert np.isfinite(outs[0]).all(), f"seed {seed}: unwritten or non-finite outputs"
+    assert checks.compare_bits(outs[0].view(np.uint32), outs[1].view(np.uint32))[0], f"seed {seed}: not deterministic"
+    xf = x.astype(np.float64)
+    want = np.zeros_like(outs[0], dtype=np.float64)
+    for ex in range(e):
+        r0, r1 = offsets[ex], offsets[ex + 1]
+        want[r0:r1] = alpha[ex] * (xf[r0:r1] @ nvfp4.dequantize_blocks(packed[ex], scales[ex]).T)
+    err = checks.rel_error(outs[0], want)
+    assert err is not None and err <= 1e-5, f"seed {seed}: rel error {err:.2e}"
+
+
+@pytest.mark.gpu
+def test_w4a16_fp16_subnormal_activations_cost_at_most_their_rounding():
+    """bf16 magnitudes below 2^-14 become fp16 subnormals (rounded to a multiple of 2^-24): each
+    output element stays within sum_k |w_k| 2^-25 of float64, on top of the fp32 sums' error."""
+    import cupy as cp
+
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    cfg = gg.heuristic(256, 256, [9, 9], act="bf16")
+    packed = rng.integers(0, 256, (2, 256, 128), np.uint8)
+    scales = rng.integers(1, 127, (2, 256, 16)).astype(np.uint8)
+    x = _bf16(rng, (18, 256), tiny=True)
+    offsets = np.array([0, 9, 18], np.int32)
+    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
+    out = cp.full((18, 256), cp.nan, cp.float32)
+    gg.grouped_gemm(prep, cp.asarray(x.view(np.uint16)), None, cp.asarray(offsets), cp.ones(2, cp.float32), out, cfg)
+    got = out.get().astype(np.float64)
+    xf = x.astype(np.float64)
+    for ex in range(2):
+        w = nvfp4.dequantize_blocks(packed[ex], scales[ex])
+        r = slice(offsets[ex], offsets[ex + 1])
+        want = xf[r] @ w.T
+        # fp32 sums of exact products: (K + 1) 2^-23 of sum |x w| (as test_grouped_gemm bounds
+        # them); the subnormal rounding: half of fp16's 2^-24 spacing per |w|
+        bound = (np.abs(xf[r]) @ np.abs(w).T) * (256 + 1) * 2.0**-23 + np.abs(w).sum(axis=1)[None, :] * 2.0**-25
+        assert (np.abs(got[r] - want) <= bound).all(), f"seed {seed}, expert {ex}"
