@@ -7,9 +7,6 @@
 namespace lab_gemm {
 
 constexpr int ATOM_BYTES = 576;
-// Both operands are decoded to v * s * 2^-14 (exact in fp16, subnormals included), so the fp32
-// accumulator holds the product times 2^-28; the epilogue's multiply by 2^28 is exact.
-constexpr float ACC_SCALE = 268435456.0f;
 constexpr int ATOM_CODE_BYTES = 512;
 
 __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {

@@ -1,6 +1,6 @@
 // The GEMM's epilogues, each a function of one pass's accumulators or of one h tile and its
 // EpiTile header, so that an epilogue can change without touching the mainloop.
-//   store_tile:   plain; the consumers write out = (acc * 2^28) * alpha as fp32.
+//   store_tile:   plain; the consumers write out = (acc * ACC_SCALE) * alpha as fp32.
 //   handoff_tile: fused; the consumers put the same values into the shared h tile, fp32
 //                 [token][BLOCK_ROWS + 4], for the epilogue warps.
 //   swiglu_tile:  epilogue warps, w13 tile: SwiGLU with each half's global, then NVFP4 quantize
