@@ -368,7 +368,9 @@ def token_axis_table(points: list[dict]) -> str:
     """One row per mean: the roofline and what binds, the lab's best valid variant, separate and
     each peer (ms and % of the binding roofline), the best's ratio to the fastest peer."""
     peer_names = list(dict.fromkeys(n for p in points for n, e in p["impls"].items() if e["peer"]))
+    w4a16 = any(_ta_impl(p, "w4a16") for p in points)  # NVFP4 weights, bf16 activations: a column of its own
     head = (["tokens/expert", "roofline ms (binds)", "best lab variant", "ms", "roof%", "separate ms"] +
+            (["w4a16 ms (error)"] if w4a16 else []) +
             [f"{n} ms" for n in peer_names] + ["x fastest peer", "error vs float64: lab / " + " / ".join(peer_names)])
     body = []
     for p in points:
@@ -377,6 +379,9 @@ def token_axis_table(points: list[dict]) -> str:
         row = [f"{p['mean']:g}", f"{p['roofline']['ms']:.3f} ({p['roofline']['binds']})",
                p.get("best_lab") or "-", _fmt(best and best["ms"]), _fmt(best and best["roof_pct"], 1),
                _fmt(sep and sep["ms"])]
+        if w4a16:
+            e = _ta_impl(p, "w4a16")
+            row.append("-" if e is None else f"{e['ms']:.3f} ({'-' if e.get('e2e_rel') is None else format(e['e2e_rel'], '.1e')})")
         row += [_fmt(_ta_impl(p, n) and _ta_impl(p, n)["ms"]) for n in peer_names]
         row.append(_fmt(best and best["x_fastest_peer"], 2))
         errs = [best and best.get("e2e_rel")] + [_ta_impl(p, n) and _ta_impl(p, n).get("e2e_rel") for n in peer_names]

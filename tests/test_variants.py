@@ -27,7 +27,7 @@ from strategies import routings
 
 def test_registry_lists_the_study_variants_in_order():
     assert NAMES == ("separate", "cuda-graph", "chunked-2", "chunked-4", "chunked-8", "chunked-16",
-                     "fused-swiglu", "fused-layer", "one-launch-2G", "fold-b")
+                     "fused-swiglu", "fused-layer", "one-launch-2G", "fold-b", "w4a16")
     for name in NAMES:
         v = make(name)
         assert v.name == name and v.expect in EXPECTS
@@ -35,7 +35,7 @@ def test_registry_lists_the_study_variants_in_order():
 
 
 @pytest.mark.parametrize("module", ["separate", "cuda_graph", "chunked", "fused_swiglu", "fused_layer",
-                                    "one_launch_2g", "fold_b"])
+                                    "one_launch_2g", "fold_b", "w4a16"])
 def test_each_variant_file_declares_name_and_expect(module):
     m = importlib.import_module(f"lab.variants.{module}")
     assert isinstance(m.name, str) and m.expect in EXPECTS

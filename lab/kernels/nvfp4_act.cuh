@@ -63,6 +63,11 @@ __device__ __forceinline__ uint32_t bf16x2_bits(float v0, float v1) {
 __device__ __forceinline__ uint32_t bf16x2_nonfinite(uint32_t b) {
   return ((b & 0x7f80u) == 0x7f80u) + ((b & 0x7f800000u) == 0x7f800000u);
 }
+// Of two bf16 values, those fp16 cannot hold (the W4A16 GEMM converts its activations to fp16):
+// |v| >= 65536 (the bf16 below it, 65280, converts exactly), Inf and NaN.
+__device__ __forceinline__ uint32_t bf16x2_past_fp16(uint32_t b) {
+  return ((b & 0x7fffu) >= 0x4780u) + (((b >> 16) & 0x7fffu) >= 0x4780u);
+}
 
 // A 16-element block's scale from its amax (the max of |x| over the block, NaN ignored):
 // returns the e4m3 code and sets denom = decoded scale * g. six_g = 6 * g rounded once.

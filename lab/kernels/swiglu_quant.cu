@@ -97,6 +97,60 @@ __global__ void swiglu_quant(const float* __restrict__ h, const int* __restrict_
   if (bad) atomicAdd(nonfinite, bad);
 }
 
+// ------------------------------------------------------------------------------ W4A16
+
+// The W4A16 layer's activations are bf16: what its GEMMs read (converted to fp16 there, so a
+// value fp16 cannot hold is counted into *bad, as the NVFP4 path counts non-finite ones).
+
+// y row r = bf16 bits of x[row_src[r]] (T: float, rounded to nearest even; or uint16_t, bf16
+// bits copied). Grid and threads as quantize_rows.
+template <typename T>
+__global__ void gather_bf16(const T* __restrict__ x, const int* __restrict__ row_src, int K,
+                            uint16_t* __restrict__ y, uint32_t* __restrict__ bad) {
+  const int r = blockIdx.x;
+  const int c4 = blockIdx.y * blockDim.x + threadIdx.x;
+  if (c4 >= K / 4) return;
+  float v[4];
+  load4(x + (size_t)row_src[r] * K + 4 * c4, v);
+  const uint32_t b01 = bf16x2_bits(v[0], v[1]), b23 = bf16x2_bits(v[2], v[3]);
+  reinterpret_cast<uint2*>(y + (size_t)r * K)[c4] = make_uint2(b01, b23);
+  const uint32_t n = bf16x2_past_fp16(b01) + bf16x2_past_fp16(b23);
+  if (n) atomicAdd(bad, n);
+}
+
+// a = swiglu(h_gate, h_up, gate_global[e], up_global[e]) as bf16 bits into a_bf16 (rows, I): as
+// swiglu_quant up to a, then rounded to bf16 instead of quantized.
+__global__ void swiglu_bf16(const float* __restrict__ h, const int* __restrict__ offsets, int experts, int I,
+                            const float* __restrict__ gate_global, const float* __restrict__ up_global,
+                            uint16_t* __restrict__ a_bf16, uint32_t* __restrict__ bad) {
+  __shared__ int row_expert;
+  const int r = blockIdx.x;
+  const int c4 = blockIdx.y * blockDim.x + threadIdx.x;
+  const bool active = c4 < I / 4;
+  float hg[4], hu[4];
+  const float* hr = h + (size_t)r * (2 * I);
+  if (active) {
+    load4(hr + 4 * c4, hg);
+    load4(hr + I + 4 * c4, hu);
+  }
+  if (threadIdx.x == 0) {
+    int lo = 0, hi = experts;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) >> 1;
+      if (offsets[mid] <= r) lo = mid; else hi = mid;
+    }
+    row_expert = lo;
+  }
+  __syncthreads();
+  if (!active) return;
+  const float gs = gate_global[row_expert], us = up_global[row_expert];
+  const uint32_t b01 = bf16x2_bits(swiglu(hg[0], hu[0], gs, us), swiglu(hg[1], hu[1], gs, us));
+  const uint32_t b23 = bf16x2_bits(swiglu(hg[2], hu[2], gs, us), swiglu(hg[3], hu[3], gs, us));
+  reinterpret_cast<uint2*>(a_bf16 + (size_t)r * I)[c4] = make_uint2(b01, b23);
+  const uint32_t n = bf16x2_past_fp16(b01) + bf16x2_past_fp16(b23);
+  if (n) atomicAdd(bad, n);
+}
+
 // ------------------------------------------------------------------------------ output
 
 // y = bf16 bits of x, n4 = n / 4 groups of 4 elements; counts non-finite outputs (NaN, Inf in

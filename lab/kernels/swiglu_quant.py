@@ -42,6 +42,9 @@ EXPRESSIONS = (
     "lab_act::swiglu_quant",
     "lab_act::to_bf16",
     "lab_act::div_check",
+    "lab_act::gather_bf16<float>",
+    "lab_act::gather_bf16<lab_act::uint16_t>",
+    "lab_act::swiglu_bf16",
 )
 
 
@@ -175,6 +178,52 @@ def swiglu_quant(h, offsets, gate_global, up_global, input_scale, out_packed, ou
     with _stream(stream):
         fn(_grid(rows, i), (THREADS,), (h, offsets, np.int32(e), np.int32(i), gate_global, up_global, g,
                                  out_packed, out_scales, a_out if a_out is not None else _NULL, counter))
+
+
+def gather_bf16(x, row_token, out, counter, stream=None) -> None:
+    """The W4A16 layer's input: out row r = bf16 bits of x[row_token[r]] (x (T, K) float32,
+    rounded to nearest even, or uint16 bf16 bits, copied); counts into `counter` the values the
+    fp16 conversion of the W4A16 GEMM cannot hold (|v| >= 65536, Inf, NaN)."""
+    if x.ndim != 2 or x.dtype not in (np.float32, np.uint16):
+        raise ValueError(f"x: expected (T, K) float32 or uint16 (bf16 bits), got {x.shape} {x.dtype}")
+    if row_token is None or row_token.ndim != 1:
+        raise ValueError("row_token: expected the (rows,) int32 token of each grouped row")
+    rows, k = row_token.shape[0], x.shape[1]
+    _check_array("row_token", row_token, (rows,), (np.int32,))
+    _check_array("out", out, (rows, k), (np.uint16,))
+    _check_counter(counter)
+    if k % 16:
+        raise ValueError(f"x: K={k} must be a multiple of 16")
+    _require_device(x=x, row_token=row_token, out=out, counter=counter)
+    if rows == 0:
+        return
+    fn = jit.kernel(SOURCE, "lab_act::gather_bf16<float>" if x.dtype == np.float32 else
+                    "lab_act::gather_bf16<lab_act::uint16_t>")
+    with _stream(stream):
+        fn(_grid(rows, k), (THREADS,), (x, row_token, np.int32(k), out, counter))
+
+
+def swiglu_bf16(h, offsets, gate_global, up_global, out, counter, stream=None) -> None:
+    """The W4A16 layer's SwiGLU: out (rows, I) uint16 = bf16 bits of silu(h_gate * gate_global[e])
+    * (h_up * up_global[e]); counts into `counter` the values the w2 GEMM's fp16 conversion cannot
+    hold (|a| >= 65536, Inf, NaN). offsets as for swiglu_quant."""
+    rows = h.shape[0] if h.ndim == 2 else -1
+    i = h.shape[1] // 2 if h.ndim == 2 else -1
+    e = offsets.shape[0] - 1 if offsets.ndim == 1 else -1
+    _check_array("h", h, (rows, 2 * i), (np.float32,))
+    _check_array("offsets", offsets, (e + 1,), (np.int32,))
+    _check_array("gate_global", gate_global, (e,), (np.float32,))
+    _check_array("up_global", up_global, (e,), (np.float32,))
+    _check_array("out", out, (rows, i), (np.uint16,))
+    _check_counter(counter)
+    if i % 16:
+        raise ValueError(f"h: I={i} must be a multiple of 16")
+    _require_device(h=h, offsets=offsets, gate_global=gate_global, up_global=up_global, out=out, counter=counter)
+    if rows == 0:
+        return
+    fn = jit.kernel(SOURCE, "lab_act::swiglu_bf16")
+    with _stream(stream):
+        fn(_grid(rows, i), (THREADS,), (h, offsets, np.int32(e), np.int32(i), gate_global, up_global, out, counter))
 
 
 def to_bf16(x, out, counter, stream=None) -> None:

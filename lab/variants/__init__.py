@@ -8,6 +8,7 @@ Each variant has a ``name``, an ``expect`` saying what its output should be, ``p
                                            bitwise equal to separate's output
     ceiling   one-launch-2G                numerically wrong by construction; timed as a bound
     approx    fold-b                       option (b): gate/up ratio folded into e4m3 scales
+              w4a16                        NVFP4 weights, bf16 activations (the same GEMM kernel)
 
 What a user would run instead (PyTorch's grouped GEMMs) lives beside the lab, in `peers/`, on
 the same runner contract.
@@ -15,7 +16,7 @@ the same runner contract.
 
 from __future__ import annotations
 
-from . import chunked, cuda_graph, fold_b, fused_layer, fused_swiglu, one_launch_2g, separate
+from . import chunked, cuda_graph, fold_b, fused_layer, fused_swiglu, one_launch_2g, separate, w4a16
 
 # name -> factory, in the order the layer table lists them
 REGISTRY = {
@@ -26,6 +27,7 @@ REGISTRY = {
     fused_layer.name: fused_layer.FusedLayer,
     one_launch_2g.name: one_launch_2g.OneLaunch2G,
     fold_b.name: fold_b.FoldB,
+    w4a16.name: w4a16.W4A16,
 }
 NAMES = tuple(REGISTRY)
 
