@@ -110,7 +110,7 @@ def run_layer_memory(problem: MoEProblem, means, variants=(), check: bool = True
     # device: prepared weights (same bytes as packed + scales), the layouts variants add
     layouts = {"weights": w}
     w13 = int(e * 2 * i * h * (0.5 + 1 / BLOCK))
-    if variants & {"fused-swiglu", "fused-layer"}:
+    if variants & {"fused-swiglu", "fused-layer", "w4a16-fused", "w4a16-layer"}:
         layouts["w13 paired for the fused epilogue"] = w13
     if "fold-b" in variants:
         layouts["w13 folded (fold-b)"] = w13
@@ -127,7 +127,7 @@ def run_layer_memory(problem: MoEProblem, means, variants=(), check: bool = True
         b += rows * (h * (0.5 + 1 / BLOCK) + 2 * i * 4 + i * (0.5 + 1 / BLOCK) + h * 4 + h * 2)  # layer buffers
         if check:
             b += rows * i * (4 + 0.5 + 1 / BLOCK)
-        if "w4a16" in variants:  # its bf16 x and a
+        if variants & {"w4a16", "w4a16-fused", "w4a16-layer"}:  # their bf16 x and a
             b += rows * (h + i) * 2
         for peer in variants & {"torch-bf16", "torch-fp8"}:  # x rows, h, a (and its fp32 copy), out
             b += rows * (h * 2 + 2 * i * 2 + i * (2 + 4) + h * 2) + (rows * (h + i) * 4 if peer == "torch-fp8" else 0)

@@ -27,9 +27,9 @@ def test_w4a16_configs_size_bf16_rows_and_name_the_activation():
 
 
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
-@pytest.mark.parametrize("cfg", gg.SHIPPED_W4A16, ids=lambda c: c.expression.split("<")[1][:-1])
+@pytest.mark.parametrize("cfg", gg.SHIPPED_W4A16 + gg.SHIPPED_FUSED_W4A16, ids=lambda c: c.expression.split("<")[1][:-1])
 def test_w4a16_instantiations_compile_without_spills(cfg):
-    for read_only in (False, True):
+    for read_only in (False, True) if cfg.mode == "plain" else (False,):
         info = jit.ptxas_report(gg.SOURCE, cfg.expression_for(read_only))
         assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
         assert info.registers <= 65536 // cfg.threads, info
@@ -41,7 +41,7 @@ def test_w4a16_smem_mirror_equals_the_kernels_config(tmp_path):
     import subprocess
 
     lines = [f'#include "{jit.KERNEL_DIR / gg.SOURCE}"']
-    for c in gg.SHIPPED_W4A16:
+    for c in gg.SHIPPED_W4A16 + gg.SHIPPED_FUSED_W4A16:
         conf = (f"lab_gemm::Config<{c.warps}, {c.row_tiles}, {c.k_step}, {c.stages}, {c.max_frags}, {c.mma}, "
                 f"{c.decoder_warps}, {c.epilogue_warps}, lab_gemm::Mode::{c.mode}, lab_gemm::Act::{c.act}>")
         lines.append(f'static_assert({conf}::SMEM == {c.smem_bytes}, "{c}");')
@@ -189,3 +189,30 @@ def test_w4a16_layer_matches_its_own_float64_reference_and_beats_w4a4s_error(tok
     assert np.mean(a != a_want) < 1e-2, f"seed {seed}: SwiGLU's bf16 codes"  # float32 vs float64 ties only
     err = checks.rel_error(layer.out_bf16.get().view(ml_dtypes.bfloat16).astype(np.float64)[rows], want)
     assert err < err_w4a4 / 5, f"seed {seed}: W4A16 {err:.2e} against W4A4 {err_w4a4:.2e}"
+
+
+@pytest.mark.gpu
+def test_w4a16_fused_variants_equal_w4a16_bit_for_bit():
+    """w4a16-fused (the SwiGLU epilogue writing bf16) and w4a16-layer (one launch) run the same
+    arithmetic as w4a16's separate launches: the same output bits, the hot expert past one tile."""
+    from lab.layer import load_layer, upload_weights
+    from lab.problem import MoEProblem, make_routing, random_activations, random_weights
+    from lab.runner import Runner
+    from lab.variants import make
+
+    p = MoEProblem(experts=8, hidden=256, intermediate=128, top_k=2)
+    seed = int(np.random.default_rng().integers(2**31))
+    routing = make_routing(300, p.experts, p.top_k, skew=1.0, seed=seed)
+    runner = Runner()
+    layer = load_layer(runner, upload_weights(random_weights(p, seed=seed)), routing,
+                       random_activations(300, p.hidden, seed=seed))
+    base = make("w4a16")
+    runner.prepare(base, layer)
+    runner.checked_run(base, layer)
+    want = layer.out_bf16.get()
+    for name in ("w4a16-fused", "w4a16-layer"):
+        v = make(name)
+        runner.prepare(v, layer)
+        runner.checked_run(v, layer)
+        ok, msg = checks.compare_bits(layer.out_bf16.get(), want)
+        assert ok, f"seed {seed}, {name}: {msg}"

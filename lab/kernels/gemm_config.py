@@ -235,3 +235,5 @@ SHIPPED_W4A16 = tuple(dict.fromkeys(heuristic(n, k, [8 * f] * 4, act="bf16")
 # The fused instantiations the heuristic's tiles lead to (four row tiles per warp up to 16 tokens).
 SHIPPED_FUSED = tuple(fused_config(heuristic(4096, 4096, [8 * f] * 4), mode)
                       for f in MAX_FRAGS_CHOICES for mode in ("swiglu", "layer"))
+SHIPPED_FUSED_W4A16 = tuple(fused_config(heuristic(4096, 4096, [8 * f] * 4, act="bf16"), mode)
+                            for f in MAX_FRAGS_CHOICES for mode in ("swiglu", "layer"))

@@ -26,7 +26,7 @@ import numpy as np
 
 from lab.kernels import jit, tensor_map
 from lab.kernels.gemm_config import (ACTS, FUSED_SMALL_STAGES, MAX_FRAGS_CHOICES, MODES, SHIPPED_CONFIGS,  # noqa: F401
-                                     SHIPPED_FUSED, SHIPPED_W4A16, SMEM_LIMIT, GemmConfig, frags_for, fused_config, heuristic,
+                                     SHIPPED_FUSED, SHIPPED_FUSED_W4A16, SHIPPED_W4A16, SMEM_LIMIT, GemmConfig, frags_for, fused_config, heuristic,
                                      resident_ctas)
 from lab.kernels.gemm_weights import (ATOM_BYTES, ATOM_CODE_BYTES, ATOM_K, ATOM_ROWS, DECODE_MASK,  # noqa: F401
                                       ENCODE_TABLES, K_SLOTS, PreparedWeights, check_weight_shapes,
@@ -38,7 +38,7 @@ SOURCE = "grouped_gemm.cu"
 __all__ = [  # the launchers, and what gemm_weights and gemm_config define, under one import
     "SOURCE", "Fusion", "grouped_gemm", "grouped_gemm_pair", "swiglu_gemm", "fused_layer",
     "ACTS", "FUSED_SMALL_STAGES", "MAX_FRAGS_CHOICES", "MODES", "SHIPPED_CONFIGS", "SHIPPED_FUSED", "SHIPPED_W4A16",
-    "SMEM_LIMIT",
+    "SHIPPED_FUSED_W4A16", "SMEM_LIMIT",
     "GemmConfig", "frags_for", "fused_config", "heuristic", "resident_ctas",
     "ATOM_BYTES", "ATOM_CODE_BYTES", "ATOM_K", "ATOM_ROWS", "DECODE_MASK", "ENCODE_TABLES", "K_SLOTS",
     "PreparedWeights", "check_weight_shapes", "decode_words", "decode_x_words", "default_layout",
@@ -109,7 +109,9 @@ class Fusion:
     float32, the w2 input global, and the NVFP4 output a_packed (T, I/2) / a_scales (T, I/16).
     layer: problem 1 is w2 on a_packed / a_scales and waits per expert; out_bf16 (T, H) uint16
     receives its output (its fp32 `out` may be None). counter (1,) uint32 counts non-finite
-    SwiGLU values and bf16 outputs."""
+    SwiGLU values and bf16 outputs.
+    With bf16 activations (GemmConfig.act "bf16", W4A16) a_packed is the bf16 a (T, I) uint16,
+    a_scales None and act_global unused; the counter also counts SwiGLU values fp16 cannot hold."""
 
     gate_global: object
     up_global: object
@@ -133,14 +135,21 @@ def _check_fusion(fz: Fusion, w13: PreparedWeights, rows: int, cfg: GemmConfig, 
         raise ValueError("w13: the fused SwiGLU epilogue needs weights prepared with pair_gate_up=True")
     i = w13.n // 2
     e = w13.experts
+    bf16 = cfg.act == "bf16"
+    if bf16 and fz.a_scales is not None:
+        raise ValueError("a_scales: the bf16 SwiGLU output has no block scales; pass None")
     for name, a, shape, dtype in (("gate_global", fz.gate_global, (e,), cp.float32),
                                   ("up_global", fz.up_global, (e,), cp.float32),
-                                  ("a_packed", fz.a_packed, (rows, i // 2), cp.uint8),
-                                  ("a_scales", fz.a_scales, (rows, i // 16), cp.uint8),
+                                  ("a_packed", fz.a_packed, (rows, i) if bf16 else (rows, i // 2),
+                                   cp.uint16 if bf16 else cp.uint8),
+                                  ("a_scales", None if bf16 else fz.a_scales, (rows, i // 16), cp.uint8),
                                   ("counter", fz.counter, (1,), cp.uint32)):
+        if bf16 and name == "a_scales":
+            continue
         if tuple(a.shape) != shape or a.dtype != dtype or not a.flags.c_contiguous:
             raise ValueError(f"{name}: expected C-contiguous {shape} {cp.dtype(dtype).name}, got {tuple(a.shape)} {a.dtype}")
-    sq.check_global("act_global", fz.act_global)
+    if not bf16:
+        sq.check_global("act_global", fz.act_global)
     if w2 is not None:
         if (w2.experts, w2.k) != (e, i):
             raise ValueError(f"w2: expected {e} experts with K = I = {i} to follow w13, got {w2.experts} and K={w2.k}")
@@ -227,7 +236,7 @@ def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fu
             args += [_NULL, _NULL, np.float32(1.0), _NULL, _NULL, _NULL, _NULL, _NULL]
         else:
             args += [fusion.gate_global, fusion.up_global, np.float32(fusion.act_global), fusion.a_packed,
-                     fusion.a_scales, ready if cfg.mode == "layer" else _NULL,
+                     _NULL if fusion.a_scales is None else fusion.a_scales, ready if cfg.mode == "layer" else _NULL,
                      _NULL if fusion.out_bf16 is None else fusion.out_bf16, fusion.counter]
         fn(grid, (cfg.threads,), tuple(args), shared_mem=smem)
 

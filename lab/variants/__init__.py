@@ -8,7 +8,8 @@ Each variant has a ``name``, an ``expect`` saying what its output should be, ``p
                                            bitwise equal to separate's output
     ceiling   one-launch-2G                numerically wrong by construction; timed as a bound
     approx    fold-b                       option (b): gate/up ratio folded into e4m3 scales
-              w4a16                        NVFP4 weights, bf16 activations (the same GEMM kernel)
+              w4a16, w4a16-fused, w4a16-layer   NVFP4 weights, bf16 activations, on the same kernels:
+                                           as a graph, with the SwiGLU epilogue, as one launch
 
 What a user would run instead (PyTorch's grouped GEMMs) lives beside the lab, in `peers/`, on
 the same runner contract.
@@ -28,6 +29,8 @@ REGISTRY = {
     one_launch_2g.name: one_launch_2g.OneLaunch2G,
     fold_b.name: fold_b.FoldB,
     w4a16.name: w4a16.W4A16,
+    w4a16.W4A16Fused.name: w4a16.W4A16Fused,
+    w4a16.W4A16Layer.name: w4a16.W4A16Layer,
 }
 NAMES = tuple(REGISTRY)
 

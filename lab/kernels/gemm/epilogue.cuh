@@ -91,6 +91,27 @@ __device__ __forceinline__ void swiglu_tile(const EpiTile& t, const float* htile
   }
 }
 
+// W4A16 (bf16 activations): the same SwiGLU values as swiglu_tile, rounded to bf16 (the w2 GEMM's
+// input, a (rows, I)) instead of quantized; 4 columns = one 8-byte store. `bad` counts the values
+// the w2 GEMM's fp16 conversion cannot hold (|a| >= 65536, Inf, NaN).
+template <class C>
+__device__ __forceinline__ void swiglu_bf16_tile(const EpiTile& t, const float* htile, const float* gate_global,
+                                                 const float* up_global, int I, unsigned short* a_bf16, int ew,
+                                                 int lane, uint32_t& bad) {
+  constexpr int Q = C::BLOCK_ROWS / 8;  // items per token row
+  const float gs = gate_global[t.expert], us = up_global[t.expert];
+  for (int item = ew * 32 + lane; item < t.ntok * Q; item += 32 * C::EPILOGUE_WARPS) {
+    const int tr = item / Q, c4 = item - tr * Q;
+    const float4 hg = *reinterpret_cast<const float4*>(htile + tr * C::H_STRIDE + 4 * c4);
+    const float4 hu = *reinterpret_cast<const float4*>(htile + tr * C::H_STRIDE + C::BLOCK_ROWS / 2 + 4 * c4);
+    const uint32_t b01 = lab_act::bf16x2_bits(lab_act::swiglu(hg.x, hu.x, gs, us), lab_act::swiglu(hg.y, hu.y, gs, us));
+    const uint32_t b23 = lab_act::bf16x2_bits(lab_act::swiglu(hg.z, hu.z, gs, us), lab_act::swiglu(hg.w, hu.w, gs, us));
+    const size_t row = (size_t)(t.row0 + t.tok0 + tr);
+    *reinterpret_cast<uint2*>(a_bf16 + row * I + t.col0 + 4 * c4) = make_uint2(b01, b23);
+    bad += lab_act::bf16x2_past_fp16(b01) + lab_act::bf16x2_past_fp16(b23);
+  }
+}
+
 // Item = two adjacent columns of one token, consecutive along the row across lanes: one 4-byte
 // store each, a warp's 32 of them one 128-byte line. `bad` counts outputs that are not finite.
 template <class C>

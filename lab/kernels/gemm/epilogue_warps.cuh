@@ -1,5 +1,6 @@
 // The epilogue warps of the fused modes: they take each h tile the consumers hand over and run
-// its epilogue (SwiGLU + quantize for w13, bf16 stores for the fused layer's w2), so that the
+// its epilogue (SwiGLU + quantize for w13, or SwiGLU to bf16 with bf16 activations; bf16 stores
+// for the fused layer's w2), so that the
 // divisions, shuffles and scattered stores overlap the weight stream instead of stalling the
 // consumers, which are issue bound. In the fused layer they also publish expert readiness.
 #pragma once
@@ -33,7 +34,12 @@ __device__ __forceinline__ void epilogue_warps(int N0, int N1, const float* gate
         continue;
       }
     }
-    swiglu_tile<C>(t, pipe.htile, gate_global, up_global, act_global, six_g, I, a_packed, a_scales, ew, lane, bad);
+    if constexpr (C::ACT == Act::nvfp4) {
+      swiglu_tile<C>(t, pipe.htile, gate_global, up_global, act_global, six_g, I, a_packed, a_scales, ew, lane, bad);
+    } else {  // W4A16: a_packed holds the bf16 a (rows, I)
+      swiglu_bf16_tile<C>(t, pipe.htile, gate_global, up_global, I, reinterpret_cast<unsigned short*>(a_packed), ew,
+                          lane, bad);
+    }
     if constexpr (C::MODE == Mode::layer) {
       // Publish this warp's part of expert e's a_q: every lane's stores, then one release.
       __threadfence();
