@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 from lab import checks, models, nvfp4, reference
@@ -71,6 +72,9 @@ class GemmCase:
     d_off: object
     d_alpha: object
     out: object  # (rows, N) float32 device
+    x_bf16: np.ndarray = None  # (rows, K) the same activations as bf16 bits (W4A16), host
+    d_xb: object = None  # and on the device
+    d_alpha_bf16: object = None  # (E,) the W4A16 alpha: the weight's global alone (w13: 1)
 
     @property
     def rows(self) -> int:
@@ -112,29 +116,42 @@ class GemmBench:
         routing = make_routing(tokens, p.experts, p.top_k, skew=skew, seed=self.seed)
         x = random_activations(routing.rows, g["k"], seed=self.seed + int(mean_tokens * 10) + len(gemm))
         xq = nvfp4.quantize(x, g["input_scale"])
+        xb = x.astype(ml_dtypes.bfloat16).view(np.uint16)
         if gemm == "w13":
             alpha = np.full(p.experts, xq.global_scale, np.float32)
+            alpha_b = np.ones(p.experts, np.float32)
         else:
             alpha = (np.float32(xq.global_scale) * self.w.w2_global).astype(np.float32)
+            alpha_b = self.w.w2_global.astype(np.float32)
         return GemmCase(gemm, mean_tokens, g["n"], g["k"], routing.counts, routing.offsets.astype(np.int64), xq,
                         alpha, cp.asarray(xq.packed), cp.asarray(xq.scales),
                         cp.asarray(routing.offsets.astype(np.int32)), cp.asarray(alpha),
-                        cp.full((routing.rows, g["n"]), cp.nan, dtype=cp.float32))
+                        cp.full((routing.rows, g["n"]), cp.nan, dtype=cp.float32), xb, cp.asarray(xb),
+                        cp.asarray(alpha_b))
 
-    def check(self, case: GemmCase, experts: np.ndarray) -> float | None:
+    def check(self, case: GemmCase, experts: np.ndarray, act: str = "nvfp4") -> float | None:
         """Relative Frobenius error of the last output on `experts` against float64 (None:
-        undefined, the reference is zero)."""
+        undefined, the reference is zero); `act` says which activations the last run read."""
         g = self.gemms[case.gemm]
         got = case.out.get()
+        rows = np.concatenate([np.arange(case.offsets[e], case.offsets[e + 1]) for e in experts])
+        if act == "bf16":
+            x = case.x_bf16.view(ml_dtypes.bfloat16).astype(np.float64)
+            alpha = case.d_alpha_bf16.get()
+            ref = np.concatenate([alpha[e] * (x[case.offsets[e]:case.offsets[e + 1]] @
+                                              nvfp4.dequantize_blocks(g["packed"][e], g["scales"][e]).T)
+                                  for e in experts])
+            return checks.rel_error(got[rows], ref)
         ref = reference.grouped_gemm(case.xq.packed, case.xq.scales, case.offsets, g["packed"], g["scales"],
                                      case.alpha, experts=experts)
-        rows = np.concatenate([np.arange(case.offsets[e], case.offsets[e + 1]) for e in experts])
         return checks.rel_error(got[rows], ref[rows])
 
-    def required_bytes(self, case: GemmCase) -> int:
-        """What the GEMM must move: weights of experts with tokens, NVFP4 activations, fp32 out."""
+    def required_bytes(self, case: GemmCase, act: str = "nvfp4") -> int:
+        """What the GEMM must move: weights of experts with tokens, the activations (NVFP4, or
+        bf16), fp32 out."""
         wbytes = int((case.counts > 0).sum()) * case.n * case.k * 9 // 16
-        return wbytes + case.xq.packed.nbytes + case.xq.scales.nbytes + case.rows * case.n * 4
+        xbytes = case.xq.packed.nbytes + case.xq.scales.nbytes if act == "nvfp4" else case.x_bf16.nbytes
+        return wbytes + xbytes + case.rows * case.n * 4
 
     def measure(self, case: GemmCase, cfg: gg.GemmConfig, roofline_gbps: float, iterations: int,
                 read_pattern: bool = True) -> dict:
@@ -143,17 +160,20 @@ class GemmBench:
         cfg.validate(case.n, case.k)
 
         def run(read_only=False):
-            gg.grouped_gemm(prep, case.d_xp, case.d_xs, case.d_off, case.d_alpha, case.out, cfg,
-                            read_only=read_only)
+            if cfg.act == "bf16":
+                gg.grouped_gemm(prep, case.d_xb, None, case.d_off, case.d_alpha_bf16, case.out, cfg, read_only=read_only)
+            else:
+                gg.grouped_gemm(prep, case.d_xp, case.d_xs, case.d_off, case.d_alpha, case.out, cfg,
+                                read_only=read_only)
 
         case.out.fill(self.cp.nan)
         run()
         self.cp.cuda.Device().synchronize()
         unwritten = int(self.cp.isnan(case.out).sum())
         t = time_cuda(run, iterations=iterations)
-        nbytes = self.required_bytes(case)
+        nbytes = self.required_bytes(case, cfg.act)
         t_roof = nbytes / (roofline_gbps * 1e9) * 1e3
-        row = {"gemm": case.gemm, "mean_tokens": case.mean_tokens, "rows": case.rows,
+        row = {"gemm": case.gemm, "act": cfg.act, "mean_tokens": case.mean_tokens, "rows": case.rows,
                "max_count": int(case.counts.max()), "config": cfg.__dict__, "bytes": nbytes,
                "ms": t.median_ms, "ms_min": t.min_ms, "ms_max": t.max_ms, "gbps": nbytes / t.median_ms / 1e6,
                "roof_pct": 100 * t_roof / t.median_ms, "unwritten": unwritten}

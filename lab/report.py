@@ -316,13 +316,15 @@ def _stage_mean(run: dict) -> str | None:
 
 def gemm_table(rows: list[dict]) -> str:
     held = any(r.get("sustained_ms") is not None for r in rows)
-    head = ["gemm", "tokens/expert", "tile warps,row_tiles,k_step,stages,max_frags,mma", "ms", "% roofline",
-            "read-pattern % roofline"] + (["held ms", "held % roofline"] if held else [])
+    acts = any("act" in r for r in rows)  # W4A4 and W4A16 rows side by side (runs since the act flag)
+    head = (["gemm"] + (["activations"] if acts else []) +
+            ["tokens/expert", "tile warps,row_tiles,k_step,stages,max_frags,mma", "ms", "% roofline",
+             "read-pattern % roofline"] + (["held ms", "held % roofline"] if held else []))
     body = []
     for r in rows:
         c = r["config"]
         tile = f"{c['warps']},{c['row_tiles']},{c['k_step']},{c['stages']},{c['max_frags']},{c.get('mma', 0)}"
-        body.append([r["gemm"], r["mean_tokens"], tile, _fmt(r["ms"]), _fmt(r["roof_pct"], 1),
+        body.append([r["gemm"]] + ([r.get("act", "nvfp4")] if acts else []) + [r["mean_tokens"], tile, _fmt(r["ms"]), _fmt(r["roof_pct"], 1),
                      _fmt(r.get("read_pattern_roof_pct"), 1)]
                     + ([_fmt(r.get("sustained_ms")), _fmt(r.get("sustained_roof_pct"), 1)] if held else []))
     return tabulate(body, head, tablefmt="github")

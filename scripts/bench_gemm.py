@@ -56,6 +56,8 @@ def main(argv=None) -> int:
                     help="override the tile: warps,row_tiles,k_step,stages[,mma[,ctas_per_sm]] (token tile from "
                          "the heuristic; mma 0 = mma.sync, 1 = wgmma; ctas_per_sm 0 = as many as fit); repeat to "
                          "time several tiles in one run")
+    ap.add_argument("--act", nargs="+", choices=["nvfp4", "bf16"], default=["nvfp4", "bf16"],
+                    help="activations: nvfp4 (W4A4) and/or bf16 (W4A16, the same weights and kernel; default both)")
     ap.add_argument("--sustain-ms", type=float, default=0.0,
                     help="also time the flat read and each GEMM after this many ms of back-to-back runs (0: off)")
     args = ap.parse_args(argv)
@@ -82,26 +84,26 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed + 17)
     for mean in args.mean_tokens:
         for override in args.config or [None]:
-            for gemm in ("w13", "w2"):
+            for gemm, act in [(g, a) for g in ("w13", "w2") for a in args.act]:
                 case = bench.case(gemm, mean, args.skew)
-                cfg = gg.heuristic(case.n, case.k, case.counts)
+                cfg = gg.heuristic(case.n, case.k, case.counts, act=act)
                 if override:
                     w, r, ks, st, *rest = override
                     cfg = gg.GemmConfig(w, r, ks, st, cfg.max_frags, mma=rest[0] if rest else 0,
-                                        ctas_per_sm=rest[1] if len(rest) > 1 else 0).validate(case.n, case.k)
+                                        ctas_per_sm=rest[1] if len(rest) > 1 else 0, act=act).validate(case.n, case.k)
                 log(TAG, f"{gemm} mean {mean}: {case.rows} rows, max count {case.counts.max()}, {cfg}")
                 row = bench.measure(case, cfg, bw, args.iterations)
                 if args.sustain_ms:
                     prep = bench.prepared(gemm, (cfg.block_rows, cfg.k_step))
-                    t = time_sustained(lambda: gg.grouped_gemm(prep, case.d_xp, case.d_xs, case.d_off, case.d_alpha,
-                                                               case.out, cfg), row["ms"], args.sustain_ms,
-                                       args.iterations)
+                    xs = (case.d_xb, None, case.d_alpha_bf16) if act == "bf16" else (case.d_xp, case.d_xs, case.d_alpha)
+                    t = time_sustained(lambda: gg.grouped_gemm(prep, xs[0], xs[1], case.d_off, xs[2], case.out, cfg),
+                                       row["ms"], args.sustain_ms, args.iterations)
                     row.update({"sustained_ms": t.median_ms, "sustained_roof_pct": row["roof_pct"] * row["ms"] / t.median_ms})
                 if args.check_experts:
                     pool = np.flatnonzero(case.counts)
                     sample = rng.choice(pool, size=min(args.check_experts, pool.size), replace=False)
-                    err = bench.check(case, sample)
-                    checks.append({"gemm": gemm, "mean": mean, "config": cfg.__dict__,
+                    err = bench.check(case, sample, act)
+                    checks.append({"gemm": gemm, "act": act, "mean": mean, "config": cfg.__dict__,
                                    "experts": sample.tolist(), "rel_frobenius": err})
                     log(TAG, f"  check vs float64 on {sample.size} experts: rel Frobenius {format_rel(err)}")
                 if row["unwritten"]:
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
                 log(TAG, f"  gemm {row['ms']:.3f} ms ({row['roof_pct']:.1f}% of roofline), read pattern "
                          f"{row['read_pattern_ms']:.3f} ms")
 
-    table = [[r["gemm"], r["mean_tokens"], "{warps},{row_tiles},{k_step},{stages},{max_frags},{mma},{ctas_per_sm}".format(**r["config"]),
+    table = [[r["gemm"], r["act"], r["mean_tokens"], "{warps},{row_tiles},{k_step},{stages},{max_frags},{mma},{ctas_per_sm}".format(**r["config"]),
               f"{r['ms']:.3f}", f"{r['gbps']:.0f}", f"{r['roof_pct']:.1f}", f"{r['pattern_pct']:.1f}",
               f"{r['read_pattern_ms']:.3f}"]
              + ([f"{r['sustained_ms']:.3f}", f"{r['sustained_roof_pct']:.1f}"] if args.sustain_ms else [])
@@ -118,11 +120,11 @@ def main(argv=None) -> int:
     print(f"read roofline: {bw:.0f} GB/s (flat streaming read, {roof['bytes'] / 1e9:.3f} GB)"
           + (f"; {roof['sustained']['gbps']:.0f} GB/s after {args.sustain_ms:g} ms of back-to-back reads"
              if args.sustain_ms else ""))
-    print(tabulate(table, headers=["gemm", "tokens/expert", "tile warps,row_tiles,k_step,stages,max_frags,mma,ctas_per_sm", "ms", "GB/s", "% roofline",
+    print(tabulate(table, headers=["gemm", "activations", "tokens/expert", "tile warps,row_tiles,k_step,stages,max_frags,mma,ctas_per_sm", "ms", "GB/s", "% roofline",
                                    "% same-pattern read", "read-pattern ms"]
                    + (["sustained ms", "sustained % roofline"] if args.sustain_ms else [])))
     for c in checks:
-        print(f"check {c['gemm']} mean {c['mean']}: rel Frobenius {format_rel(c['rel_frobenius'])} on "
+        print(f"check {c['gemm']} ({c['act']}) mean {c['mean']}: rel Frobenius {format_rel(c['rel_frobenius'])} on "
               f"{len(c['experts'])} experts")
     write_json(args.json, "scripts/bench_gemm.py", setup=setup,
                read_roofline=roof, rows=rows_out, checks=checks)

@@ -256,7 +256,7 @@ def test_smem_mirror_equals_the_kernels_config(tmp_path):
     lines = [f'#include "{jit.KERNEL_DIR / gg.SOURCE}"']
     for c in cfgs:
         conf = (f"lab_gemm::Config<{c.warps}, {c.row_tiles}, {c.k_step}, {c.stages}, {c.max_frags}, {c.mma}, "
-                f"{c.decoder_warps}, {c.epilogue_warps}, lab_gemm::Mode::{c.mode}>")
+                f"{c.decoder_warps}, {c.epilogue_warps}, lab_gemm::Mode::{c.mode}, lab_gemm::Act::{c.act}>")
         lines.append(f'static_assert({conf}::SMEM == {c.smem_bytes}, "{c}");')
         lines.append(f'static_assert({conf}::THREADS == {c.threads}, "{c}");')
         lines.append(f'static_assert({conf}::STAGE_W == {c.stage_bytes}, "{c}");')
