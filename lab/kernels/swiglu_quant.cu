@@ -54,6 +54,21 @@ __global__ void quantize_rows(const T* __restrict__ x, const int* __restrict__ r
 
 // ------------------------------------------------------------------------------ SwiGLU + quantize
 
+// Row r's expert e (offsets[e] <= r < offsets[e+1]; empty experts skipped by taking the last e
+// with offsets[e] <= r), found by thread 0 while the block's h loads are in flight, into the
+// block's shared `row_expert`; every thread waits for it.
+__device__ __forceinline__ void find_row_expert(const int* __restrict__ offsets, int experts, int r, int& row_expert) {
+  if (threadIdx.x == 0) {
+    int lo = 0, hi = experts;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) >> 1;
+      if (offsets[mid] <= r) lo = mid; else hi = mid;
+    }
+    row_expert = lo;
+  }
+  __syncthreads();
+}
+
 // h (rows, 2I) fp32: gate in columns [0, I), up in [I, 2I), no weight globals applied.
 // Row r belongs to expert e with offsets[e] <= r < offsets[e+1]: thread 0 of the block finds it
 // by binary search while the h loads are in flight (empty experts have offsets[e] ==
@@ -75,15 +90,7 @@ __global__ void swiglu_quant(const float* __restrict__ h, const int* __restrict_
     load4(hr + 4 * c4, hg);
     load4(hr + I + 4 * c4, hu);
   }
-  if (threadIdx.x == 0) {
-    int lo = 0, hi = experts;
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) >> 1;
-      if (offsets[mid] <= r) lo = mid; else hi = mid;
-    }
-    row_expert = lo;
-  }
-  __syncthreads();
+  find_row_expert(offsets, experts, r, row_expert);
   if (!active) return;
   const float gs = gate_global[row_expert], us = up_global[row_expert];
   uint32_t bad = 0;
@@ -133,15 +140,7 @@ __global__ void swiglu_bf16(const float* __restrict__ h, const int* __restrict__
     load4(hr + 4 * c4, hg);
     load4(hr + I + 4 * c4, hu);
   }
-  if (threadIdx.x == 0) {
-    int lo = 0, hi = experts;
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) >> 1;
-      if (offsets[mid] <= r) lo = mid; else hi = mid;
-    }
-    row_expert = lo;
-  }
-  __syncthreads();
+  find_row_expert(offsets, experts, r, row_expert);
   if (!active) return;
   const float gs = gate_global[row_expert], us = up_global[row_expert];
   const uint32_t b01 = bf16x2_bits(swiglu(hg[0], hu[0], gs, us), swiglu(hg[1], hu[1], gs, us));
