@@ -42,9 +42,9 @@ TAG = "bench_gemm"
 
 def parse_config(text: str) -> tuple[int, ...]:
     vals = tuple(int(v) for v in text.split(","))
-    if len(vals) not in (4, 5, 6):
+    if len(vals) not in (4, 5, 6, 7):
         raise argparse.ArgumentTypeError(
-            f"--config: expected warps,row_tiles,k_step,stages[,mma[,ctas_per_sm]], got {text!r}")
+            f"--config: expected warps,row_tiles,k_step,stages[,mma[,ctas_per_sm[,max_frags]]], got {text!r}")
     return vals
 
 
@@ -53,9 +53,10 @@ def main(argv=None) -> int:
     ap.add_argument("--skew", type=float, default=0.0, help="routing skew: 0 uniform, else p ~ 1/rank**skew")
     ap.add_argument("--check-experts", type=int, default=16, help="experts checked against float64 (0: none)")
     ap.add_argument("--config", type=parse_config, action="append", default=[],
-                    help="override the tile: warps,row_tiles,k_step,stages[,mma[,ctas_per_sm]] (token tile from "
-                         "the heuristic; mma 0 = mma.sync, 1 = wgmma; ctas_per_sm 0 = as many as fit); repeat to "
-                         "time several tiles in one run")
+                    help="override the tile: warps,row_tiles,k_step,stages[,mma[,ctas_per_sm[,max_frags]]] (token "
+                         "tile 8 * max_frags, default the heuristic's; mma 0 = mma.sync, 1 = wgmma; ctas_per_sm 0 = "
+                         "as many as fit; max_frags 16, a 128-token tile, needs wgmma); repeat to time several "
+                         "tiles in one run")
     ap.add_argument("--act", nargs="+", choices=["nvfp4", "bf16"], default=["nvfp4", "bf16"],
                     help="activations: nvfp4 (W4A4) and/or bf16 (W4A16, the same weights and kernel; default both)")
     ap.add_argument("--sustain-ms", type=float, default=0.0,
@@ -89,7 +90,8 @@ def main(argv=None) -> int:
                 cfg = gg.heuristic(case.n, case.k, case.counts, act=act)
                 if override:
                     w, r, ks, st, *rest = override
-                    cfg = gg.GemmConfig(w, r, ks, st, cfg.max_frags, mma=rest[0] if rest else 0,
+                    frags = rest[2] if len(rest) > 2 else cfg.max_frags
+                    cfg = gg.GemmConfig(w, r, ks, st, frags, mma=rest[0] if rest else 0,
                                         ctas_per_sm=rest[1] if len(rest) > 1 else 0, act=act).validate(case.n, case.k)
                 log(TAG, f"{gemm} mean {mean}: {case.rows} rows, max count {case.counts.max()}, {cfg}")
                 row = bench.measure(case, cfg, bw, args.iterations)

@@ -16,6 +16,9 @@ from lab.kernels.gemm_weights import ATOM_BYTES, ATOM_K, ATOM_ROWS, default_layo
 
 SMEM_LIMIT = 227 * 1024  # H200 opt-in dynamic shared memory per block
 MAX_FRAGS_CHOICES = (1, 2, 4, 8)  # 8-token fragments per pass, compiled variants
+# Token tiles past 64: wgmma with the plain epilogue only, not picked by the heuristic (being
+# measured for the large-token GEMM; notes/gemm.md).
+LARGE_FRAGS = (16,)
 # What a launch computes (lab_gemm::Mode): grouped GEMMs with fp32 output; w13 ending in SwiGLU +
 # NVFP4 quantize; the whole layer, w2 after it in the same launch, bf16 output.
 MODES = ("plain", "swiglu", "layer")
@@ -123,8 +126,10 @@ class GemmConfig:
                              f"with {self.warps} warps")
         if self.k_step not in (64, 128, 256):
             raise ValueError(f"k_step must be 64, 128 or 256, got {self.k_step}")
-        if self.max_frags not in MAX_FRAGS_CHOICES:
-            raise ValueError(f"max_frags must be one of {MAX_FRAGS_CHOICES}, got {self.max_frags}")
+        large = self.max_frags in LARGE_FRAGS and self.mma == 1 and self.mode == "plain"
+        if self.max_frags not in MAX_FRAGS_CHOICES and not large:
+            raise ValueError(f"max_frags must be one of {MAX_FRAGS_CHOICES}, or {LARGE_FRAGS} with wgmma (mma=1) "
+                             f"and the plain epilogue, got {self.max_frags} (mma={self.mma}, mode={self.mode!r})")
         if not 1 <= self.warps <= 16 or self.row_tiles not in (1, 2, 4):
             raise ValueError(f"warps in 1..16 and row_tiles in (1, 2, 4), got {self.warps}, {self.row_tiles}")
         if self.ctas_per_sm < 0:
@@ -230,6 +235,11 @@ def fused_config(cfg: GemmConfig, mode: str) -> GemmConfig:
 # W4A16 (bf16 activations): the heuristic's tiles of the study's two GEMMs, as for NVFP4 ones.
 SHIPPED_W4A16 = tuple(dict.fromkeys(heuristic(n, k, [8 * f] * 4, act="bf16")
                                     for f in MAX_FRAGS_CHOICES for n, k in ((4096, 4096), (4096, 2048))))
+
+
+# 128-token tiles that compile without spills (one row tile per warp with 8 warps, or two with
+# 4): for the large-token GEMM, timed through bench_gemm --config, not picked by the heuristic.
+SHIPPED_LARGE = (GemmConfig(8, 1, 128, 4, 16, 1), GemmConfig(4, 2, 128, 4, 16, 1))
 
 
 # The fused instantiations the heuristic's tiles lead to (four row tiles per warp up to 16 tokens).

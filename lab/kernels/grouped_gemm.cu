@@ -132,6 +132,8 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
                 "the SwiGLU tile splits BLOCK_ROWS/2 columns into 16-element blocks");
   static_assert(MMA == 0 || WARPS % 4 == 0, "wgmma needs whole warpgroups of consumers");
   static_assert(MMA == 0 || MMA == 1, "MMA: 0 = mma.sync, 1 = wgmma");
+  static_assert(MAX_FRAGS <= 8 || (MMA == 1 && MODE == Mode::plain),
+                "token tiles past 64 (up to 128): wgmma, plain epilogue only");
   static_assert(!(READ_ONLY && C::MODE != Mode::plain), "the read-only pattern has no epilogue to fuse");
   static_assert(STAGES < RING, "unit ring too small");
   const int NB0 = N0 / C::BLOCK_ROWS, NB1 = N1 / C::BLOCK_ROWS;
@@ -349,6 +351,8 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
         break;
       LAB_STAGE_CASE(1) LAB_STAGE_CASE(2) LAB_STAGE_CASE(3) LAB_STAGE_CASE(4)
       LAB_STAGE_CASE(5) LAB_STAGE_CASE(6) LAB_STAGE_CASE(7) LAB_STAGE_CASE(8)
+      LAB_STAGE_CASE(9) LAB_STAGE_CASE(10) LAB_STAGE_CASE(11) LAB_STAGE_CASE(12)
+      LAB_STAGE_CASE(13) LAB_STAGE_CASE(14) LAB_STAGE_CASE(15) LAB_STAGE_CASE(16)
 #undef LAB_STAGE_CASE
       default: break;
     }

@@ -26,7 +26,8 @@ import numpy as np
 
 from lab.kernels import jit, tensor_map
 from lab.kernels.gemm_config import (ACTS, FUSED_SMALL_STAGES, MAX_FRAGS_CHOICES, MODES, SHIPPED_CONFIGS,  # noqa: F401
-                                     SHIPPED_FUSED, SHIPPED_FUSED_W4A16, SHIPPED_W4A16, SMEM_LIMIT, GemmConfig, frags_for, fused_config, heuristic,
+                                     SHIPPED_FUSED, SHIPPED_FUSED_W4A16, SHIPPED_LARGE, SHIPPED_W4A16,
+                                     LARGE_FRAGS, SMEM_LIMIT, GemmConfig, frags_for, fused_config, heuristic,
                                      resident_ctas)
 from lab.kernels.gemm_weights import (ATOM_BYTES, ATOM_CODE_BYTES, ATOM_K, ATOM_ROWS, DECODE_MASK,  # noqa: F401
                                       ENCODE_TABLES, K_SLOTS, PreparedWeights, check_weight_shapes,
@@ -38,7 +39,7 @@ SOURCE = "grouped_gemm.cu"
 __all__ = [  # the launchers, and what gemm_weights and gemm_config define, under one import
     "SOURCE", "Fusion", "grouped_gemm", "grouped_gemm_pair", "swiglu_gemm", "fused_layer",
     "ACTS", "FUSED_SMALL_STAGES", "MAX_FRAGS_CHOICES", "MODES", "SHIPPED_CONFIGS", "SHIPPED_FUSED", "SHIPPED_W4A16",
-    "SHIPPED_FUSED_W4A16", "SMEM_LIMIT",
+    "SHIPPED_FUSED_W4A16", "SHIPPED_LARGE", "LARGE_FRAGS", "SMEM_LIMIT",
     "GemmConfig", "frags_for", "fused_config", "heuristic", "resident_ctas",
     "ATOM_BYTES", "ATOM_CODE_BYTES", "ATOM_K", "ATOM_ROWS", "DECODE_MASK", "ENCODE_TABLES", "K_SLOTS",
     "PreparedWeights", "check_weight_shapes", "decode_words", "decode_x_words", "default_layout",

@@ -1,0 +1,78 @@
+"""128-token tiles (max_frags 16, wgmma m64n128): the first step of the large-token GEMM. Not
+picked by the heuristic yet; bench_gemm --config times them (notes/gemm.md)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lab import checks, reference
+from lab.kernels import grouped_gemm as gg
+from lab.kernels import jit
+
+
+def test_large_tiles_need_wgmma_and_the_plain_epilogue():
+    ok = gg.GemmConfig(8, 1, 128, 4, 16, 1).validate(4096, 4096)
+    assert ok.token_tile == 128 and ok.block_rows == 128 and ok.decoder_warps == 3
+    with pytest.raises(ValueError, match="with wgmma"):
+        gg.GemmConfig(8, 1, 128, 4, 16, 0).validate()
+    with pytest.raises(ValueError, match="with wgmma"):
+        gg.GemmConfig(8, 2, 128, 4, 16, 1, mode="swiglu").validate()
+    with pytest.raises(ValueError, match="max_frags"):
+        gg.GemmConfig(8, 1, 128, 4, 12, 1).validate()
+    for counts in ([9] * 8, [70] * 8, [700] * 8):  # the heuristic still stops at 64 tokens
+        assert gg.heuristic(4096, 4096, counts).max_frags <= 8
+
+
+@pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
+@pytest.mark.parametrize("cfg", gg.SHIPPED_LARGE, ids=lambda c: c.expression.split("<")[1][:-1])
+def test_large_tiles_compile_without_spills(cfg):
+    for read_only in (False, True):
+        info = jit.ptxas_report(gg.SOURCE, cfg.expression_for(read_only))
+        assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
+        assert info.registers <= 65536 // cfg.threads, info
+        assert not info.wgmma_serialized, info
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", gg.SHIPPED_LARGE, ids=lambda c: c.expression.split("<")[1][:-1])
+def test_large_tiles_match_float64(cfg):
+    """Every token count of a 128-token tile and past it (several passes), empty experts
+    included: relative error <= 1e-5 against float64, every element written."""
+    import cupy as cp
+
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    counts = np.array([0, 1, 7, 8, 9, 63, 64, 65, 127, 128, 129, 300, 0])
+    e, n, k = counts.size, 256, 256
+    packed = rng.integers(0, 256, (e, n, k // 2), np.uint8)
+    scales = rng.integers(1, 127, (e, n, k // 16)).astype(np.uint8)
+    rows = int(counts.sum())
+    xp = rng.integers(0, 256, (rows, k // 2), np.uint8)
+    xs = rng.integers(1, 127, (rows, k // 16)).astype(np.uint8)
+    offsets = np.r_[0, np.cumsum(counts)].astype(np.int32)
+    alpha = rng.uniform(0.5, 2, e).astype(np.float32)
+    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
+    out = cp.full((rows, n), cp.nan, cp.float32)
+    gg.grouped_gemm(prep, cp.asarray(xp), cp.asarray(xs), cp.asarray(offsets), cp.asarray(alpha), out, cfg)
+    got = out.get()
+    assert np.isfinite(got).all(), f"seed {seed}: unwritten or non-finite outputs"
+    want = reference.grouped_gemm(xp, xs, offsets, packed, scales, alpha)
+    err = checks.rel_error(got, want)
+    assert err is not None and err <= 1e-5, f"seed {seed}: {err:.2e}"
+
+
+@pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
+def test_large_tiles_smem_mirror(tmp_path):
+    import subprocess
+
+    lines = [f'#include "{jit.KERNEL_DIR / gg.SOURCE}"']
+    for c in gg.SHIPPED_LARGE:
+        conf = (f"lab_gemm::Config<{c.warps}, {c.row_tiles}, {c.k_step}, {c.stages}, {c.max_frags}, {c.mma}, "
+                f"{c.decoder_warps}, {c.epilogue_warps}, lab_gemm::Mode::{c.mode}, lab_gemm::Act::{c.act}>")
+        lines.append(f'static_assert({conf}::SMEM == {c.smem_bytes} && {conf}::THREADS == {c.threads}, "{c}");')
+    unit = tmp_path / "large.cu"
+    unit.write_text("\n".join(lines) + "\n")
+    proc = subprocess.run([jit.nvcc_path(), "-std=c++17", "-arch=sm_90a", "-c", "-o", str(tmp_path / "large.o"),
+                           str(unit)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
