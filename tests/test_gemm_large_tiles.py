@@ -27,7 +27,7 @@ def test_large_tiles_need_wgmma_and_the_plain_epilogue():
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
 @pytest.mark.parametrize("cfg", gg.SHIPPED_LARGE, ids=lambda c: c.expression.split("<")[1][:-1])
 def test_large_tiles_compile_without_spills(cfg):
-    for read_only in (False, True):
+    for read_only in (False,):
         info = jit.ptxas_report(gg.SOURCE, cfg.expression_for(read_only))
         assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
         assert info.registers <= 65536 // cfg.threads, info
