@@ -36,7 +36,7 @@ from lab.checkpoint import CheckpointError, describe_skipped, inspect_checkpoint
 from lab.checks import format_rel
 from lab.timing import Timing
 from lab.problem import MoEProblem, make_routing, random_activations, random_weights, tokens_for_mean
-from lab.variants import NAMES as LAB_NAMES
+from lab.variants import DEFAULT as LAB_DEFAULT, NAMES as LAB_NAMES
 
 import peers
 
@@ -58,8 +58,9 @@ def log(msg: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", nargs="+", default=list(NAMES), metavar="NAME",
-                    help=f"variants to run (default all: {' '.join(NAMES)})")
+    ap.add_argument("--variants", nargs="+", default=[*LAB_DEFAULT, *peers.NAMES], metavar="NAME",
+                    help=f"variants to run (known: {' '.join(NAMES)}; default all but the ones not yet "
+                         f"run on the H200: {' '.join(n for n in LAB_NAMES if n not in LAB_DEFAULT)})")
     ap.add_argument("--mean-tokens", nargs="+", type=float, default=[8.0, 32.0], metavar="M",
                     help="mean tokens per expert, one run each (default 8 32)")
     models.add_shape_arguments(ap, default_from=", or the checkpoint's")

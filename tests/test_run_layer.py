@@ -11,6 +11,7 @@ import pytest
 from lab.checkpoint import save_checkpoint
 from lab.gpu import gpu_available
 from lab.problem import MoEProblem, random_weights
+from lab.variants import UNMEASURED
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "run_layer.py"
 SMALL = ["--experts", "8", "--hidden", "128", "--intermediate", "64"]
@@ -94,7 +95,10 @@ def test_rounds_default_to_four_or_fewer_with_few_iterations(run_layer):
 def test_variants_are_deduplicated_in_order(run_layer):
     args = run_layer.parse_args(["--variants", "cuda-graph", "separate", "cuda-graph"])
     assert args.variants == ["cuda-graph", "separate"]
-    assert run_layer.parse_args([]).variants == list(run_layer.NAMES)
+    default = run_layer.parse_args([]).variants
+    assert default == [n for n in run_layer.NAMES if n not in UNMEASURED]
+    assert "separate" in default and "torch-fp8" in default and "w4a16" not in default
+    assert run_layer.parse_args(["--variants", "w4a16"]).variants == ["w4a16"]  # by name they still run
 
 
 def test_checkpoint_that_does_not_match_the_flags_is_refused(run_layer, capsys, small_checkpoint):
