@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from lab import checks, models, nvfp4, reference
+from lab.device_info import setup_info
 from lab.kernels import grouped_gemm as gg
 from lab.problem import (W2_INPUT_SCALE, W13_INPUT_SCALE, MoEProblem, make_routing, random_activations,
                          random_weights, tokens_for_mean)
@@ -49,8 +50,10 @@ def problem_of(args) -> MoEProblem:
 
 
 def write_json(path: str | None, script: str, **fields) -> None:
-    """The JSON a study script leaves: its name and arguments, then its fields."""
+    """The JSON a study script leaves: its name and arguments, the setup (lab commit, device) unless
+    the script measured its own, then its fields."""
     if path:
+        fields.setdefault("setup", setup_info())
         with open(path, "w") as f:
             json.dump({"script": script, "argv": sys.argv[1:], **fields}, f, indent=1)
 

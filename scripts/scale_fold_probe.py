@@ -45,6 +45,7 @@ from tabulate import tabulate  # noqa: E402
 
 from lab.checkpoint import CheckpointError  # noqa: E402
 from lab.checks import format_rel  # noqa: E402
+from lab.device_info import lab_commit  # noqa: E402
 from lab.problem import (  # noqa: E402
     MoEProblem,
     make_routing,
@@ -279,7 +280,9 @@ def main(argv=None) -> int:
         def sampled(per, effect):
             return [per[e] for e in (effect["experts"] if effect else [])]
 
-        doc = {"ratio": args.ratio, "source": source,
+        doc = {"script": "scripts/scale_fold_probe.py", "argv": list(sys.argv[1:] if argv is None else argv),
+               "setup": {"lab_commit": lab_commit()},
+               "ratio": args.ratio, "source": source,
                "checkpoint": source if label == "checkpoint" else None,
                "rows": rows, "gate_scales": gate_total, "experts": sampled(gate_per, effects["gate"]),
                "layer": effects["gate"],

@@ -189,6 +189,7 @@ def test_probe_script_writes_json(tmp_path):
                           "--checkpoint", str(ckpt), "--json", str(out)], check=True, capture_output=True, text=True)
     assert "mean_rel_err" in res.stdout and "checkpoint gate" in res.stdout and "synthetic" not in res.stdout
     data = json.loads(out.read_text())
+    assert data["script"] == "scripts/scale_fold_probe.py" and data["setup"]["lab_commit"] and "--json" in data["argv"]
     assert data["ratio"] == 1.2308 and len(data["rows"]) == 6
     assert data["rows"][0]["saturated"] == 3 and data["checkpoint"]["experts"] == 3
     # the checkpoint's own gate scales, each expert at its own ratio, and the layer on its experts

@@ -72,6 +72,7 @@ def test_study_arguments_and_json(tmp_path):
     write_json(args.json, "scripts/x.py", rows=[{"ms": 1.5}])
     d = json.loads((tmp_path / "r.json").read_text())
     assert d["script"] == "scripts/x.py" and d["rows"] == [{"ms": 1.5}] and "argv" in d
+    assert d["setup"]["lab_commit"] not in ("", None)  # a probe that measures no setup still records its commit
     write_json(None, "scripts/x.py", rows=[])  # no --json: nothing written, no error
     with pytest.raises(ValueError):
         problem_of(study_parser("doc", [8], 1).parse_args(["--hidden", "100"]))
