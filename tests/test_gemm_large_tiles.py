@@ -9,6 +9,7 @@ import pytest
 from lab import checks, reference
 from lab.kernels import grouped_gemm as gg
 from lab.kernels import jit
+from config_mirror import assert_config_mirror
 
 
 def test_large_tiles_need_wgmma_and_the_plain_epilogue():
@@ -64,15 +65,4 @@ def test_large_tiles_match_float64(cfg):
 
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
 def test_large_tiles_smem_mirror(tmp_path):
-    import subprocess
-
-    lines = [f'#include "{jit.KERNEL_DIR / gg.SOURCE}"']
-    for c in gg.SHIPPED_LARGE:
-        conf = (f"lab_gemm::Config<{c.warps}, {c.row_tiles}, {c.k_step}, {c.stages}, {c.max_frags}, {c.mma}, "
-                f"{c.decoder_warps}, {c.epilogue_warps}, lab_gemm::Mode::{c.mode}, lab_gemm::Act::{c.act}>")
-        lines.append(f'static_assert({conf}::SMEM == {c.smem_bytes} && {conf}::THREADS == {c.threads}, "{c}");')
-    unit = tmp_path / "large.cu"
-    unit.write_text("\n".join(lines) + "\n")
-    proc = subprocess.run([jit.nvcc_path(), "-std=c++17", "-arch=sm_90a", "-c", "-o", str(tmp_path / "large.o"),
-                           str(unit)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_config_mirror(tmp_path, gg.SHIPPED_LARGE)

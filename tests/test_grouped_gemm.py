@@ -11,6 +11,7 @@ from hypothesis.extra import numpy as hnp
 from lab import checks, nvfp4, reference
 from lab.kernels import grouped_gemm as gg
 from lab.kernels import jit
+from config_mirror import assert_config_mirror
 
 
 def random_nvfp4(rng, shape, scale_codes=(1, 127)):
@@ -247,24 +248,9 @@ def test_resident_ctas():
 
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
 def test_smem_mirror_equals_the_kernels_config(tmp_path):
-    """GemmConfig.smem_bytes, .threads and .stage_bytes (which size launches, grids and tensor
-    maps) agree with Config<>::SMEM, ::THREADS and ::STAGE_W for every shipped and fused
-    instantiation: static_asserts in one nvcc compile."""
-    import subprocess
-
-    cfgs = sorted(set(gg.SHIPPED_CONFIGS) | set(gg.SHIPPED_FUSED), key=str)
-    lines = [f'#include "{jit.KERNEL_DIR / gg.SOURCE}"']
-    for c in cfgs:
-        conf = (f"lab_gemm::Config<{c.warps}, {c.row_tiles}, {c.k_step}, {c.stages}, {c.max_frags}, {c.mma}, "
-                f"{c.decoder_warps}, {c.epilogue_warps}, lab_gemm::Mode::{c.mode}, lab_gemm::Act::{c.act}>")
-        lines.append(f'static_assert({conf}::SMEM == {c.smem_bytes}, "{c}");')
-        lines.append(f'static_assert({conf}::THREADS == {c.threads}, "{c}");')
-        lines.append(f'static_assert({conf}::STAGE_W == {c.stage_bytes}, "{c}");')
-    unit = tmp_path / "smem.cu"
-    unit.write_text("\n".join(lines) + "\n")
-    proc = subprocess.run([jit.nvcc_path(), "-std=c++17", "-arch=sm_90a", "-c", "-o", str(tmp_path / "smem.o"),
-                           str(unit)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    """GemmConfig.smem_bytes, .threads and .stage_bytes agree with Config<> for every shipped and
+    fused instantiation."""
+    assert_config_mirror(tmp_path, sorted(set(gg.SHIPPED_CONFIGS) | set(gg.SHIPPED_FUSED), key=str))
 
 
 def _heuristic_tiles() -> list:
