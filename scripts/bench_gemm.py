@@ -1,11 +1,13 @@
 """Grouped GEMM benchmark: the lab's GEMM against the read roofline measured in the same run.
 
 For w13 and w2 of the study's problem at each mean tokens per expert it times
-  - the flat streaming read (the roofline; once per run),
+  - the flat streaming read (the read roofline) and dense fp16 cuBLAS GEMM (the tensor ceiling),
+    once per run,
   - `read-pattern`: the GEMM's own grid, pipeline and copies with no decode or MMA (the
     achievable read rate of exactly this access pattern),
   - the GEMM itself,
-and prints one table (gemm, tokens, ms, GB/s, % of roofline, % of same-pattern read).
+and prints one table (gemm, tokens, ms, GB/s, % of the read roofline, TFLOP/s, % of the tensor
+peak, % of same-pattern read). Past ~64 tokens per expert the tensor ceiling binds.
 Every figure is a burst (20 runs between host-side checks). With `--sustain-ms` the flat read
 and each GEMM are also timed after that long of back-to-back runs: held load trips the H200's
 700 W power cap, which slows the GEMM by ~10% and the flat read not at all (notes/gemm.md v15).
@@ -27,6 +29,7 @@ import sys
 import numpy as np
 from tabulate import tabulate
 
+from lab.ceilings import measure_tensor_peak
 from lab.checks import format_rel
 from lab.device_info import setup_info
 from lab.gemm_bench import GemmBench, log, problem_of, study_parser, write_json
@@ -75,6 +78,8 @@ def main(argv=None) -> int:
     roof = measure_read_roofline(iterations=args.iterations)
     bw = roof["gbps"]
     log(TAG, f"read roofline {bw:.0f} GB/s")
+    tensor = measure_tensor_peak(iterations=max(3, args.iterations // 2))
+    log(TAG, f"tensor peak {tensor['tflops']:.0f} TFLOP/s (dense fp16 cuBLAS)")
     bench = GemmBench(problem, args.seed, TAG)
     cp = bench.cp
     if args.sustain_ms:
@@ -82,7 +87,7 @@ def main(argv=None) -> int:
         cp.get_default_memory_pool().free_all_blocks()
         log(TAG, f"flat read after {args.sustain_ms:g} ms of back-to-back reads: {roof['sustained']['gbps']:.0f} GB/s")
 
-    rows_out, checks = [], []
+    rows_out, checks, skipped = [], [], []
     rng = np.random.default_rng(args.seed + 17)
     for mean in args.mean_tokens:
         # one case per GEMM and mean, shared by every config and activation form: measure() poisons
@@ -95,10 +100,17 @@ def main(argv=None) -> int:
                 if override:
                     w, r, ks, st, *rest = override
                     frags = rest[2] if len(rest) > 2 else cfg.max_frags
-                    cfg = gg.GemmConfig(w, r, ks, st, frags, mma=rest[0] if rest else 0,
-                                        ctas_per_sm=rest[1] if len(rest) > 1 else 0, act=act).validate(case.n, case.k)
+                    try:
+                        cfg = gg.GemmConfig(w, r, ks, st, frags, mma=rest[0] if rest else 0,
+                                            ctas_per_sm=rest[1] if len(rest) > 1 else 0, act=act).validate(case.n, case.k)
+                    except ValueError as e:  # e.g. a tile whose bf16 stages do not fit shared memory
+                        skipped.append({"gemm": gemm, "act": act, "mean": mean, "config": list(override), "why": str(e)})
+                        log(TAG, f"{gemm} mean {mean} ({act}): --config {override} skipped: {e}")
+                        continue
                 log(TAG, f"{gemm} mean {mean}: {case.rows} rows, max count {case.counts.max()}, {cfg}")
                 row = bench.measure(case, cfg, bw, args.iterations)
+                row["tflops"] = 2.0 * case.rows * case.n * case.k / (row["ms"] * 1e-3) / 1e12
+                row["tensor_pct"] = 100 * row["tflops"] / tensor["tflops"]
                 if args.sustain_ms:
                     prep = bench.prepared(gemm, (cfg.block_rows, cfg.k_step))
                     xs = (case.d_xb, None, case.d_alpha_bf16) if act == "bf16" else (case.d_xp, case.d_xs, case.d_alpha)
@@ -119,21 +131,25 @@ def main(argv=None) -> int:
                          f"{row['read_pattern_ms']:.3f} ms")
 
     table = [[r["gemm"], r["act"], r["mean_tokens"], "{warps},{row_tiles},{k_step},{stages},{max_frags},{mma},{ctas_per_sm}".format(**r["config"]),
-              f"{r['ms']:.3f}", f"{r['gbps']:.0f}", f"{r['roof_pct']:.1f}", f"{r['pattern_pct']:.1f}",
+              f"{r['ms']:.3f}", f"{r['gbps']:.0f}", f"{r['roof_pct']:.1f}", f"{r['tflops']:.0f}",
+              f"{r['tensor_pct']:.1f}", f"{r['pattern_pct']:.1f}",
               f"{r['read_pattern_ms']:.3f}"]
              + ([f"{r['sustained_ms']:.3f}", f"{r['sustained_roof_pct']:.1f}"] if args.sustain_ms else [])
              for r in rows_out]
+    print(f"tensor peak: {tensor['tflops']:.0f} TFLOP/s (dense fp16 x fp16 -> fp32, cuBLAS)")
     print(f"read roofline: {bw:.0f} GB/s (flat streaming read, {roof['bytes'] / 1e9:.3f} GB)"
           + (f"; {roof['sustained']['gbps']:.0f} GB/s after {args.sustain_ms:g} ms of back-to-back reads"
              if args.sustain_ms else ""))
     print(tabulate(table, headers=["gemm", "activations", "tokens/expert", "tile warps,row_tiles,k_step,stages,max_frags,mma,ctas_per_sm", "ms", "GB/s", "% roofline",
-                                   "% same-pattern read", "read-pattern ms"]
+                                   "TFLOP/s", "% tensor peak", "% same-pattern read", "read-pattern ms"]
                    + (["sustained ms", "sustained % roofline"] if args.sustain_ms else [])))
     for c in checks:
         print(f"check {c['gemm']} ({c['act']}) mean {c['mean']}: rel Frobenius {format_rel(c['rel_frobenius'])} on "
               f"{len(c['experts'])} experts")
+    for s in skipped:
+        print(f"skipped {s['gemm']} ({s['act']}) mean {s['mean']} --config {s['config']}: {s['why']}")
     write_json(args.json, "scripts/bench_gemm.py", setup=setup,
-               read_roofline=roof, rows=rows_out, checks=checks)
+               read_roofline=roof, tensor_peak=tensor, rows=rows_out, checks=checks, skipped=skipped)
     # an undefined error (a zero reference, which random inputs never give) is a failed check too
     bad = any(c["rel_frobenius"] is None or c["rel_frobenius"] > 1e-5 for c in checks) or \
         any(r["unwritten"] for r in rows_out)

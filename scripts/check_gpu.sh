@@ -12,6 +12,8 @@ status=${PIPESTATUS[0]}
   echo "compute-sanitizer on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), kernels of ${LAB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")}:"
   echo "  grouped_gemm: tests/test_grouped_gemm.py -k 'one_expert or subnormal or two_problems'"
   echo "  fused: tests/test_fused.py -k 'fixed or non_finite'"
+  echo "  w4a16: tests/test_gemm_w4a16.py -k 'deterministic or subnormal or bit_for_bit'"
+  echo "  large tiles: tests/test_gemm_large_tiles.py -k float64"
   echo "  swiglu_quant: tests/test_swiglu_quant.py"
   run() {  # tool, name, pytest arguments...
     local tool=$1 name=$2; shift 2
@@ -21,6 +23,8 @@ status=${PIPESTATUS[0]}
   for tool in memcheck racecheck synccheck; do
     run "$tool" grouped_gemm tests/test_grouped_gemm.py -k 'one_expert or subnormal or two_problems'
     run "$tool" fused tests/test_fused.py -k 'fixed or non_finite'
+    run "$tool" w4a16 tests/test_gemm_w4a16.py -k 'deterministic or subnormal or bit_for_bit'
+    run "$tool" large_tiles tests/test_gemm_large_tiles.py -k float64
   done
   run memcheck swiglu_quant tests/test_swiglu_quant.py
   echo "GPU suite in the same call: $(tail -1 "$out/pytest_gpu.log")"
