@@ -23,7 +23,6 @@ stage by stage, beside the lab's, by scripts/token_axis.py.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import numpy as np
@@ -32,7 +31,7 @@ from tabulate import tabulate
 from lab.ceilings import measure_tensor_peak
 from lab.checks import format_rel
 from lab.device_info import setup_info
-from lab.gemm_bench import GemmBench, log, problem_of, study_parser, write_json
+from lab.gemm_bench import CONFIG_HELP, GemmBench, config_of, log, parse_config, problem_of, study_parser, write_json
 from lab.gpu import require_gpu, run_script
 from lab.kernels import grouped_gemm as gg
 from lab.kernels.stream_read import measure_read_roofline
@@ -43,26 +42,14 @@ from lab.timing import time_cuda, time_sustained
 TAG = "bench_gemm"
 
 
-def parse_config(text: str) -> tuple[int, ...]:
-    vals = tuple(int(v) for v in text.split(","))
-    if len(vals) not in (4, 5, 6, 7):
-        raise argparse.ArgumentTypeError(
-            f"--config: expected warps,row_tiles,k_step,stages[,mma[,ctas_per_sm[,max_frags]]], got {text!r}")
-    return vals
-
-
 def main(argv=None) -> int:
     ap = study_parser(__doc__, [2, 4, 8, 32], 20)
     ap.add_argument("--skew", type=float, default=0.0, help="routing skew: 0 uniform, else p ~ 1/rank**skew")
     ap.add_argument("--check-experts", type=int, default=16, help="experts checked against float64 (0: none)")
     ap.add_argument("--config", type=parse_config, action="append", default=[],
-                    help="override the tile: warps,row_tiles,k_step,stages[,mma[,ctas_per_sm[,max_frags]]] (token "
-                         "tile 8 * max_frags, default the heuristic's; mma 0 = mma.sync, 1 = wgmma; ctas_per_sm 0 = "
-                         "as many as fit; max_frags 16, a 128-token tile, needs wgmma); repeat to time several "
-                         "tiles in one run")
-    ap.add_argument("--act", nargs="+", choices=["nvfp4", "bf16"], default=["nvfp4"],
-                    help="activations: nvfp4 (W4A4, the default) and/or bf16 (W4A16, the same weights and "
-                         "kernel; built but not yet run on the H200, so only when asked)")
+                    help=CONFIG_HELP + "; repeat to time several tiles in one run")
+    ap.add_argument("--act", nargs="+", choices=["nvfp4", "bf16"], default=["nvfp4", "bf16"],
+                    help="activations: nvfp4 (W4A4) and/or bf16 (W4A16, the same weights and kernel); default both")
     ap.add_argument("--sustain-ms", type=float, default=0.0,
                     help="also time the flat read and each GEMM after this many ms of back-to-back runs (0: off)")
     args = ap.parse_args(argv)
@@ -98,11 +85,8 @@ def main(argv=None) -> int:
                 case = cases[gemm]
                 cfg = gg.heuristic(case.n, case.k, case.counts, act=act)
                 if override:
-                    w, r, ks, st, *rest = override
-                    frags = rest[2] if len(rest) > 2 else cfg.max_frags
                     try:
-                        cfg = gg.GemmConfig(w, r, ks, st, frags, mma=rest[0] if rest else 0,
-                                            ctas_per_sm=rest[1] if len(rest) > 1 else 0, act=act).validate(case.n, case.k)
+                        cfg = config_of(override, cfg).validate(case.n, case.k)
                     except ValueError as e:  # e.g. a tile whose bf16 stages do not fit shared memory
                         skipped.append({"gemm": gemm, "act": act, "mean": mean, "config": list(override), "why": str(e)})
                         log(TAG, f"{gemm} mean {mean} ({act}): --config {override} skipped: {e}")

@@ -8,7 +8,10 @@ does that:
         --metrics smsp__inst_executed.sum,lts__t_requests.sum,lts__t_sectors.sum \\
         python scripts/profile_kernels.py --mean-tokens 8
 
-Each kernel is launched once (its first launch compiles it), in the order above.
+Each kernel is launched once (its first launch compiles it), in the order above. With
+`--w4a16` the two GEMMs are the W4A16 ones (bf16 activations, the w4a16 and w4a16-fused
+variants' w13 launches), after the NVFP4 ones, so one profile compares the two forms; each
+`--config` (as bench_gemm takes it) is one more plain w13 launch with that tile.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lab.gemm_bench import log
+from lab.gemm_bench import CONFIG_HELP, config_of, log, parse_config
 from lab.gpu import require_gpu, run_script
 from lab.kernels import grouped_gemm as gg
 from lab.kernels.stream_read import stream_read
@@ -33,6 +36,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mean-tokens", type=float, default=8, help="mean tokens per expert of the routed batch")
     add_shape_arguments(ap)
+    ap.add_argument("--config", type=parse_config, action="append", default=[],
+                    help=CONFIG_HELP + "; each a plain w13 launch after the others (repeat for several)")
+    ap.add_argument("--w4a16", action="store_true",
+                    help="then the W4A16 w13 kernels (bf16 activations): plain and with the SwiGLU epilogue")
     ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights, routing and activations")
     args = ap.parse_args(argv)
     if not args.mean_tokens > 0:
@@ -55,6 +62,22 @@ def main(argv=None) -> int:
     gg.swiglu_gemm(w13_paired, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, fusion, cfg)
     gg.grouped_gemm(part.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, part.h, cfg,
                     read_only=True)
+    if args.w4a16:
+        from lab.variants.w4a16 import bf16_operands
+
+        x, a, ones, _, cfg16, _ = bf16_operands(runner, layer)
+        fusion16 = gg.Fusion(weights.gate_global, weights.up_global, 1.0, a, None, runner.counter)
+        cp.cuda.Device().synchronize()
+        log(TAG, f"W4A16 w13 tile {cfg16}; fused {gg.fused_config(cfg16, 'swiglu')}")
+        gg.grouped_gemm(part.w13, x, None, part.offsets, ones, part.h, cfg16)
+        gg.swiglu_gemm(w13_paired, x, None, part.offsets, ones, fusion16, cfg16)
+    for values in args.config:
+        tile = config_of(values, cfg).validate(part.w13.n, part.w13.k)
+        prep = gg.prepare_weights(weights.host.w13_packed, weights.host.w13_scales, xp=cp,
+                                  layout=(tile.block_rows, tile.k_step))
+        log(TAG, f"--config {values}: {tile}")
+        gg.grouped_gemm(prep, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, part.h, tile)
+        del prep
     flat = cp.empty(part.w13.data.nbytes // 16 * 16, dtype=cp.uint8)
     stream_read(flat, cp.zeros(1, dtype=cp.uint32))
     cp.cuda.Device().synchronize()

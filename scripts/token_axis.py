@@ -7,9 +7,9 @@ peers a user would pick instead, all measured in one process against both ceilin
 
 First the two ceilings: the flat streaming read (GB/s) and dense fp16 x fp16 -> fp32 cuBLAS
 GEMM throughput (TFLOP/s). Then, for each mean tokens per expert: the lab's variants
-(--variants; default separate, cuda-graph, fused-swiglu, fused-layer; the W4A16 ones, bf16
-activations, are built but not yet run on the H200 and come only by name), each W4A4 one
-checked bitwise against separate, and the peers (torch-bf16, torch-fp8; reported as skipped, with the way to
+(--variants; default separate, cuda-graph, fused-swiglu, fused-layer and the W4A16 ones, w4a16,
+w4a16-fused, w4a16-layer: NVFP4 weights with bf16 activations), each W4A4 one checked bitwise
+against separate, and the peers (torch-bf16, torch-fp8; reported as skipped, with the way to
 get them, when torch is missing). All are timed in interleaved rounds after an idle pause, as
 run_layer times. Each time is compared with the run's roofline, the larger of bytes / read and
 useful flops / tensor peak (the table names which binds), and with the fastest peer; each
@@ -41,7 +41,7 @@ from lab.variants import make as make_variant  # noqa: E402
 
 TAG = "token_axis"
 MEANS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
-LAB_DEFAULT = ["separate", "cuda-graph", "fused-swiglu", "fused-layer"]
+LAB_DEFAULT = ["separate", "cuda-graph", "fused-swiglu", "fused-layer", "w4a16", "w4a16-fused", "w4a16-layer"]
 VALID = ("baseline", "match")  # a lab variant counts for "best" only if its output is separate's
 
 
