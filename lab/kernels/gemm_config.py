@@ -217,6 +217,9 @@ SHIPPED_CONFIGS = tuple(
 # Fused tiles of 8-16 tokens take at least four stages where the plain ones take three: faster
 # for fused-layer, slower for the plain GEMMs (notes/layer.md v16).
 FUSED_SMALL_STAGES = 4
+# Shared memory the compacted expert list may take beside a small fused tile's pipeline when
+# two CTAs share an SM: up to 512 experts (launch_smem).
+FUSED_EXPERT_LIST = 4 * 512
 
 
 @functools.lru_cache(maxsize=None)
@@ -227,6 +230,11 @@ def fused_config(cfg: GemmConfig, mode: str) -> GemmConfig:
     fused = replace(cfg, mode=mode)
     if cfg.max_frags <= 2:
         fused = replace(fused, stages=max(fused.stages, FUSED_SMALL_STAGES))
+        # ...but two CTAs per SM, as the plain tile runs: bf16 activation stages (W4A16) are 3.5x
+        # the NVFP4 ones, and at four stages only one CTA fits (ncu at mean 8: the fused W4A16 w13
+        # launch 0.82 ms, the W4A4 one 0.69; notes/gemm.md, W4A16)
+        while fused.stages > cfg.stages and 2 * (fused.smem_bytes + FUSED_EXPERT_LIST + SMEM_PER_CTA_RESERVED) > SM_SMEM:
+            fused = replace(fused, stages=fused.stages - 1)
     while fused.smem_bytes + 4096 > SMEM_LIMIT and fused.stages > 2:
         fused = replace(fused, stages=fused.stages - 1)
     return fused.validate()
