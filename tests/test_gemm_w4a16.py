@@ -182,9 +182,12 @@ def test_w4a16_layer_matches_its_own_float64_reference_and_beats_w4a4s_error(tok
 
 
 @pytest.mark.gpu
-def test_w4a16_fused_variants_equal_w4a16_bit_for_bit():
+@pytest.mark.parametrize("tokens, skew", [(16, 0.0), (40, 0.0), (80, 0.0), (300, 1.0)])
+def test_w4a16_fused_variants_equal_w4a16_bit_for_bit(tokens, skew):
     """w4a16-fused (the SwiGLU epilogue writing bf16) and w4a16-layer (one launch) run the same
-    arithmetic as w4a16's separate launches: the same output bits, the hot expert past one tile."""
+    arithmetic as w4a16's separate launches: the same output bits, at token tiles of 8 to 64
+    (the fused tiles' stage counts differ from the plain ones there) and with the hot expert
+    past one tile."""
     from lab.layer import load_layer, upload_weights
     from lab.problem import MoEProblem, make_routing, random_activations, random_weights
     from lab.runner import Runner
@@ -192,10 +195,10 @@ def test_w4a16_fused_variants_equal_w4a16_bit_for_bit():
 
     p = MoEProblem(experts=8, hidden=256, intermediate=128, top_k=2)
     seed = int(np.random.default_rng().integers(2**31))
-    routing = make_routing(300, p.experts, p.top_k, skew=1.0, seed=seed)
+    routing = make_routing(tokens, p.experts, p.top_k, skew=skew, seed=seed)
     runner = Runner()
     layer = load_layer(runner, upload_weights(random_weights(p, seed=seed)), routing,
-                       random_activations(300, p.hidden, seed=seed))
+                       random_activations(tokens, p.hidden, seed=seed))
     base = make("w4a16")
     runner.prepare(base, layer)
     runner.checked_run(base, layer)
