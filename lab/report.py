@@ -83,10 +83,17 @@ def layer_means(layer_json: dict) -> list[str]:
 
 
 def layer_table(rows: list[dict], means: list[str]) -> str:
-    head = ["variant"] + [f"ms @{m}" for m in means] + [f"roof% @{m}" for m in means] + ["correct"]
+    # the error a user pays (against the float64 layer on unquantized activations), in runs that have it
+    e2e = any(r.get("e2e_rel") for r in rows)
+    head = (["variant"] + [f"ms @{m}" for m in means] + [f"roof% @{m}" for m in means] +
+            ([f"vs float64 @{m}" for m in means] if e2e else []) + ["correct"])
     body = [[r["variant"]] + [_fmt(r.get(f"ms@{m}")) for m in means] + [_fmt(r.get(f"roof%@{m}"), 1) for m in means]
-            + [r["correct"]] for r in rows]
-    return tabulate(body, head, tablefmt="github")
+            + ([_rel(r.get("e2e_rel", {}).get(m)) for m in means] if e2e else []) + [r["correct"]] for r in rows]
+    return tabulate(body, head, tablefmt="github", disable_numparse=True)
+
+
+def _rel(v) -> str:
+    return "-" if v is None else f"{v:.1e}"
 
 
 def _row(rows, name):
@@ -332,11 +339,20 @@ def gemm_table(rows: list[dict]) -> str:
 
 def gemm_verdicts(gemm_rows: list[dict]) -> list[str]:
     out = []
+    acts = len({r.get("act", "nvfp4") for r in gemm_rows}) > 1
     for r in gemm_rows:
         if r.get("read_pattern_roof_pct") is not None:
-            out.append(f"{r['gemm']} at mean {r['mean_tokens']:g}: the GEMM's own access pattern read with no "
-                       f"math reaches {r['read_pattern_roof_pct']:.1f}% of the flat read; the GEMM "
-                       f"{r['roof_pct']:.1f}%.")
+            out.append(f"{r['gemm']}{' (' + r.get('act', 'nvfp4') + ')' if acts else ''} at mean {r['mean_tokens']:g}: "
+                       f"the GEMM's own access pattern read with no math reaches {r['read_pattern_roof_pct']:.1f}% "
+                       f"of the flat read; the GEMM {r['roof_pct']:.1f}%.")
+    if acts:  # the same GEMM, tile and mean with bf16 activations (W4A16) against NVFP4 ones (W4A4)
+        key = (lambda r: (r["gemm"], r["mean_tokens"], tuple(sorted((k, v) for k, v in r["config"].items() if k != "act"))))
+        w4a4 = {key(r): r for r in gemm_rows if r.get("act", "nvfp4") == "nvfp4"}
+        pairs = [(w4a4[key(r)], r) for r in gemm_rows if r.get("act") == "bf16" and key(r) in w4a4]
+        if pairs:
+            out.append("bf16 activations (W4A16) against NVFP4 ones (W4A4), the same tile, as time ratios: " +
+                       ", ".join(f"{b['gemm']} at {b['mean_tokens']:g} {b['ms'] / a['ms']:.2f}x" for a, b in pairs) +
+                       " (the bf16 activation tile is 3.6x the bytes of the NVFP4 one, read once per row block).")
     held = [r for r in gemm_rows if r.get("sustained_roof_pct") is not None]
     if held:
         loss = sorted(r["roof_pct"] - r["sustained_roof_pct"] for r in held)
@@ -366,13 +382,80 @@ def _ta_impl(point: dict, name: str) -> dict | None:
     return e if e is not None and e.get("ms") is not None else None
 
 
+# The W4A16 variants (NVFP4 weights, bf16 activations); the best of them stands for W4A16 as the
+# best valid variant stands for W4A4.
+W4A16 = ("w4a16", "w4a16-fused", "w4a16-layer")
+
+
+def best_w4a16(point: dict) -> tuple[str, dict] | None:
+    """(name, entry) of the fastest W4A16 variant that ran without error at this mean."""
+    ran = [(n, e) for n in W4A16 if (e := _ta_impl(point, n)) is not None and not e.get("error")]
+    return min(ran, key=lambda ne: ne[1]["ms"]) if ran else None
+
+
+def _means_and_ratios(pairs: list[tuple[float, float]]) -> str:
+    return ", ".join(f"{m:g} ({r:.2f}x)" for m, r in pairs)
+
+
+def w4a16_verdicts(ta: dict) -> list[str]:
+    """W4A4 against W4A16 on the same kernels: where each is faster and by how much (times within
+    NOISE_PCT are level), W4A16 against the fastest peer, and the error each pays against the
+    float64 layer on unquantized activations."""
+    points = [p for p in sorted(ta["points"], key=lambda p: p["mean"]) if best_w4a16(p) and p.get("best_lab")]
+    if not points:
+        return []
+    cost = [(p["mean"], best_w4a16(p)[1]["ms"] / _ta_impl(p, p["best_lab"])["ms"]) for p in points]
+    level = [(m, r) for m, r in cost if abs(r - 1) * 100 <= NOISE_PCT]
+    dearer = [(m, r) for m, r in cost if (r - 1) * 100 > NOISE_PCT]
+    cheaper = [(m, r) for m, r in cost if (1 - r) * 100 > NOISE_PCT]
+    out = []
+    text = "W4A16 (the best of " + ", ".join(W4A16) + ") against W4A4 (the lab's best valid variant), as W4A16's time / W4A4's:"
+    if level:
+        text += f" level (within {NOISE_PCT:g}%) at {_means_and_ratios(level)};"
+    if dearer:
+        text += f" slower at {_means_and_ratios(dearer)};"
+    if cheaper:
+        text += f" faster at {_means_and_ratios(cheaper)};"
+    out.append(text.rstrip(";") + ".")
+    vs_peer = [(p["mean"], _ta_impl(p, p["fastest_peer"])["ms"] / best_w4a16(p)[1]["ms"], p["fastest_peer"])
+               for p in points if p.get("fastest_peer") and _ta_impl(p, p["fastest_peer"])]
+    if vs_peer:
+        ahead = [(m, r) for m, r, _ in vs_peer if r > 1 + NOISE_PCT / 100]
+        behind = [(m, r) for m, r, _ in vs_peer if r < 1 - NOISE_PCT / 100]
+        peers_named = sorted({n for _, _, n in vs_peer})
+        text = f"W4A16 against the fastest peer ({', '.join(peers_named)}), as the peer's time / W4A16's:"
+        if ahead:
+            text += f" faster at {_means_and_ratios(ahead)};"
+        if behind:
+            text += f" slower at {_means_and_ratios(behind)};"
+        out.append(text.rstrip(";") + ".")
+    e16 = [best_w4a16(p)[1].get("e2e_rel") for p in points]
+    e4 = [_ta_impl(p, p["best_lab"]).get("e2e_rel") for p in points]
+    pairs = [(a, b) for a, b in zip(e16, e4) if a is not None and b is not None and a > 0]
+    if pairs:
+        gain = sorted(b / a for a, b in pairs)
+        out.append(f"Error against the float64 layer on unquantized activations: W4A16 "
+                   f"{min(a for a, _ in pairs):.1e}-{max(a for a, _ in pairs):.1e}, W4A4 "
+                   f"{min(b for _, b in pairs):.1e}-{max(b for _, b in pairs):.1e}: W4A16's is "
+                   f"{gain[0]:.0f}-{gain[-1]:.0f}x smaller where both were measured.")
+        if gain[0] > 1:  # W4A16 is the more accurate at every mean: the choice is time against error
+            if level or cheaper:
+                out.append(f"Where W4A16 is level with W4A4 or faster ({', '.join(f'{m:g}' for m, _ in level + cheaper)} "
+                           f"tokens per expert) it is the better choice outright: no more time for the smaller error.")
+            if dearer:
+                lo, hi = (f"{(f(r for _, r in dearer) - 1) * 100:.0f}" for f in (min, max))
+                out.append(f"Where W4A4 is faster ({', '.join(f'{m:g}' for m, _ in dearer)}), W4A16 costs "
+                           f"{lo if lo == hi else lo + '-' + hi}% more time for its smaller error.")
+    return out
+
+
 def token_axis_table(points: list[dict]) -> str:
     """One row per mean: the roofline and what binds, the lab's best valid variant, separate and
     each peer (ms and % of the binding roofline), the best's ratio to the fastest peer."""
     peer_names = list(dict.fromkeys(n for p in points for n, e in p["impls"].items() if e["peer"]))
-    w4a16 = any(_ta_impl(p, "w4a16") for p in points)  # NVFP4 weights, bf16 activations: a column of its own
+    w4a16 = any(best_w4a16(p) for p in points)  # NVFP4 weights, bf16 activations: a column of its own
     head = (["tokens/expert", "roofline ms (binds)", "best lab variant", "ms", "roof%", "separate ms"] +
-            (["w4a16 ms (error)"] if w4a16 else []) +
+            (["best W4A16 ms (error)"] if w4a16 else []) +
             [f"{n} ms" for n in peer_names] + ["x fastest peer", "error vs float64: lab / " + " / ".join(peer_names)])
     body = []
     for p in points:
@@ -382,8 +465,8 @@ def token_axis_table(points: list[dict]) -> str:
                p.get("best_lab") or "-", _fmt(best and best["ms"]), _fmt(best and best["roof_pct"], 1),
                _fmt(sep and sep["ms"])]
         if w4a16:
-            e = _ta_impl(p, "w4a16")
-            row.append("-" if e is None else f"{e['ms']:.3f} ({'-' if e.get('e2e_rel') is None else format(e['e2e_rel'], '.1e')})")
+            b = best_w4a16(p)
+            row.append("-" if b is None else f"{b[1]['ms']:.3f} ({'-' if b[1].get('e2e_rel') is None else format(b[1]['e2e_rel'], '.1e')})")
         row += [_fmt(_ta_impl(p, n) and _ta_impl(p, n)["ms"]) for n in peer_names]
         row.append(_fmt(best and best["x_fastest_peer"], 2))
         errs = [best and best.get("e2e_rel")] + [_ta_impl(p, n) and _ta_impl(p, n).get("e2e_rel") for n in peer_names]
@@ -467,7 +550,9 @@ def token_axis_section(ta: dict) -> list[str]:
             f"ceiling is the fp16 one, the rate the lab's decoded operands can use; fp8 tensor cores run at twice "
             f"it, so torch-fp8 can pass 100% where its GEMMs are compute bound.", "",
             token_axis_table(points), "", "Each GEMM (separate's stages and the peers'):", "",
-            token_axis_gemm_table(points), "", "Verdicts:", ""] + [f"- {v}" for v in token_axis_verdicts(ta)] + [""]
+            token_axis_gemm_table(points), "", "Verdicts:", ""] + [f"- {v}" for v in token_axis_verdicts(ta)] + [""] + \
+        (["W4A4 or W4A16 (the same weights and kernels; bf16 activations instead of NVFP4 ones):", ""] +
+         [f"- {v}" for v in w4a16_verdicts(ta)] + [""] if w4a16_verdicts(ta) else [])
 
 # ---------------------------------------------------------------------------------------------
 # real models (run_layer --model per preset)
@@ -767,7 +852,11 @@ def render(layer_runs: list[dict], gemm_runs: list[dict], out_md: Path, charts: 
     for i, run in enumerate(layer_runs, 1):
         means = layer_means(run)
         parts += [f"## Layer, run {i} ({_source(run)})", "",
-                  f"Flat streaming read in this run: {run['read_roofline']['gbps']:.0f} GB/s.", "",
+                  f"Flat streaming read in this run: {run['read_roofline']['gbps']:.0f} GB/s."
+                  + (" vs float64 = the error against the float64 layer on unquantized activations (what a user "
+                     "pays); approx (e) under correct = the error against the lab's float64 reference, which "
+                     "quantizes the activations to NVFP4 as W4A4 does." if any(r.get("e2e_rel") for r in run["layer"])
+                     else ""), "",
                   layer_table(run["layer"], means), ""]
         if run.get("stages"):
             sm = _stage_mean(run)

@@ -424,3 +424,19 @@ def test_notes_and_readme_cite_paths_that_exist():
             if path not in WRITTEN_NOT_KEPT and not (ROOT / path).exists():
                 missing.append(f"{doc}: {path}")
     assert missing == []
+
+
+def test_gemm_verdicts_pair_each_bf16_row_with_its_nvfp4_twin():
+    def row(gemm, act, mean, ms, frags=2):
+        return {"gemm": gemm, "act": act, "mean_tokens": mean, "ms": ms, "roof_pct": 90.0, "read_pattern_roof_pct": 100.0,
+                "config": {"warps": 4, "row_tiles": 4, "k_step": 128, "stages": 3, "max_frags": frags, "mma": 0,
+                           "act": act}}
+    rows = [row("w13", "nvfp4", 8, 0.5), row("w13", "bf16", 8, 0.6), row("w2", "nvfp4", 8, 0.25),
+            row("w2", "bf16", 32, 0.4, frags=8)]  # no nvfp4 twin at 32: left out
+    v = report.gemm_verdicts(rows)
+    assert v[0].startswith("w13 (nvfp4) at mean 8") and v[1].startswith("w13 (bf16) at mean 8")
+    pair = [s for s in v if s.startswith("bf16 activations (W4A16)")]
+    assert len(pair) == 1 and "w13 at 8 1.20x" in pair[0] and "w2 at" not in pair[0], pair
+    # one activation form only: no pairing, no label
+    v = report.gemm_verdicts([r for r in rows if r["act"] == "nvfp4"])
+    assert v[0].startswith("w13 at mean 8") and not any(s.startswith("bf16 activations") for s in v)

@@ -136,6 +136,38 @@ def test_section_lists_every_mean_and_the_verdicts_follow_the_numbers():
     assert any(s.startswith(f"At {last['mean']:g} tokens per expert the binding ceiling is the read one") for s in v)
 
 
+def _with_w4a16(ta: dict, ratios: dict[float, float], err: float = 3e-3) -> dict:
+    """`ta` with w4a16 and w4a16-layer entries at each mean: the faster of the two takes
+    ratios[mean] x the best W4A4 variant's time."""
+    ta = copy.deepcopy(ta)
+    for p in ta["points"]:
+        best = p["impls"][p["best_lab"]]["ms"]
+        p["impls"]["w4a16"] = {"peer": False, "expect": "approx", "ms": 1.5 * best * ratios[p["mean"]], "e2e_rel": err}
+        p["impls"]["w4a16-layer"] = {"peer": False, "expect": "approx", "ms": best * ratios[p["mean"]], "e2e_rel": err}
+    return ta
+
+
+def test_w4a16_verdict_says_where_each_form_wins_and_by_how_much():
+    base = _fixture()
+    means = [p["mean"] for p in base["points"]]
+    ta = _with_w4a16(base, dict(zip(means, (0.995, 1.10, 0.80))))
+    v = report.w4a16_verdicts(ta)
+    assert v[0].endswith("level (within 1%) at 8 (0.99x); slower at 64 (1.10x); faster at 600 (0.80x)."), v[0]
+    assert "W4A16's is" in v[2] and "smaller" in v[2]
+    assert any(s.startswith("Where W4A16 is level with W4A4 or faster (8, 600 tokens") for s in v), v
+    assert any(s.startswith("Where W4A4 is faster (64), W4A16 costs 10% more time") for s in v), v
+    # the table shows the fastest W4A16 variant, not the first
+    table = report.token_axis_table(ta["points"])
+    assert "best W4A16 ms (error)" in table and f"{ta['points'][0]['impls']['w4a16-layer']['ms']:.3f} (3.0e-03)" in table
+    # a W4A16 that errs more than W4A4 is never called the better choice
+    worse = report.w4a16_verdicts(_with_w4a16(base, dict(zip(means, (1.0, 1.0, 1.0))), err=0.5))
+    assert not any(s.startswith("Where W4A16") for s in worse), worse
+    # and without W4A16 entries the section says nothing about it
+    assert report.w4a16_verdicts(base) == []
+    assert "W4A4 or W4A16" not in "\n".join(report.token_axis_section(base))
+    assert "W4A4 or W4A16" in "\n".join(report.token_axis_section(ta))
+
+
 def test_without_peers_the_verdict_says_why():
     ta = _fixture()
     for p in ta["points"]:
