@@ -174,16 +174,60 @@ def frags_for(max_count: int) -> int:
     return next((f for f in MAX_FRAGS_CHOICES if f >= need), MAX_FRAGS_CHOICES[-1])
 
 
+# The token-tile model (notes/gemm.md v20). One pass of a unit (an expert's row block) with token
+# tile 8 * max_frags costs max(floor, a + b * F) times reading its weights at the flat-read rate, F
+# the 8-token fragments the pass holds: (floor, a, b) per max_frags, fitted to bench_gemm on the H200
+# at the study's shape (uniform means 2-32 at 927f4c5: 97% at 2 and 89-90% at 8 for the 8- and
+# 16-token tiles, 57-59% at 32 for the 64-token one; mean 8 at skew 0.4 and 1.2, every tile, and
+# the 64-token tile at 128-512 tokens, at 5d03f04-927f4c5).
+PASS_COST = {1: (1.03, 1.03, 0.0), 2: (1.03, 0.93, 0.10), 4: (1.20, 1.00, 0.135), 8: (1.40, 0.50, 0.26)}
+# Units are claimed in expert order and the hot experts sit anywhere in it: this share of the
+# longest unit's time (at one CTA's share of the machine) is added as its tail (skew 1.2: 16-token
+# tile 60.5% measured, 70% without the tail).
+TAIL_SHARE = 0.15
+# The model moves the heuristic off the percentile rule only for skewed routing (active counts whose
+# variance exceeds SKEWED_DISPERSION times their mean: a uniform router's are near-binomial, at most
+# 1.4 over the lab's model shapes and means 1-2048; skew 0.4 at mean 8 gives 3.5) and only for a
+# predicted gain of at least MODEL_MARGIN: it is fitted to a few runs, and uniform routings keep the
+# tiles their results were measured with.
+SKEWED_DISPERSION = 2.0
+MODEL_MARGIN = 0.05
+MODEL_SMS = 132  # H200
+
+
+def modelled_time(counts, max_frags: int, row_blocks: int, ctas_per_sm: int) -> float:
+    """The token-tile model's time for one grouped GEMM over `counts`, in units of reading every
+    active expert's weights once at the flat-read rate (1.0: at the roofline)."""
+    active = np.asarray(counts)
+    active = active[active > 0].astype(np.int64)
+    if not active.size:
+        return 1.0
+    floor, a, b = PASS_COST[max_frags]
+    tile = 8 * max_frags
+    full, rest = np.divmod(active, tile)
+    unit = full * max(floor, a + b * max_frags) + np.where(rest > 0, np.maximum(floor, a + b * ((rest + 7) // 8)), 0.0)
+    tail = ctas_per_sm * MODEL_SMS / row_blocks * unit.max()
+    return (max(unit.sum(), tail) + TAIL_SHARE * tail) / active.size
+
+
 def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None, act: str = "nvfp4") -> GemmConfig:
     """Default tile for a problem whose weights were prepared with `layout` (default
-    `default_layout`): a token tile that holds the routine expert in one pass, four (or two)
-    16-row tiles per warp, and stages for ~80 KB of weights in flight per CTA."""
+    `default_layout`): a token tile that holds the routine expert in one pass (or, where the
+    token-tile model predicts a clear gain under skewed routing, the tile it prefers), four (or
+    two) 16-row tiles per warp, and stages for ~80 KB of weights in flight per CTA."""
     block_rows, k_step = layout or default_layout(n, k)
     counts = np.asarray(counts)
     active = counts[counts > 0]
-    # Cover the 99th percentile in one pass; rarer, larger experts take a second pass.
+    # Cover the 99th percentile in one pass; rarer, larger experts take a second pass...
     q = int(np.ceil(np.quantile(active, 0.99))) if active.size else 8
     frags = frags_for(q)
+    # ...unless the routing is skewed and the model predicts another tile clearly faster: there a
+    # few hot experts set the percentile, and a larger tile slows every pass of the others.
+    if active.size and active.var() > SKEWED_DISPERSION * active.mean():
+        t = {f: modelled_time(counts, f, n // block_rows, 2 if f <= 2 else 1) for f in MAX_FRAGS_CHOICES}
+        best = min(t, key=t.get)
+        if t[best] < (1 - MODEL_MARGIN) * t[frags]:
+            frags = best
     tiles = block_rows // ATOM_ROWS
     # Four 16-row tiles per warp share each B fragment and give each warp four independent
     # decode+MMA chains, best for token tiles of 8-16; with 32-64 token tiles the accumulators
