@@ -38,8 +38,10 @@ STUDIES = {"read_roofline": "scripts/read_roofline.py", "chunk_study": "scripts/
 # committed page is reproducible; a new run replaces its file here or is added to this list.
 PAGE = "docs/findings-h200.md"
 PAGE_RUNS = {
-    "layer": ("results/run_layer.json", "results/run_layer_sustained.json"),
-    "gemm": ("results/bench_gemm.json",),
+    "layer": ("results/run_layer.json", "results/run_layer_sustained.json", "results/run_layer_skew0.4.json",
+              "results/run_layer_skew0.8.json", "results/run_layer_skew1.2.json"),
+    "gemm": ("results/bench_gemm.json", "results/bench_gemm_large_tiles.json", "results/bench_gemm_skew0.4.json",
+             "results/bench_gemm_skew1.2.json"),
     "models": ("results/run_layer.json", "results/run_layer_deepseek-v3.json", "results/run_layer_qwen3-235b-a22b.json",
                "results/run_layer_qwen3-30b-a3b.json", "results/run_layer_llama-4-maverick.json"),
     "read_roofline": "results/read_roofline.json",
@@ -324,17 +326,21 @@ def _stage_mean(run: dict) -> str | None:
 def gemm_table(rows: list[dict]) -> str:
     held = any(r.get("sustained_ms") is not None for r in rows)
     acts = any("act" in r for r in rows)  # W4A4 and W4A16 rows side by side (runs since the act flag)
+    tensor = any(r.get("tflops") is not None for r in rows)  # runs since bench_gemm measured the tensor peak
     head = (["gemm"] + (["activations"] if acts else []) +
-            ["tokens/expert", "tile warps,row_tiles,k_step,stages,max_frags,mma", "ms", "% roofline",
-             "read-pattern % roofline"] + (["held ms", "held % roofline"] if held else []))
+            ["tokens/expert", "max on one expert", "tile warps,row_tiles,k_step,stages,max_frags,mma", "ms",
+             "% roofline", "read-pattern % roofline"] + (["TFLOP/s (% tensor peak)"] if tensor else []) +
+            (["held ms", "held % roofline"] if held else []))
     body = []
     for r in rows:
         c = r["config"]
         tile = f"{c['warps']},{c['row_tiles']},{c['k_step']},{c['stages']},{c['max_frags']},{c.get('mma', 0)}"
-        body.append([r["gemm"]] + ([r.get("act", "nvfp4")] if acts else []) + [r["mean_tokens"], tile, _fmt(r["ms"]), _fmt(r["roof_pct"], 1),
+        body.append([r["gemm"]] + ([r.get("act", "nvfp4")] if acts else []) +
+                    [f"{r['mean_tokens']:g}", str(r.get("max_count", "-")), tile, _fmt(r["ms"]), _fmt(r["roof_pct"], 1),
                      _fmt(r.get("read_pattern_roof_pct"), 1)]
+                    + ([f"{r['tflops']:.0f} ({r['tensor_pct']:.1f})" if r.get("tflops") is not None else "-"] if tensor else [])
                     + ([_fmt(r.get("sustained_ms")), _fmt(r.get("sustained_roof_pct"), 1)] if held else []))
-    return tabulate(body, head, tablefmt="github")
+    return tabulate(body, head, tablefmt="github", disable_numparse=True)
 
 
 def gemm_verdicts(gemm_rows: list[dict]) -> list[str]:
@@ -360,10 +366,23 @@ def gemm_verdicts(gemm_rows: list[dict]) -> list[str]:
         out.append(f"Held back to back instead of in a burst after an idle pause, the GEMMs read "
                    f"{loss[0]:.1f}-{loss[-1]:.1f} points less of the roofline (most: {worst['gemm']} at mean "
                    f"{worst['mean_tokens']:g}, {worst['roof_pct']:.1f}% -> {worst['sustained_roof_pct']:.1f}%).")
+    # several tiles of one GEMM, activation form and mean (a --config run): the fastest, and the others' time
+    groups: dict[tuple, list[dict]] = {}
+    for r in gemm_rows:
+        groups.setdefault((r["gemm"], r.get("act", "nvfp4"), r["mean_tokens"]), []).append(r)
+    for (gemm, act, mean), rs in groups.items():
+        if len(rs) < 2:
+            continue
+        rs = sorted(rs, key=lambda r: r["ms"])
+        name = (lambda r: "{warps},{row_tiles},{k_step},{stages},{max_frags},{mma}".format(**{"mma": 0, **r["config"]}))
+        out.append(f"{gemm}{' (' + act + ')' if acts else ''} at mean {mean:g}: fastest tile {name(rs[0])}, "
+                   f"{rs[0]['ms']:.3f} ms ({rs[0]['roof_pct']:.1f}% of the read roofline); "
+                   + ", ".join(f"{name(r)} {r['ms'] / rs[0]['ms']:.2f}x its time" for r in rs[1:]) + ".")
     tiles = sorted({r["config"]["max_frags"] * 8 for r in gemm_rows})
     if tiles:
-        out.append(f"Token tiles measured: {', '.join(map(str, tiles))} tokens (all below CUTLASS's "
-                   f"minimum of 128); the tile sweep below says whether one of 128 does better.")
+        out.append(f"Token tiles measured: {', '.join(map(str, tiles))} tokens"
+                   + (" (all below CUTLASS's minimum of 128; the tile sweep below says whether one of 128 does "
+                      "better)." if tiles[-1] < 128 else "."))
     return out
 
 
@@ -806,6 +825,12 @@ def tile_verdicts(rows: list[dict]) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
+def _skew(run: dict) -> float:
+    """The routing skew a run was made with (its --skew; 0: uniform)."""
+    argv = run.get("argv", [])
+    return float(argv[argv.index("--skew") + 1]) if "--skew" in argv[:-1] else 0.0
+
+
 def _source(run: dict) -> str:
     """'results/x.json, `script args` at <lab commit>': the file the page read, the command that
     wrote it and the kernels it ran (the command's --json is where the file was written first)."""
@@ -869,8 +894,8 @@ def render(layer_runs: list[dict], gemm_runs: list[dict], out_md: Path, charts: 
                                                   _stage_mean(run)).items():
             parts += [f"**{question}**", ""] + [f"- {s}" for s in sentences] + [""]
     parts += [f"![{LAYER_ALT}]({LAYER_PNG})", ""]
-    if plt is not None:
-        _layer_chart(plt, layer_runs, out_md.parent / LAYER_PNG)
+    if plt is not None:  # the uniform-routing runs; the skewed ones have their tables above
+        _layer_chart(plt, [r for r in layer_runs if not _skew(r)] or layer_runs[:1], out_md.parent / LAYER_PNG)
     for i, run in enumerate(gemm_runs, 1):
         if not run.get("rows"):
             continue
@@ -925,7 +950,7 @@ def charts_of(text: str) -> list[str]:
 TOKEN_PNG = "token-axis-h200.png"
 TOKEN_ALT = "time per token over tokens per expert: the lab, the peers and both ceilings"
 LAYER_PNG = "layer-h200.png"
-LAYER_ALT = "layer variants against the read roofline, every run"
+LAYER_ALT = "layer variants against the read roofline, every uniform-routing run"
 TILE_PNG = "tile-sweep-h200.png"
 TILE_ALT = "tile sweep: % of the read roofline per token tile"
 # Page width on a code host is ~1000 CSS px; a chart at most this wide stays legible when scaled

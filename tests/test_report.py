@@ -440,3 +440,10 @@ def test_gemm_verdicts_pair_each_bf16_row_with_its_nvfp4_twin():
     # one activation form only: no pairing, no label
     v = report.gemm_verdicts([r for r in rows if r["act"] == "nvfp4"])
     assert v[0].startswith("w13 at mean 8") and not any(s.startswith("bf16 activations") for s in v)
+
+
+def test_skew_is_read_from_the_runs_command():
+    assert report._skew({"argv": ["--mean-tokens", "8", "--skew", "0.4", "--json", "x.json"]}) == 0.4
+    assert report._skew({"argv": ["--json", "x.json"]}) == 0.0
+    assert report._skew({"argv": ["--skew"]}) == 0.0  # a flag with no value (never written by run_layer)
+    assert report._skew({}) == 0.0
