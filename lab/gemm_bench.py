@@ -30,30 +30,32 @@ def log(tag: str, msg: str) -> None:
     print(f"[{tag} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-CONFIG_HELP = ("override the tile: warps,row_tiles,k_step,stages[,mma[,ctas_per_sm[,max_frags]]] (token tile "
-               "8 * max_frags, default the heuristic's; mma 0 = mma.sync, 1 = wgmma; ctas_per_sm 0 = as many as "
-               "fit; max_frags 16, a 128-token tile, needs wgmma)")
+CONFIG_HELP = ("override the tile: warps,row_tiles,k_step,stages[,mma[,ctas_per_sm[,max_frags[,image]]]] (token "
+               "tile 8 * max_frags, default the heuristic's; mma 0 = mma.sync, 1 = wgmma; ctas_per_sm 0 = as many "
+               "as fit; max_frags 12 or 16, a 96- or 128-token tile, needs wgmma; image 1: the activations as a "
+               "pre-decoded fp16 image, no decoder warps, wgmma only)")
 
 
 def parse_config(text: str) -> tuple[int, ...]:
-    """--config's value: 4 to 7 integers (CONFIG_HELP)."""
+    """--config's value: 4 to 8 integers (CONFIG_HELP)."""
     try:
         vals = tuple(int(v) for v in text.split(","))
     except ValueError:
         vals = ()
-    if len(vals) not in (4, 5, 6, 7):
+    if len(vals) not in (4, 5, 6, 7, 8) or (len(vals) == 8 and vals[7] not in (0, 1)):
         raise argparse.ArgumentTypeError(
-            f"--config: expected warps,row_tiles,k_step,stages[,mma[,ctas_per_sm[,max_frags]]], got {text!r}")
+            f"--config: expected warps,row_tiles,k_step,stages[,mma[,ctas_per_sm[,max_frags[,image 0/1]]]], got {text!r}")
     return vals
 
 
 def config_of(values: tuple[int, ...], default: gg.GemmConfig) -> gg.GemmConfig:
     """The GemmConfig a --config value names (not yet validated); what it leaves out comes from
-    `default` (max_frags and the activation form) or is 0 (mma, ctas_per_sm)."""
+    `default` (max_frags and the activation form) or is 0 (mma, ctas_per_sm, image)."""
     w, r, ks, st, *rest = values
     frags = rest[2] if len(rest) > 2 else default.max_frags
     return gg.GemmConfig(w, r, ks, st, frags, mma=rest[0] if rest else 0,
-                         ctas_per_sm=rest[1] if len(rest) > 1 else 0, act=default.act)
+                         ctas_per_sm=rest[1] if len(rest) > 1 else 0, act=default.act,
+                         image=bool(rest[3]) if len(rest) > 3 else False)
 
 
 def study_parser(doc: str, means: list[float], iterations: int) -> argparse.ArgumentParser:

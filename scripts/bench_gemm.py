@@ -114,7 +114,8 @@ def main(argv=None) -> int:
                 log(TAG, f"  gemm {row['ms']:.3f} ms ({row['roof_pct']:.1f}% of roofline), read pattern "
                          f"{row['read_pattern_ms']:.3f} ms")
 
-    table = [[r["gemm"], r["act"], r["mean_tokens"], "{warps},{row_tiles},{k_step},{stages},{max_frags},{mma},{ctas_per_sm}".format(**r["config"]),
+    table = [[r["gemm"], r["act"], r["mean_tokens"], "{warps},{row_tiles},{k_step},{stages},{max_frags},{mma},{ctas_per_sm}".format(**r["config"])
+              + (",image" if r["config"].get("image") else ""),
               f"{r['ms']:.3f}", f"{r['gbps']:.0f}", f"{r['roof_pct']:.1f}", f"{r['tflops']:.0f}",
               f"{r['tensor_pct']:.1f}", f"{r['pattern_pct']:.1f}",
               f"{r['read_pattern_ms']:.3f}"]

@@ -14,6 +14,7 @@ status=${PIPESTATUS[0]}
   echo "  fused: tests/test_fused.py -k 'fixed or non_finite'"
   echo "  w4a16: tests/test_gemm_w4a16.py -k 'deterministic or subnormal or bit_for_bit'"
   echo "  large tiles: tests/test_gemm_large_tiles.py -k float64"
+  echo "  activation image: tests/test_gemm_image.py -k 'layout or float64'"
   echo "  swiglu_quant: tests/test_swiglu_quant.py"
   run() {  # tool, name, pytest arguments...
     local tool=$1 name=$2; shift 2
@@ -25,6 +26,7 @@ status=${PIPESTATUS[0]}
     run "$tool" fused tests/test_fused.py -k 'fixed or non_finite'
     run "$tool" w4a16 tests/test_gemm_w4a16.py -k 'deterministic or subnormal or bit_for_bit'
     run "$tool" large_tiles tests/test_gemm_large_tiles.py -k float64
+    run "$tool" image tests/test_gemm_image.py -k 'layout or float64'
   done
   run memcheck swiglu_quant tests/test_swiglu_quant.py
   echo "GPU suite in the same call: $(tail -1 "$out/pytest_gpu.log")"

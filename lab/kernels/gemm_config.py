@@ -16,9 +16,9 @@ from lab.kernels.gemm_weights import ATOM_BYTES, ATOM_K, ATOM_ROWS, default_layo
 
 SMEM_LIMIT = 227 * 1024  # H200 opt-in dynamic shared memory per block
 MAX_FRAGS_CHOICES = (1, 2, 4, 8)  # 8-token fragments per pass, compiled variants
-# Token tiles past 64: wgmma with the plain epilogue only, not picked by the heuristic (being
-# measured for the large-token GEMM; notes/gemm.md).
-LARGE_FRAGS = (16,)
+# Token tiles past 64 (96, 128): wgmma with the plain epilogue only, not picked by the heuristic
+# (being measured for the large-token GEMM; notes/gemm.md).
+LARGE_FRAGS = (12, 16)
 # What a launch computes (lab_gemm::Mode): grouped GEMMs with fp32 output; w13 ending in SwiGLU +
 # NVFP4 quantize; the whole layer, w2 after it in the same launch, bf16 output.
 MODES = ("plain", "swiglu", "layer")
@@ -33,7 +33,10 @@ class GemmConfig:
     mma: 0 = mma.sync m16n8k16, 1 = wgmma m64n(8F)k16 (sm_90a, warps a multiple of 4);
     mode: one of MODES (the fused ones through `fused_config`); act: one of ACTS;
     ctas_per_sm: at most this many CTAs per SM in the persistent grid (0: as many as fit). Not a
-    template argument: it only sizes the grid."""
+    template argument: it only sizes the grid.
+    image: the activations reach the GEMM as an fp16 image a pre-pass writes once per launch
+    (gemm/act_image.cuh): no decoder warps, the producer copies each stage's B operand as it is.
+    wgmma and the plain epilogue only; meant for token tiles of 64 and more."""
 
     warps: int = 8
     row_tiles: int = 2
@@ -44,6 +47,7 @@ class GemmConfig:
     mode: str = "plain"
     ctas_per_sm: int = 0
     act: str = "nvfp4"
+    image: bool = False
 
     @property
     def block_rows(self) -> int:
@@ -63,7 +67,10 @@ class GemmConfig:
     def decoder_warps(self) -> int:
         """Activation-decoder warps: a third for 64-token plain tiles, which decode the most per
         stage; two for 32-token tiles and for every fused CTA, whose epilogue warps then complete
-        the last group of four; one otherwise (notes/gemm.md, notes/layer.md)."""
+        the last group of four; one otherwise (notes/gemm.md, notes/layer.md); none with the
+        activation image."""
+        if self.image:
+            return 0
         if self.max_frags >= 8 and self.mode == "plain":
             return 3
         return 2 if self.max_frags >= 4 or self.mode != "plain" else 1
@@ -92,8 +99,8 @@ class GemmConfig:
         """Config<>::SMEM in grouped_gemm.cu."""
         ksteps, tokens = self.k_step // 16, self.token_tile
         stage_w = self.stage_bytes
-        stage_xq = tokens * (self.k_step // 2) if self.act == "nvfp4" else tokens * self.k_step * 2
-        stage_xs = tokens * (self.k_step // 16) if self.act == "nvfp4" else 0
+        stage_xq = 0 if self.image else tokens * (self.k_step // 2) if self.act == "nvfp4" else tokens * self.k_step * 2
+        stage_xs = tokens * (self.k_step // 16) if self.act == "nvfp4" and not self.image else 0
         xf = self.max_frags * ksteps * 32 * 8
         off_w = 128 * (((3 * self.stages + 2) * 8 + 127) // 128)
         off_xs = off_w + self.stages * (stage_w + stage_xq)
@@ -124,6 +131,9 @@ class GemmConfig:
         if self.mma not in (0, 1) or (self.mma and self.warps % 4):
             raise ValueError(f"mma must be 0 (mma.sync) or 1 (wgmma, warps a multiple of 4), got {self.mma} "
                              f"with {self.warps} warps")
+        if self.image and (self.mma != 1 or self.mode != "plain"):
+            raise ValueError(f"image: the activation image needs wgmma (mma=1) and the plain epilogue, got "
+                             f"mma={self.mma}, mode={self.mode!r}")
         if self.k_step not in (64, 128, 256):
             raise ValueError(f"k_step must be 64, 128 or 256, got {self.k_step}")
         large = self.max_frags in LARGE_FRAGS and self.mma == 1 and self.mode == "plain"
@@ -270,8 +280,10 @@ FUSED_EXPERT_LIST = 4 * 512
 def fused_config(cfg: GemmConfig, mode: str) -> GemmConfig:
     """`cfg` in a fused mode: one to three more warps and the h tile in shared memory (a stage
     fewer wherever the two would not fit), and for tiles of up to 16 tokens at least
-    FUSED_SMALL_STAGES stages. Cached: launchers ask on every launch."""
-    fused = replace(cfg, mode=mode)
+    FUSED_SMALL_STAGES stages. The fused epilogues hold at most 64 tokens and read decoded
+    activations from their decoder warps, so a large or image tile fuses as the 64-token one.
+    Cached: launchers ask on every launch."""
+    fused = replace(cfg, mode=mode, image=False, max_frags=min(cfg.max_frags, 8))
     if cfg.max_frags <= 2:
         fused = replace(fused, stages=max(fused.stages, FUSED_SMALL_STAGES))
         # ...but two CTAs per SM, as the plain tile runs: bf16 activation stages (W4A16) are 3.5x
@@ -292,6 +304,12 @@ SHIPPED_W4A16 = tuple(dict.fromkeys(heuristic(n, k, [8 * f] * 4, act="bf16")
 # 128-token tiles that compile without spills (one row tile per warp with 8 warps, or two with
 # 4): for the large-token GEMM, timed through bench_gemm --config, not picked by the heuristic.
 SHIPPED_LARGE = (GemmConfig(8, 1, 128, 4, 16, 1), GemmConfig(4, 2, 128, 4, 16, 1))
+
+
+# Tiles on the activation image (no decoder warps) that compile without spills, for the large-token
+# GEMM: 256 rows x 64 or 96 tokens (9 warps, 168 registers at most; 128 tokens spill), 128 x 128.
+SHIPPED_IMAGE = tuple(GemmConfig(w, r, 128, 4, f, 1, act=act, image=True)
+                      for (w, r, f) in ((8, 2, 8), (8, 2, 12), (8, 1, 16), (4, 2, 16)) for act in ACTS)
 
 
 # The fused instantiations the heuristic's tiles lead to (four row tiles per warp up to 16 tokens).

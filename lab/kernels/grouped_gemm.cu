@@ -15,7 +15,9 @@
 //   consumers (WARPS, warps 0..)   their loop below; stage math gemm/mainloop.cuh (mma.sync or
 //                                  wgmma), epilogues gemm/epilogue.cuh
 //   producer (1)                   gemm/producer.cuh; the unit schedule gemm/scheduler.cuh
-//   activation decoders            their loop below; the e2m1 / e4m3 decode gemm/decode.cuh
+//   activation decoders            their loop below; the e2m1 / e4m3 decode gemm/decode.cuh. None
+//                                  on the image path (large token tiles): a pre-pass decodes the
+//                                  activations once per launch, gemm/act_image.cuh
 //   epilogue warps (fused modes)   gemm/epilogue_warps.cuh, on gemm/epilogue.cuh's tile functions
 // PTX wrappers: gemm/ptx.cuh, gemm/wgmma.cuh. What the roles share (mode, barriers, the h tile's
 // header, the unit ring): gemm/pipeline.cuh. The consumer and decoder loops stay in the kernel
@@ -81,13 +83,16 @@ struct Config {
   static constexpr int TOKEN_TILE = 8 * MAX_FRAGS;
   static constexpr int STAGE_W = WARPS * ROW_TILES * KATOMS * ATOM_BYTES;
   // activations of one stage: NVFP4 codes and scales, or bf16 values (then no scales)
-  static constexpr int STAGE_XQ = ACT == Act::nvfp4 ? TOKEN_TILE * (K_STEP / 2) : TOKEN_TILE * K_STEP * 2;
-  static constexpr int STAGE_XS = ACT == Act::nvfp4 ? TOKEN_TILE * (K_STEP / 16) : 0;
+  // (none with no decoder warps: the producer copies the activation image into XF directly)
+  static constexpr int STAGE_XQ = DECODER_WARPS == 0   ? 0
+                                  : ACT == Act::nvfp4 ? TOKEN_TILE * (K_STEP / 2)
+                                                      : TOKEN_TILE * K_STEP * 2;
+  static constexpr int STAGE_XS = ACT == Act::nvfp4 && DECODER_WARPS != 0 ? TOKEN_TILE * (K_STEP / 16) : 0;
   static constexpr int XF = MAX_FRAGS * KSTEPS * 32 * 8;  // fp16 B fragments of one stage
   // wgmma: k16 steps per commit group. A whole atom where registers allow (the group's and the
   // previous group's A fragments live at once: 8 * ROW_TILES * GS registers); ptxas serializes
   // every wgmma of a kernel short of them, and the CPU tests check that it does not
-  static constexpr int GS = ROW_TILES >= 4 ? 1 : MODE == Mode::layer ? 2 : 4;
+  static constexpr int GS = ROW_TILES >= 4 || (DECODER_WARPS == 0 && MAX_FRAGS * ROW_TILES >= 24) ? 1 : MODE == Mode::layer ? 2 : 4;
   static constexpr int OFF_BAR = 0;  // full, empty, raw per stage; then epi_full, epi_empty
   static constexpr int OFF_W = 128 * (((3 * STAGES + 2) * 8 + 127) / 128);  // tensor copies: 128-B aligned
   static constexpr int OFF_XQ = OFF_W + STAGES * STAGE_W;
@@ -126,7 +131,8 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
     int* __restrict__ ready, unsigned short* __restrict__ out1_bf16,
     unsigned int* __restrict__ nonfinite) {  // SwiGLU values or bf16 outputs that are not finite
   using C = Config<WARPS, ROW_TILES, K_STEP, STAGES, MAX_FRAGS, MMA, DECODER_WARPS, EPILOGUE_WARPS, MODE, ACT>;
-  static_assert(DECODER_WARPS >= 1, "the stages' activations need a decoder warp");
+  static_assert(DECODER_WARPS >= 1 || (MMA == 1 && MODE == Mode::plain),
+                "no decoder warps (the activation image): wgmma and the plain epilogue only");
   static_assert((MODE == Mode::plain) == (EPILOGUE_WARPS == 0), "epilogue warps exactly in the fused modes");
   static_assert(C::MODE == Mode::plain || C::BLOCK_ROWS % 32 == 0,
                 "the SwiGLU tile splits BLOCK_ROWS/2 columns into 16-element blocks");
@@ -187,7 +193,8 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
   };
 
   if (warp == WARPS) {
-    producer_warp<C>(wmap0, wmap1, xq0, xq1, xs0, xs1, offsets0, offsets1, K0, K1, ready, pipe, unit_of, n_units,
+    producer_warp<C>(wmap0, wmap1, xq0, xq1, xs0, xs1, offsets0, offsets1, K0, K1, num_experts0, num_experts1, ready,
+                     pipe, unit_of, n_units,
                      NB0, NB1, sched, lane);
     goto finish;
   }
@@ -197,7 +204,7 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
                         pipe, warp, lane);
     goto finish;
   }
-  if (warp > WARPS) {
+  if (C::DECODER_WARPS != 0 && warp > WARPS) {  // (none on the image path)
     // ---------------- activation decoder warps ----------------
     // Raw NVFP4 activations of stage s -> fp16 B fragments xf[s] (mma.sync fragments, or wgmma
     // core matrices), then arrive on full[s]: consumers never synchronise with each other. Item = (fragment, k16 block, token row), the

@@ -28,7 +28,7 @@ from lab.kernels import jit, tensor_map
 from lab.kernels.gemm_config import (ACTS, FUSED_SMALL_STAGES, MAX_FRAGS_CHOICES, MODEL_MARGIN, MODES,  # noqa: F401
                                      SKEWED_DISPERSION,
                                      SHIPPED_CONFIGS, modelled_time,
-                                     SHIPPED_FUSED, SHIPPED_FUSED_W4A16, SHIPPED_LARGE, SHIPPED_W4A16,
+                                     SHIPPED_FUSED, SHIPPED_FUSED_W4A16, SHIPPED_IMAGE, SHIPPED_LARGE, SHIPPED_W4A16,
                                      LARGE_FRAGS, SMEM_LIMIT, GemmConfig, frags_for, fused_config, heuristic,
                                      resident_ctas)
 from lab.kernels.gemm_weights import (ATOM_BYTES, ATOM_CODE_BYTES, ATOM_K, ATOM_ROWS, DECODE_MASK,  # noqa: F401
@@ -41,7 +41,7 @@ SOURCE = "grouped_gemm.cu"
 __all__ = [  # the launchers, and what gemm_weights and gemm_config define, under one import
     "SOURCE", "Fusion", "grouped_gemm", "grouped_gemm_pair", "swiglu_gemm", "fused_layer",
     "ACTS", "FUSED_SMALL_STAGES", "MAX_FRAGS_CHOICES", "MODEL_MARGIN", "MODES", "SKEWED_DISPERSION", "modelled_time", "SHIPPED_CONFIGS", "SHIPPED_FUSED", "SHIPPED_W4A16",
-    "SHIPPED_FUSED_W4A16", "SHIPPED_LARGE", "LARGE_FRAGS", "SMEM_LIMIT",
+    "SHIPPED_FUSED_W4A16", "SHIPPED_IMAGE", "SHIPPED_LARGE", "activation_image", "image_groups", "LARGE_FRAGS", "SMEM_LIMIT",
     "GemmConfig", "frags_for", "fused_config", "heuristic", "resident_ctas",
     "ATOM_BYTES", "ATOM_CODE_BYTES", "ATOM_K", "ATOM_ROWS", "DECODE_MASK", "ENCODE_TABLES", "K_SLOTS",
     "PreparedWeights", "check_weight_shapes", "decode_words", "decode_x_words", "default_layout",
@@ -217,6 +217,12 @@ def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fu
         prep, x_packed, x_scales, offsets, alpha, out = problems[0]
         problems.append((PreparedWeights(prep.data, 0, prep.n, prep.k, prep.block_rows, prep.k_step),
                          x_packed, x_scales, offsets, alpha, out))
+    stream = stream if stream is not None else cp.cuda.get_current_stream()
+    if cfg.image:  # the activations as their fp16 image, decoded once for every row block
+        with stream:
+            problems = [(prep, activation_image(prep, x_packed, x_scales, offsets, cfg.act), None, offsets, alpha, out)
+                        if prep.experts else (prep, x_packed, x_scales, offsets, alpha, out)
+                        for prep, x_packed, x_scales, offsets, alpha, out in problems]
     experts = sum(pr[0].experts for pr in problems)
     smem = cfg.launch_smem(experts)
     fn = jit.kernel(SOURCE, cfg.expression_for(read_only), smem)
@@ -229,7 +235,6 @@ def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fu
     for (prep, x_packed, x_scales, offsets, alpha, out), wmap in zip(problems, maps):
         args += [wmap, x_packed, _NULL if x_scales is None else x_scales, offsets, alpha, _NULL if out is None else out,
                  np.int32(prep.n), np.int32(prep.k), np.int32(prep.experts)]
-    stream = stream if stream is not None else cp.cuda.get_current_stream()
     first_out = problems[0][5] if fusion is None else fusion.a_packed
     second_out = problems[1][5] if problems[1][5] is not None else fusion.out_bf16
     with stream:
@@ -242,6 +247,36 @@ def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fu
                      _NULL if fusion.a_scales is None else fusion.a_scales, ready if cfg.mode == "layer" else _NULL,
                      _NULL if fusion.out_bf16 is None else fusion.out_bf16, fusion.counter]
         fn(grid, (cfg.threads,), tuple(args), shared_mem=smem)
+
+
+IMAGE_QB, IMAGE_THREADS = 4, 128  # gemm/act_image.cuh: k16 blocks per thread, threads per block
+_IMAGES: dict = {}
+
+
+def image_groups(rows: int, experts: int) -> int:
+    """8-token groups per k16 block of the activation image for `rows` >= offsets[E] token rows
+    (gemm/act_image.cuh: each expert's groups start at offsets[e] // 8 + e)."""
+    return rows // 8 + experts + 1
+
+
+def activation_image(prep: PreparedWeights, x_packed, x_scales, offsets, act: str = "nvfp4"):
+    """The GEMM's B operand as fp16 core matrices (gemm/act_image.cuh), written on the current
+    stream into a buffer kept per (x, offsets): (K/16, groups, 2, 8, 8) fp16 as uint8 bytes. The
+    kernel reads the counts from offsets on the device, so the launch can be graph-captured; the
+    buffer is allocated on first use, which the runner does before any capture."""
+    import cupy as cp
+
+    rows, k = x_packed.shape[0], prep.k
+    groups = image_groups(rows, prep.experts)
+    key = (cp.cuda.Device().id, x_packed.data.ptr, rows, k, prep.experts, offsets.data.ptr, act)
+    image = _IMAGES.get(key)
+    if image is None:
+        image = _IMAGES[key] = cp.empty((k // 16) * groups * 256, dtype=cp.uint8)
+    fn = jit.kernel(SOURCE, f"lab_gemm::act_image<lab_gemm::Act::{act}>")
+    grid = (-(-groups * 8 // IMAGE_THREADS), k // (16 * IMAGE_QB))
+    fn(grid, (IMAGE_THREADS,), (x_packed, _NULL if x_scales is None else x_scales, offsets,
+                                np.int32(prep.experts), np.int32(k), image))
+    return image
 
 
 _NULL = np.uint64(0)  # a null pointer argument

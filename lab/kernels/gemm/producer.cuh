@@ -1,8 +1,10 @@
 // The producer warp: claims units, publishes each in the unit ring, and per stage issues one TMA
 // tensor copy of the stage's prepared weights (evict-first; the map in tensor_map.py makes a
-// whole stage one box) and cp.async of the stage's raw NVFP4 activation rows (L2 resident), all
-// completing on the stage's barriers, STAGES deep.
+// whole stage one box) and cp.async of the stage's raw activation rows (L2 resident), or with no
+// decoder warps bulk copies of the stage's activation image (act_image.cuh), all completing on
+// the stage's barriers, STAGES deep.
 #pragma once
+#include "act_image.cuh"
 #include "scheduler.cuh"
 
 namespace lab_gemm {
@@ -10,7 +12,8 @@ namespace lab_gemm {
 template <class C, class UnitOf>
 __device__ __forceinline__ void producer_warp(const void* wmap0, const void* wmap1, const uint8_t* xq0, const uint8_t* xq1,
                                               const uint8_t* xs0, const uint8_t* xs1, const int* offsets0,
-                                              const int* offsets1, int K0, int K1, int* ready, const Pipe& pipe,
+                                              const int* offsets1, int K0, int K1, int num_experts0,
+                                              int num_experts1, int* ready, const Pipe& pipe,
                                               const UnitOf& unit_of, int n_units, int NB0, int NB1, int* sched,
                                               int lane) {
   constexpr int K_STEP = C::K_STEP, STAGES = C::STAGES;
@@ -45,6 +48,34 @@ __device__ __forceinline__ void producer_warp(const void* wmap0, const void* wma
     for (int kc = 0; kc < kcs; ++kc, ++it) {
       const bool first = pass == 0 && kc == 0;
       if (it >= STAGES) mbar_wait(pipe.empty0 + 8 * s, phase ^ 1);
+      if constexpr (C::DECODER_WARPS == 0) {
+        // The activation image (act_image.cuh): one bulk copy per k16 step of the pass's F
+        // fragments, straight into the consumers' B operand; the stage's barrier counts both
+        // copies' bytes (lane 0 posts them before any lane's copy can complete).
+        const int frags = done ? 0 : (min(C::TOKEN_TILE, count - pass * C::TOKEN_TILE) + 7) >> 3;
+        if (lane == 0) {
+          if (first) pipe.unit_ring[useq % RING] = done ? make_int4(-1, 0, 0, 0) : make_int4((p << 16) | nb, e, row0, count);
+          if (done) {
+            mbar_arrive(pipe.full0 + 8 * s);
+          } else {
+            mbar_arrive_expect_tx(pipe.full0 + 8 * s, C::STAGE_W + C::KSTEPS * frags * 256);
+            tensor_copy_stage(smem_addr(smem + C::OFF_W + s * C::STAGE_W), LAB_P(wmap), stage0 + kc,
+                              pipe.full0 + 8 * s, pol);
+          }
+        }
+        __syncwarp();
+        if (!done && lane < C::KSTEPS) {
+          const int groups = image_groups(offsets, LAB_P(num_experts));
+          const int grp = image_group0(offsets, e) + pass * C::MAX_FRAGS;
+          bulk_copy(smem_addr(smem + C::OFF_XF + s * C::XF + lane * C::MAX_FRAGS * 256),
+                    xq + ((size_t)(kc * C::KSTEPS + lane) * groups + grp) * 256, frags * 256, pipe.full0 + 8 * s);
+        }
+        if (++s == STAGES) {
+          s = 0;
+          phase ^= 1;
+        }
+        continue;
+      }
       if (lane == 0) {
         if (first) pipe.unit_ring[useq % RING] = done ? make_int4(-1, 0, 0, 0) : make_int4((p << 16) | nb, e, row0, count);
         mbar_arrive(pipe.raw0 + 8 * s);  // release: the ring entry before any barrier of this stage

@@ -62,6 +62,12 @@ __device__ __forceinline__ void tensor_copy_stage(uint32_t dst, const void* map,
       " [%0], [%1, {%2, %3, %4}], [%5], %6;"
       ::"r"(dst), "l"(map), "r"(0), "r"(0), "r"(stage), "r"(bar), "l"(pol) : "memory");
 }
+// A 1-D bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) from global
+// memory to shared memory at dst, completing on bar (the activation image's pieces).
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
 template <int BYTES>
 __device__ __forceinline__ void cp_async(uint32_t dst, const void* src) {
   if constexpr (BYTES == 16) {

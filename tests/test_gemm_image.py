@@ -1,0 +1,170 @@
+"""The activation image (gemm/act_image.cuh): the GEMM's B operand decoded once per launch by a
+pre-pass, for tiles without decoder warps (GemmConfig.image). Its layout, the tiles that use it,
+and that they compute what the decoder-warp tiles compute, bit for bit."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from lab import checks, nvfp4, reference
+from lab.gemm_bench import config_of, parse_config
+from lab.kernels import grouped_gemm as gg
+from lab.kernels import jit
+from config_mirror import assert_config_mirror
+from oracles import decode_blocks
+
+IDS = lambda c: c.expression.split("<")[1][:-1]  # noqa: E731
+
+
+def test_image_tiles_have_no_decoder_warps_and_no_raw_stage():
+    c = gg.GemmConfig(8, 2, 128, 4, 12, 1, image=True).validate(4096, 4096)
+    assert c.decoder_warps == 0 and c.threads == 9 * 32 and c.token_tile == 96
+    dec = replace(c, image=False)
+    # the decoder tile's raw NVFP4 stage (codes and scales) is gone; the decoded ring stays
+    assert dec.smem_bytes - c.smem_bytes == 4 * (96 * 64 + 96 * 8)
+    assert replace(c, act="bf16").smem_bytes == c.smem_bytes
+    for bad in (dict(mma=0), dict(mode="swiglu")):
+        with pytest.raises(ValueError, match="image"):
+            replace(c, **bad).validate()
+    # a fused launch of an image or large tile runs the 64-token decoder tile
+    for mode in ("swiglu", "layer"):
+        f = gg.fused_config(c, mode)
+        assert not f.image and f.max_frags == 8 and f.mode == mode and f.decoder_warps >= 1
+    assert config_of(parse_config("8,2,128,4,1,0,12,1"), gg.GemmConfig()) == gg.GemmConfig(8, 2, 128, 4, 12, 1, image=True)
+    assert not config_of(parse_config("8,2,128,4,1,0,12"), gg.GemmConfig()).image
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError, match="image 0/1"):
+        parse_config("8,2,128,4,1,0,12,2")
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_image_groups_of_experts_never_overlap(seed):
+    """Expert e's groups start at offsets[e] // 8 + e (act_image.cuh) and need ceil(count / 8):
+    disjoint, in order, and inside image_groups(T, E) for any counts."""
+    rng = np.random.default_rng(seed)
+    e = int(rng.integers(1, 40))
+    counts = rng.integers(0, 30, e) * rng.integers(0, 2, e) + rng.integers(0, 3, e)
+    offsets = np.r_[0, np.cumsum(counts)]
+    start = offsets[:-1] // 8 + np.arange(e)
+    end = start + -(-counts // 8)
+    assert (end <= np.r_[start[1:], gg.image_groups(int(offsets[-1]), e)]).all()
+
+
+@pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
+@pytest.mark.parametrize("cfg", gg.SHIPPED_IMAGE, ids=IDS)
+def test_image_tiles_compile_without_spills(cfg):
+    info = jit.ptxas_report(gg.SOURCE, cfg.expression)
+    assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
+    assert info.registers <= 65536 // (4 * 32 * -(-cfg.threads // 128)), info
+    assert not info.wgmma_serialized, info
+
+
+@pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
+@pytest.mark.parametrize("act", gg.ACTS)
+def test_image_kernel_compiles_without_spills(act):
+    info = jit.ptxas_report(gg.SOURCE, f"lab_gemm::act_image<lab_gemm::Act::{act}>")
+    assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
+
+
+@pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
+def test_image_smem_mirror(tmp_path):
+    assert_config_mirror(tmp_path, gg.SHIPPED_IMAGE)
+
+
+def _problem(rng, act, counts, k=256):
+    rows = int(np.sum(counts))
+    offsets = np.r_[0, np.cumsum(counts)].astype(np.int32)
+    if act == "bf16":
+        mag = 2.0 ** rng.uniform(-14, 8, (rows, k))
+        x = (mag * rng.choice([-1.0, 1.0], (rows, k))).astype(np.float32).astype(ml_dtypes.bfloat16)
+        return offsets, x.view(np.uint16), None, x.astype(np.float64)
+    xp = rng.integers(0, 256, (rows, k // 2), np.uint8)
+    xs = rng.integers(1, 127, (rows, k // 16)).astype(np.uint8)
+    return offsets, xp, xs, decode_blocks(xp, xs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", gg.ACTS)
+def test_image_layout_holds_each_token_in_its_expert_groups(act):
+    """image[q][grp][half][row][8] (fp16): token t of expert e at group offsets[e] // 8 + e + t // 8,
+    row t % 8; k16 block q's values in K_SLOTS order, times 2^-14 for NVFP4 rows (the decoders'
+    scaling); every other slot zero. The buffer is poisoned first."""
+    import cupy as cp
+
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    counts = np.array([0, 5, 8, 17, 0, 0, 1, 30])
+    k = 256
+    offsets, xq, xs, xf = _problem(rng, act, counts, k)
+    e = counts.size
+    prep = gg.PreparedWeights(cp.zeros(1, cp.uint8), e, 256, k, 256, 128)
+    rows, groups = int(counts.sum()), gg.image_groups(int(counts.sum()), e)
+    xq_d, xs_d, off_d = cp.asarray(xq), None if xs is None else cp.asarray(xs), cp.asarray(offsets)
+    img_buf = gg.activation_image(prep, xq_d, xs_d, off_d, act)
+    assert img_buf.size == (k // 16) * groups * 256
+    img_buf.fill(0xFF)  # poison the kept buffer, then write again: every slot must be rewritten
+    assert gg.activation_image(prep, xq_d, xs_d, off_d, act) is img_buf
+    img = img_buf.get().view(np.float16).reshape(k // 16, groups, 2, 8, 8).astype(np.float64)
+    want = np.zeros_like(img)
+    scale = 2.0**-14 if act == "nvfp4" else 1.0
+    for ex in range(e):
+        for t in range(counts[ex]):
+            grp, row = offsets[ex] // 8 + ex + t // 8, t % 8
+            v = xf[offsets[ex] + t].reshape(k // 16, 16)[:, gg.K_SLOTS] * scale
+            want[:, grp, :, row, :] = v.reshape(k // 16, 2, 8)
+    want = want.astype(np.float16).astype(np.float64)  # bf16 -> fp16 rounds; NVFP4 is exact
+    assert np.array_equal(img, want), f"seed {seed}"
+
+
+def _twin(cfg):
+    """The decoder-warp tile of the same shape, where the lab compiles one."""
+    dec = replace(cfg, image=False)
+    known = set(gg.SHIPPED_CONFIGS) | set(gg.SHIPPED_LARGE) | set(gg.SHIPPED_W4A16)
+    return dec if dec in known else None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", gg.SHIPPED_IMAGE, ids=IDS)
+def test_image_tiles_match_float64_and_their_decoder_twins_bit_for_bit(cfg):
+    """Counts around each token tile and past it (several passes), empty experts included:
+    relative error <= 1e-5 against float64, every element written, the same bits on a second
+    run, and the same bits as the decoder-warp tile of the same shape (the image holds exactly
+    what the decoders write)."""
+    import cupy as cp
+
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    tt = cfg.token_tile
+    counts = np.array([0, 1, 7, 9, tt - 1, tt, tt + 1, 2 * tt + 3, 0, 300])
+    e, n, k = counts.size, 256, 256
+    n = -(-n // cfg.block_rows) * cfg.block_rows
+    packed = rng.integers(0, 256, (e, n, k // 2), np.uint8)
+    scales = rng.integers(1, 127, (e, n, k // 16)).astype(np.uint8)
+    offsets, xq, xs, xf = _problem(rng, cfg.act, counts, k)
+    alpha = rng.uniform(0.5, 2, e).astype(np.float32)
+    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
+    args = (cp.asarray(xq), None if xs is None else cp.asarray(xs), cp.asarray(offsets), cp.asarray(alpha))
+    outs = []
+    for c in (cfg, cfg, _twin(cfg)):
+        if c is None:
+            continue
+        out = cp.full((xq.shape[0], n), cp.nan, cp.float32)
+        gg.grouped_gemm(prep, args[0], args[1], args[2], args[3], out, c)
+        outs.append(out.get())
+    assert np.isfinite(outs[0]).all(), f"seed {seed}: unwritten or non-finite outputs"
+    for other in outs[1:]:
+        assert checks.compare_bits(outs[0].view(np.uint32), other.view(np.uint32))[0], f"seed {seed}: bits differ"
+    if cfg.act == "nvfp4":
+        want = reference.grouped_gemm(xq, xs, offsets, packed, scales, alpha)
+    else:
+        want = np.zeros_like(outs[0], dtype=np.float64)
+        for ex in range(e):
+            r0, r1 = offsets[ex], offsets[ex + 1]
+            want[r0:r1] = alpha[ex] * (xf[r0:r1] @ nvfp4.dequantize_blocks(packed[ex], scales[ex]).T)
+    err = checks.rel_error(outs[0], want)
+    assert err is not None and err <= 1e-5, f"seed {seed}: {err:.2e}"
