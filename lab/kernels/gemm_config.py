@@ -109,8 +109,9 @@ class GemmConfig:
         return off_h + (tokens * (self.block_rows + 4) * 4 if self.epilogue_warps else 0)
 
     def launch_smem(self, experts: int) -> int:
-        """Dynamic shared memory of a launch: the pipeline plus the compacted expert list."""
-        return self.smem_bytes + 16 * ((4 * experts + 15) // 16)
+        """Dynamic shared memory of a launch: the pipeline plus the compacted expert list (and on
+        image tiles the prefix sums of their split units, as long)."""
+        return self.smem_bytes + (2 if self.image else 1) * 16 * ((4 * experts + 15) // 16)
 
     @property
     def stage_bytes(self) -> int:

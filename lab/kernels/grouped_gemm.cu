@@ -28,7 +28,7 @@
 // counter, and its pipeline runs on across unit boundaries. The producer publishes each claimed
 // unit in a small shared ring; consumers and decoders read it at the unit's first stage, through
 // that stage's barriers. Dynamic shared memory = Config::SMEM + 4 * (num_experts0 + num_experts1)
-// (the compacted expert list).
+// (the compacted expert list), plus as much again on image tiles (their units' prefix sums).
 //
 // Two problems (w13 and w2, say) may share one launch: their units are claimed from one counter,
 // problem 0's first. Mode::plain does not order them: a unit of problem 1 may read activations
@@ -93,6 +93,9 @@ struct Config {
   // previous group's A fragments live at once: 8 * ROW_TILES * GS registers); ptxas serializes
   // every wgmma of a kernel short of them, and the CPU tests check that it does not
   static constexpr int GS = ROW_TILES >= 4 || (DECODER_WARPS == 0 && MAX_FRAGS * ROW_TILES >= 24) ? 1 : MODE == Mode::layer ? 2 : 4;
+  // Image tiles split units by token block (scheduler.cuh, split_units); their dynamic shared
+  // memory holds a second list after the compacted experts (GemmConfig.launch_smem)
+  static constexpr bool SPLIT = DECODER_WARPS == 0;
   static constexpr int OFF_BAR = 0;  // full, empty, raw per stage; then epi_full, epi_empty
   static constexpr int OFF_W = 128 * (((3 * STAGES + 2) * 8 + 127) / 128);  // tensor copies: 128-B aligned
   static constexpr int OFF_XQ = OFF_W + STAGES * STAGE_W;
@@ -193,9 +196,19 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
   };
 
   if (warp == WARPS) {
-    producer_warp<C>(wmap0, wmap1, xq0, xq1, xs0, xs1, offsets0, offsets1, K0, K1, num_experts0, num_experts1, ready,
-                     pipe, unit_of, n_units,
-                     NB0, NB1, sched, lane);
+    if constexpr (C::SPLIT) {  // units by token block (scheduler.cuh), planned by this warp alone
+      int* unit_end = active + num_experts0 + num_experts1;
+      const int n_active = n_active_s;
+      const int n_split = split_units<C::TOKEN_TILE>(active, n_active, n_active0, offsets0, offsets1, NB0, NB1,
+                                                     unit_end, lane);
+      auto split_of = [&](int u) { return split_unit_of(u, active, unit_end, n_active, n_active0, NB0, NB1); };
+      producer_warp<C>(wmap0, wmap1, xq0, xq1, xs0, xs1, offsets0, offsets1, K0, K1, num_experts0, num_experts1,
+                       ready, pipe, split_of, n_split, NB0, NB1, sched, lane);
+    } else {
+      producer_warp<C>(wmap0, wmap1, xq0, xq1, xs0, xs1, offsets0, offsets1, K0, K1, num_experts0, num_experts1, ready,
+                       pipe, unit_of, n_units,
+                       NB0, NB1, sched, lane);
+    }
     goto finish;
   }
   if (C::EPILOGUE_WARPS != 0 && warp > WARPS + C::DECODER_WARPS) {

@@ -29,14 +29,18 @@ __device__ __forceinline__ void producer_warp(const void* wmap0, const void* wma
     if (lane == 0) u = atomicAdd(&sched[0], 1);
     u = __shfl_sync(0xffffffffu, u, 0);
     const bool done = u >= n_units;
-    const Unit un = done ? Unit{0, 0, 0} : unit_of(u);
+    const Unit un = done ? Unit{0, 0, 0, 0} : unit_of(u);
     const int p = un.p, e = un.e, nb = un.nb;
     const int* offsets = LAB_P(offsets);
     const uint8_t* xq = LAB_P(xq);
     const uint8_t* xs = LAB_P(xs);
     const int K = LAB_P(K), NB = LAB_P(NB), kchunks = K / K_STEP;
-    const int row0 = offsets[e];
-    const int count = done ? 0 : offsets[e + 1] - row0;
+    int row0 = offsets[e];
+    int count = done ? 0 : offsets[e + 1] - row0;
+    if constexpr (C::SPLIT) {  // one token block of the expert: its rows, one pass
+      row0 += un.tb * C::TOKEN_TILE;
+      count = min(C::TOKEN_TILE, count - un.tb * C::TOKEN_TILE);
+    }
     // a finished CTA still posts one stage so that consumers and decoders read the -1
     const int passes = done ? 1 : (count + C::TOKEN_TILE - 1) / C::TOKEN_TILE;
     const int kcs = done ? 1 : kchunks;
@@ -66,7 +70,7 @@ __device__ __forceinline__ void producer_warp(const void* wmap0, const void* wma
         __syncwarp();
         if (!done && lane < C::KSTEPS) {
           const int groups = image_groups(offsets, LAB_P(num_experts));
-          const int grp = image_group0(offsets, e) + pass * C::MAX_FRAGS;
+          const int grp = image_group0(offsets, e) + (row0 - offsets[e]) / 8 + pass * C::MAX_FRAGS;
           bulk_copy(smem_addr(smem + C::OFF_XF + s * C::XF + lane * C::MAX_FRAGS * 256),
                     xq + ((size_t)(kc * C::KSTEPS + lane) * groups + grp) * 256, frags * 256, pipe.full0 + 8 * s);
         }

@@ -42,7 +42,60 @@ __device__ __forceinline__ void compact_experts(const int* offsets0, const int* 
 // (the kernel's unit_of, a lambda over the compacted list: as a struct method ptxas schedules the
 // producer differently)
 struct Unit {
-  int p, e, nb;
+  int p, e, nb, tb;  // tb: token block (image tiles' split units; 0 otherwise)
 };
+
+// Image tiles (no decoder warps, large token counts): units are (problem, active expert, row
+// block, token block of TOKEN_TILE), the token block fastest, one pass each. The CTAs that take
+// one row block's token blocks then stream its weights at about the same time, once from DRAM
+// and the rest from L2, where a unit of several passes re-read them from DRAM once per pass
+// (notes/gemm.md v21). The producer warp's scan: unit_end[i] = units of active experts 0..i;
+// returns their total.
+template <int TOKEN_TILE>
+__device__ __forceinline__ int split_units(const int* active, int n_active, int n_active0, const int* offsets0,
+                                          const int* offsets1, int NB0, int NB1, int* unit_end, int lane) {
+  int carry = 0;
+  for (int base = 0; base < n_active; base += 32) {
+    const int i = base + lane;
+    int v = 0;
+    if (i < n_active) {
+      const int p = i >= n_active0;
+      const int* offsets = LAB_P(offsets);
+      const int e = active[i];
+      v = LAB_P(NB) * ((offsets[e + 1] - offsets[e] + TOKEN_TILE - 1) / TOKEN_TILE);
+    }
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int o = __shfl_up_sync(0xffffffffu, v, d);
+      if (lane >= d) v += o;
+    }
+    if (i < n_active) unit_end[i] = carry + v;
+    carry += __shfl_sync(0xffffffffu, v, 31);
+  }
+  __syncwarp();
+  return carry;
+}
+
+// split unit u -> (problem, expert, row block, token block): the first active expert whose
+// unit_end passes u, then row block and token block within its units.
+__device__ __forceinline__ Unit split_unit_of(int u, const int* active, const int* unit_end, int n_active,
+                                              int n_active0, int NB0, int NB1) {
+  int lo = 0, hi = n_active - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (unit_end[mid] > u) hi = mid;
+    else lo = mid + 1;
+  }
+  const int start = lo ? unit_end[lo - 1] : 0;
+  const int p = lo >= n_active0;
+  const int blocks = (unit_end[lo] - start) / LAB_P(NB);  // token blocks of this expert
+  const int local = u - start;
+  Unit r;
+  r.p = p;
+  r.e = active[lo];
+  r.nb = local / blocks;
+  r.tb = local - r.nb * blocks;
+  return r;
+}
 
 }  // namespace lab_gemm
