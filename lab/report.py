@@ -334,7 +334,8 @@ def gemm_table(rows: list[dict]) -> str:
     body = []
     for r in rows:
         c = r["config"]
-        tile = f"{c['warps']},{c['row_tiles']},{c['k_step']},{c['stages']},{c['max_frags']},{c.get('mma', 0)}"
+        tile = (f"{c['warps']},{c['row_tiles']},{c['k_step']},{c['stages']},{c['max_frags']},{c.get('mma', 0)}"
+                + (",image" if c.get("image") else ""))
         body.append([r["gemm"]] + ([r.get("act", "nvfp4")] if acts else []) +
                     [f"{r['mean_tokens']:g}", str(r.get("max_count", "-")), tile, _fmt(r["ms"]), _fmt(r["roof_pct"], 1),
                      _fmt(r.get("read_pattern_roof_pct"), 1)]
@@ -374,7 +375,8 @@ def gemm_verdicts(gemm_rows: list[dict]) -> list[str]:
         if len(rs) < 2:
             continue
         rs = sorted(rs, key=lambda r: r["ms"])
-        name = (lambda r: "{warps},{row_tiles},{k_step},{stages},{max_frags},{mma}".format(**{"mma": 0, **r["config"]}))
+        name = (lambda r: "{warps},{row_tiles},{k_step},{stages},{max_frags},{mma}".format(**{"mma": 0, **r["config"]})
+                + (",image" if r["config"].get("image") else ""))
         out.append(f"{gemm}{' (' + act + ')' if acts else ''} at mean {mean:g}: fastest tile {name(rs[0])}, "
                    f"{rs[0]['ms']:.3f} ms ({rs[0]['roof_pct']:.1f}% of the read roofline); "
                    + ", ".join(f"{name(r)} {r['ms'] / rs[0]['ms']:.2f}x its time" for r in rs[1:]) + ".")

@@ -216,7 +216,14 @@ def test_heuristic_gives_a_valid_config(n, k, mean):
     assert n % cfg.block_rows == 0 and k % cfg.k_step == 0
     assert cfg.smem_bytes <= gg.SMEM_LIMIT
     if (counts > 0).any():  # Poisson counts: the percentile's tile (the model is for skewed routing)
-        assert cfg.max_frags == gg.frags_for(int(np.ceil(np.quantile(counts[counts > 0], 0.99))))
+        assert cfg.max_frags == _percentile_frags(counts, cfg)
+
+
+def _percentile_frags(counts, cfg) -> int:
+    """The heuristic's token tile under uniform routing: the smallest compiled tile holding the
+    99th percentile in one pass, or past 64 tokens the 96-token image tile where wgmma runs."""
+    q = int(np.ceil(np.quantile(counts[counts > 0], 0.99)))
+    return gg.IMAGE_FRAGS if q > 64 and cfg.mma else gg.frags_for(q)
 
 
 @pytest.mark.parametrize("model", sorted(models.MODELS))
@@ -231,7 +238,7 @@ def test_uniform_routings_keep_the_percentile_tile(model):
         counts = np.diff(routing.offsets)
         for n, k in ((2 * m.intermediate, m.hidden), (m.hidden, m.intermediate)):
             cfg = gg.heuristic(n, k, counts)
-            assert cfg.max_frags == gg.frags_for(int(np.ceil(np.quantile(counts[counts > 0], 0.99)))), (mean, n, k)
+            assert cfg.max_frags == _percentile_frags(counts, cfg), (mean, n, k)
 
 
 @pytest.mark.parametrize("skew, frags, mma, ctas", [(0.4, 2, 0, 2), (1.2, 4, 0, 0)])
@@ -307,6 +314,7 @@ def test_the_heuristic_picks_wgmma_for_64_token_tiles_only():
     tiles = _heuristic_tiles()
     for cfg in tiles:  # wgmma needs whole warpgroups of consumers
         assert cfg.mma == (cfg.max_frags >= 8 and cfg.warps % 4 == 0), cfg
+        assert cfg.image == (cfg.mma == 1), cfg  # every wgmma tile reads the activation image
     assert any(cfg.mma for cfg in tiles)
 
 

@@ -16,9 +16,10 @@ from lab.kernels.gemm_weights import ATOM_BYTES, ATOM_K, ATOM_ROWS, default_layo
 
 SMEM_LIMIT = 227 * 1024  # H200 opt-in dynamic shared memory per block
 MAX_FRAGS_CHOICES = (1, 2, 4, 8)  # 8-token fragments per pass, compiled variants
-# Token tiles past 64 (96, 128): wgmma with the plain epilogue only, not picked by the heuristic
-# (being measured for the large-token GEMM; notes/gemm.md).
+# Token tiles past 64 (96, 128): wgmma with the plain epilogue only. The heuristic picks the
+# 96-token one on the activation image where an expert's 99th-percentile count passes 64 tokens.
 LARGE_FRAGS = (12, 16)
+IMAGE_FRAGS = 12
 # What a launch computes (lab_gemm::Mode): grouped GEMMs with fp32 output; w13 ending in SwiGLU +
 # NVFP4 quantize; the whole layer, w2 after it in the same launch, bf16 output.
 MODES = ("plain", "swiglu", "layer")
@@ -239,6 +240,10 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None, act
         best = min(t, key=t.get)
         if t[best] < (1 - MODEL_MARGIN) * t[frags]:
             frags = best
+    # Past 64 tokens the 96-token image tile, which beats the 64-token one from mean 64 up
+    # (bench_gemm at d01e6e5: 8-29% faster at 64-512; the 128-token tile, 128 rows, loses to both)
+    if frags == MAX_FRAGS_CHOICES[-1] and q > 8 * frags:
+        frags = IMAGE_FRAGS
     tiles = block_rows // ATOM_ROWS
     # Four 16-row tiles per warp share each B fragment and give each warp four independent
     # decode+MMA chains, best for token tiles of 8-16; with 32-64 token tiles the accumulators
@@ -255,7 +260,12 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None, act
     # 64-token tiles: wgmma, one commit group per k atom; smaller tiles stay on mma.sync, which
     # wgmma did not beat there (notes/gemm.md v9-v12).
     mma = 1 if frags >= 8 and warps % 4 == 0 else 0
-    cfg = GemmConfig(warps, row_tiles, k_step, stages, frags, mma, ctas_per_sm=cap, act=act)
+    if frags > 8 and not mma:
+        frags = 8
+    # wgmma tiles read the activation image: no decoder warps, the decode once per launch instead
+    # of once per row block (bench_gemm at d01e6e5, 64-token tile: 2-3% faster with NVFP4
+    # activations at mean 32, 12% with bf16; 8-16% at 64-512)
+    cfg = GemmConfig(warps, row_tiles, k_step, stages, frags, mma, ctas_per_sm=cap, act=act, image=mma == 1)
     while cfg.smem_bytes + 4096 > SMEM_LIMIT and cfg.stages > 2:
         cfg = replace(cfg, stages=cfg.stages - 1)
     return cfg.validate(n, k)
