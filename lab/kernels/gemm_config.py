@@ -162,6 +162,10 @@ class GemmConfig:
             raise ValueError(f"N={n} has {n // self.block_rows} row blocks of {self.block_rows}; at most {(1 << 15) - 1}")
         if k is not None and k % self.k_step:
             raise ValueError(f"K={k} is not a multiple of k_step={self.k_step} ({self})")
+        if k is not None and self.image and self.stages % 2 == 0 and k % (2 * self.k_step):
+            # an image tile with an even ring takes its stages in pairs (grouped_gemm.cu, Config::NS)
+            raise ValueError(f"K={k}: an image tile with {self.stages} stages takes K_STEP chunks in pairs; "
+                             f"K must be a multiple of {2 * self.k_step} ({self})")
         return self
 
 
@@ -260,12 +264,13 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None, act
     # 64-token tiles: wgmma, one commit group per k atom; smaller tiles stay on mma.sync, which
     # wgmma did not beat there (notes/gemm.md v9-v12).
     mma = 1 if frags >= 8 and warps % 4 == 0 else 0
-    if frags > 8 and not mma:
+    image = mma == 1 and k % (2 * k_step) == 0  # (the image tiles' paired stages)
+    if frags > 8 and not image:
         frags = 8
     # wgmma tiles read the activation image: no decoder warps, the decode once per launch instead
     # of once per row block (bench_gemm at d01e6e5, 64-token tile: 2-3% faster with NVFP4
     # activations at mean 32, 12% with bf16; 8-16% at 64-512)
-    cfg = GemmConfig(warps, row_tiles, k_step, stages, frags, mma, ctas_per_sm=cap, act=act, image=mma == 1)
+    cfg = GemmConfig(warps, row_tiles, k_step, stages, frags, mma, ctas_per_sm=cap, act=act, image=image)
     while cfg.smem_bytes + 4096 > SMEM_LIMIT and cfg.stages > 2:
         cfg = replace(cfg, stages=cfg.stages - 1)
     return cfg.validate(n, k)

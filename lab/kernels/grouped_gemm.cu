@@ -96,6 +96,9 @@ struct Config {
   // Image tiles split units by token block (scheduler.cuh, split_units); their dynamic shared
   // memory holds a second list after the compacted experts (GemmConfig.launch_smem)
   static constexpr bool SPLIT = DECODER_WARPS == 0;
+  // Consumer stages per mainloop call: two on image tiles with an even ring (GemmConfig.validate
+  // asks K for an even number of K_STEP chunks there)
+  static constexpr int NS = SPLIT && STAGES % 2 == 0 ? 2 : 1;
   static constexpr int OFF_BAR = 0;  // full, empty, raw per stage; then epi_full, epi_empty
   static constexpr int OFF_W = 128 * (((3 * STAGES + 2) * 8 + 127) / 128);  // tensor copies: 128-B aligned
   static constexpr int OFF_XQ = OFF_W + STAGES * STAGE_W;
@@ -359,6 +362,11 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
 
     const uint8_t* wst = smem + C::OFF_W + s * C::STAGE_W;
     const uint8_t* xf = smem + C::OFF_XF + s * C::XF;
+    // Image tiles with an even ring take their stages in pairs (s even, s + 1 of the same use and
+    // the same unit: kchunks is even), one mainloop call and one drain per pair.
+    const uint8_t* wst2 = wst + C::STAGE_W;
+    const uint8_t* xf2 = xf + C::XF;
+    if constexpr (C::NS == 2) mbar_wait(pipe.full0 + 8 * (s + 1), phase);
     // One dispatch per stage to a body with a compile-time fragment count: no per-MMA predicates
     // (each cost an ISETP and a WARPSYNC) and, for wgmma, a single instruction shape.
     switch (frags) {
@@ -366,7 +374,8 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
       case F:                                                                                              \
         if constexpr (F <= MAX_FRAGS) {                                                                    \
           if constexpr (MMA == 0) stage_math<WARPS, ROW_TILES, K_STEP, MAX_FRAGS, F>(acc, wst, xf, warp, lane);   \
-          else stage_wgmma<WARPS, ROW_TILES, K_STEP, MAX_FRAGS, C::GS, F>(acc, wst, xf, warp, lane);       \
+          else stage_wgmma<WARPS, ROW_TILES, K_STEP, MAX_FRAGS, C::GS, F, C::NS>(acc, wst, xf, warp, lane, \
+                                                                               wst2, xf2);                 \
         }                                                                                                  \
         break;
       LAB_STAGE_CASE(1) LAB_STAGE_CASE(2) LAB_STAGE_CASE(3) LAB_STAGE_CASE(4)
@@ -377,6 +386,10 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
       default: break;
     }
     mbar_arrive(pipe.empty0 + 8 * s);
+    if constexpr (C::NS == 2) {  // the pair's second stage: its release, and the walk to it
+      mbar_arrive(pipe.empty0 + 8 * (s + 1));
+      next_stage();
+    }
 
     if constexpr (C::EPILOGUE_WARPS != 0) {
       if (kc == kchunks - 1 && (C::MODE == Mode::layer || unit_p == 0)) {

@@ -56,16 +56,23 @@ __device__ __forceinline__ void stage_math(float (&acc)[ROW_TILES][MAX_FRAGS][4]
 // decodes; `hold` keeps the previous group's A registers allocated until it retires (the
 // hardware reads them asynchronously). The stage ends with every group retired: a group left
 // running across the consumer loop's branches makes ptxas serialize every wgmma of the kernel.
-template <int WARPS, int ROW_TILES, int K_STEP, int MAX_FRAGS, int GS, int F>
+// NS = 2 (image tiles): two consecutive ring stages (wst, xf, then wst2, xf2) in one call, so
+// that the groups run on across the stage boundary and the drain at the end comes once per two
+// stages.
+template <int WARPS, int ROW_TILES, int K_STEP, int MAX_FRAGS, int GS, int F, int NS = 1>
 __device__ __forceinline__ void stage_wgmma(float (&acc)[ROW_TILES][MAX_FRAGS][4], const uint8_t* wst,
-                                            const uint8_t* xf, int warp, int lane) {
+                                            const uint8_t* xf, int warp, int lane, const uint8_t* wst2 = nullptr,
+                                            const uint8_t* xf2 = nullptr) {
   constexpr int KATOMS = K_STEP / 64;
   constexpr int R = ROW_TILES;
   static_assert(4 % GS == 0, "a wgmma group takes 1, 2 or 4 k16 steps of one atom");
-  const uint32_t xf_addr = smem_addr(xf);
+  static_assert(NS == 1 || NS == 2, "one or two stages per call");
   uint4 code[R];
   uint2 scl[R];
-  auto load = [&](int ka) { load_atoms<WARPS, R, KATOMS>(code, scl, wst, ka, warp, lane); };
+  auto load = [&](int ka) {
+    if (NS == 2 && ka >= KATOMS) load_atoms<WARPS, R, KATOMS>(code, scl, wst2, ka - KATOMS, warp, lane);
+    else load_atoms<WARPS, R, KATOMS>(code, scl, wst, ka, warp, lane);
+  };
   auto keep = [](const uint32_t (&h)[R][GS][4]) {
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -76,7 +83,9 @@ __device__ __forceinline__ void stage_wgmma(float (&acc)[ROW_TILES][MAX_FRAGS][4
   uint32_t hold[R][GS][4];
   load(0);
 #pragma unroll
-  for (int ka = 0; ka < KATOMS; ++ka) {
+  for (int ka = 0; ka < NS * KATOMS; ++ka) {
+    const uint32_t xf_addr = smem_addr(NS == 2 && ka >= KATOMS ? xf2 : xf);
+    const int kk = NS == 2 && ka >= KATOMS ? ka - KATOMS : ka;  // atom within its stage
 #pragma unroll
     for (int jg = 0; jg < 4 / GS; ++jg) {
       uint32_t a[R][GS][4];
@@ -84,11 +93,11 @@ __device__ __forceinline__ void stage_wgmma(float (&acc)[ROW_TILES][MAX_FRAGS][4
       for (int q = 0; q < GS; ++q)
 #pragma unroll
         for (int r = 0; r < R; ++r) decode_tile(code[r], scl[r], jg * GS + q, a[r][q]);
-      if (jg == 4 / GS - 1 && ka + 1 < KATOMS) load(ka + 1);  // in flight while the group issues
+      if (jg == 4 / GS - 1 && ka + 1 < NS * KATOMS) load(ka + 1);  // in flight while the group issues
       wgmma_fence();
 #pragma unroll
       for (int q = 0; q < GS; ++q) {
-        const uint64_t desc = smem_desc(xf_addr + (ka * 4 + jg * GS + q) * MAX_FRAGS * 256, 128, 256);
+        const uint64_t desc = smem_desc(xf_addr + (kk * 4 + jg * GS + q) * MAX_FRAGS * 256, 128, 256);
 #pragma unroll
         for (int r = 0; r < R; ++r)
           Wgmma<F, MAX_FRAGS>::run(acc[r], a[r][q][0], a[r][q][1], a[r][q][2], a[r][q][3], desc);
