@@ -27,6 +27,13 @@ def test_image_tiles_have_no_decoder_warps_and_no_raw_stage():
     # the decoder tile's raw NVFP4 stage (codes and scales) is gone; the decoded ring stays
     assert dec.smem_bytes - c.smem_bytes == 4 * (96 * 64 + 96 * 8)
     assert replace(c, act="bf16").smem_bytes == c.smem_bytes
+    # past 64 tokens, with an even ring, the stages go in pairs: K in pairs of K_STEP chunks
+    assert c.paired_stages and not replace(c, stages=3).paired_stages
+    assert not replace(c, max_frags=8).paired_stages
+    with pytest.raises(ValueError, match="in pairs"):
+        c.validate(4096, 3 * 128)
+    replace(c, max_frags=8).validate(4096, 3 * 128)
+    assert gg.heuristic(4096, 3 * 128, [300] * 8).max_frags == 8  # (no pairs: the 64-token image tile)
     for bad in (dict(mma=0), dict(mode="swiglu")):
         with pytest.raises(ValueError, match="image"):
             replace(c, **bad).validate()

@@ -314,7 +314,7 @@ def test_the_heuristic_picks_wgmma_for_64_token_tiles_only():
     tiles = _heuristic_tiles()
     for cfg in tiles:  # wgmma needs whole warpgroups of consumers
         assert cfg.mma == (cfg.max_frags >= 8 and cfg.warps % 4 == 0), cfg
-        assert not cfg.image or cfg.mma == 1, cfg  # the image is for wgmma tiles (K in pairs of chunks)
+        assert cfg.image == (cfg.mma == 1), cfg  # every wgmma tile reads the activation image
     assert any(cfg.mma for cfg in tiles)
 
 

@@ -86,6 +86,12 @@ class GemmConfig:
         return 4 - rest if rest else 2
 
     @property
+    def paired_stages(self) -> bool:
+        """Config::NS == 2: an image tile past 64 tokens with an even ring takes its stages in
+        pairs (one drain of the wgmma groups per two stages), so K holds K_STEP chunks in pairs."""
+        return self.image and self.stages % 2 == 0 and self.max_frags > 8
+
+    @property
     def expression(self) -> str:
         return self.expression_for(read_only=False)
 
@@ -162,7 +168,7 @@ class GemmConfig:
             raise ValueError(f"N={n} has {n // self.block_rows} row blocks of {self.block_rows}; at most {(1 << 15) - 1}")
         if k is not None and k % self.k_step:
             raise ValueError(f"K={k} is not a multiple of k_step={self.k_step} ({self})")
-        if k is not None and self.image and self.stages % 2 == 0 and k % (2 * self.k_step):
+        if k is not None and self.paired_stages and k % (2 * self.k_step):
             # an image tile with an even ring takes its stages in pairs (grouped_gemm.cu, Config::NS)
             raise ValueError(f"K={k}: an image tile with {self.stages} stages takes K_STEP chunks in pairs; "
                              f"K must be a multiple of {2 * self.k_step} ({self})")
@@ -264,8 +270,8 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None, act
     # 64-token tiles: wgmma, one commit group per k atom; smaller tiles stay on mma.sync, which
     # wgmma did not beat there (notes/gemm.md v9-v12).
     mma = 1 if frags >= 8 and warps % 4 == 0 else 0
-    image = mma == 1 and k % (2 * k_step) == 0  # (the image tiles' paired stages)
-    if frags > 8 and not image:
+    image = mma == 1
+    if frags > 8 and (not image or k % (2 * k_step)):  # (the 96-token tile's paired stages)
         frags = 8
     # wgmma tiles read the activation image: no decoder warps, the decode once per launch instead
     # of once per row block (bench_gemm at d01e6e5, 64-token tile: 2-3% faster with NVFP4

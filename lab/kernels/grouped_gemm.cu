@@ -96,9 +96,11 @@ struct Config {
   // Image tiles split units by token block (scheduler.cuh, split_units); their dynamic shared
   // memory holds a second list after the compacted experts (GemmConfig.launch_smem)
   static constexpr bool SPLIT = DECODER_WARPS == 0;
-  // Consumer stages per mainloop call: two on image tiles with an even ring (GemmConfig.validate
-  // asks K for an even number of K_STEP chunks there)
-  static constexpr int NS = SPLIT && STAGES % 2 == 0 ? 2 : 1;
+  // Consumer stages per mainloop call: two on image tiles past 64 tokens with an even ring
+  // (GemmConfig.validate asks K for an even number of K_STEP chunks there). bench_gemm at 2f96693,
+  // one process: the 96-token tile 3% faster at 64-128 tokens per expert and 13% at 512 than
+  // unpaired; the 64-token tile 3% slower at 32, so it stays unpaired.
+  static constexpr int NS = SPLIT && STAGES % 2 == 0 && MAX_FRAGS > 8 ? 2 : 1;
   static constexpr int OFF_BAR = 0;  // full, empty, raw per stage; then epi_full, epi_empty
   static constexpr int OFF_W = 128 * (((3 * STAGES + 2) * 8 + 127) / 128);  // tensor copies: 128-B aligned
   static constexpr int OFF_XQ = OFF_W + STAGES * STAGE_W;
