@@ -112,10 +112,12 @@ def test_image_layout_holds_each_token_in_its_expert_groups(act):
     prep = gg.PreparedWeights(cp.zeros(1, cp.uint8), e, 256, k, 256, 128)
     rows, groups = int(counts.sum()), gg.image_groups(int(counts.sum()), e)
     xq_d, xs_d, off_d = cp.asarray(xq), None if xs is None else cp.asarray(xs), cp.asarray(offsets)
-    img_buf = gg.activation_image(prep, xq_d, xs_d, off_d, act)
-    assert img_buf.size == (k // 16) * groups * 256
-    img_buf.fill(0xFF)  # poison the kept buffer, then write again: every slot must be rewritten
-    assert gg.activation_image(prep, xq_d, xs_d, off_d, act) is img_buf
+    space = cp.full(gg.image_bytes(rows, e, k) + 512, 0xFF, cp.uint8)  # poisoned: every slot must be written
+    img_buf = gg.activation_image(prep, xq_d, xs_d, off_d, act, space[256:])
+    assert img_buf.size == (k // 16) * groups * 256 and img_buf.data.ptr == space.data.ptr + 256
+    assert (space[:256] == 0xFF).all() and (space[256 + img_buf.size:] == 0xFF).all()  # nothing past it
+    with pytest.raises(ValueError, match="at least"):
+        gg.activation_image(prep, xq_d, xs_d, off_d, act, space[:img_buf.size - 16])
     img = img_buf.get().view(np.float16).reshape(k // 16, groups, 2, 8, 8).astype(np.float64)
     want = np.zeros_like(img)
     scale = 2.0**-14 if act == "nvfp4" else 1.0
@@ -126,6 +128,22 @@ def test_image_layout_holds_each_token_in_its_expert_groups(act):
             want[:, grp, :, row, :] = v.reshape(k // 16, 2, 8)
     want = want.astype(np.float16).astype(np.float64)  # bf16 -> fp16 rounds; NVFP4 is exact
     assert np.array_equal(img, want), f"seed {seed}"
+
+
+def test_image_workspace_grows_per_stream_and_keeps_what_graphs_may_hold():
+    pytest.importorskip("cupy")
+    from lab.gpu import gpu_available
+
+    if not gpu_available():
+        pytest.skip("needs a CUDA GPU")
+    import cupy as cp
+
+    s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    a = gg.image_workspace(1000, s1)
+    assert gg.image_workspace(900, s1) is a and gg.image_workspace(1000, s2) is not a
+    b = gg.image_workspace(1500, s1)
+    assert b.size >= 2000 and b is not a and gg.image_workspace(10, s1) is b
+    assert any(buf is a for buf in gg._WORKSPACES[(cp.cuda.Device().id, s1.ptr)])
 
 
 def _twin(cfg):

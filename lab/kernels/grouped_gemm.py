@@ -41,7 +41,7 @@ SOURCE = "grouped_gemm.cu"
 __all__ = [  # the launchers, and what gemm_weights and gemm_config define, under one import
     "SOURCE", "Fusion", "grouped_gemm", "grouped_gemm_pair", "swiglu_gemm", "fused_layer",
     "ACTS", "FUSED_SMALL_STAGES", "IMAGE_FRAGS", "MAX_FRAGS_CHOICES", "MODEL_MARGIN", "MODES", "SKEWED_DISPERSION", "modelled_time", "SHIPPED_CONFIGS", "SHIPPED_FUSED", "SHIPPED_W4A16",
-    "SHIPPED_FUSED_W4A16", "SHIPPED_IMAGE", "SHIPPED_LARGE", "activation_image", "image_groups", "LARGE_FRAGS", "SMEM_LIMIT",
+    "SHIPPED_FUSED_W4A16", "SHIPPED_IMAGE", "SHIPPED_LARGE", "activation_image", "image_bytes", "image_groups", "image_workspace", "LARGE_FRAGS", "SMEM_LIMIT",
     "GemmConfig", "frags_for", "fused_config", "heuristic", "resident_ctas",
     "ATOM_BYTES", "ATOM_CODE_BYTES", "ATOM_K", "ATOM_ROWS", "DECODE_MASK", "ENCODE_TABLES", "K_SLOTS",
     "PreparedWeights", "check_weight_shapes", "decode_words", "decode_x_words", "default_layout",
@@ -219,10 +219,13 @@ def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fu
                          x_packed, x_scales, offsets, alpha, out))
     stream = stream if stream is not None else cp.cuda.get_current_stream()
     if cfg.image:  # the activations as their fp16 image, decoded once for every row block
+        sizes = [image_bytes(pr[1].shape[0], pr[0].experts, pr[0].k) if pr[0].experts else 0 for pr in problems]
         with stream:
-            problems = [(prep, activation_image(prep, x_packed, x_scales, offsets, cfg.act), None, offsets, alpha, out)
-                        if prep.experts else (prep, x_packed, x_scales, offsets, alpha, out)
-                        for prep, x_packed, x_scales, offsets, alpha, out in problems]
+            space = image_workspace(sum(sizes), stream)  # (both problems' images live at once)
+            at = np.cumsum([0] + sizes)
+            problems = [(prep, activation_image(prep, x_packed, x_scales, offsets, cfg.act, space[at[i]:]), None, offsets,
+                         alpha, out) if prep.experts else (prep, x_packed, x_scales, offsets, alpha, out)
+                        for i, (prep, x_packed, x_scales, offsets, alpha, out) in enumerate(problems)]
     experts = sum(pr[0].experts for pr in problems)
     smem = cfg.launch_smem(experts)
     fn = jit.kernel(SOURCE, cfg.expression_for(read_only), smem)
@@ -250,7 +253,7 @@ def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fu
 
 
 IMAGE_QB, IMAGE_THREADS = 4, 128  # gemm/act_image.cuh: k16 blocks per thread, threads per block
-_IMAGES: dict = {}
+_WORKSPACES: dict = {}
 
 
 def image_groups(rows: int, experts: int) -> int:
@@ -259,19 +262,45 @@ def image_groups(rows: int, experts: int) -> int:
     return rows // 8 + experts + 1
 
 
-def activation_image(prep: PreparedWeights, x_packed, x_scales, offsets, act: str = "nvfp4"):
+def image_bytes(rows: int, experts: int, k: int) -> int:
+    """Bytes of one problem's activation image: (K/16, groups, 2, 8, 8) fp16."""
+    return (k // 16) * image_groups(rows, experts) * 256
+
+
+def image_workspace(nbytes: int, stream=None):
+    """A uint8 device buffer of at least `nbytes` for the activation images of launches on
+    `stream` (the current one by default). One per (device, stream): launches on one stream run
+    in order, so each may overwrite the last one's images; launches on two streams (chunks) get
+    two. A larger request allocates a new buffer of twice the size and keeps the old one alive, so
+    a graph captured over an earlier launch still finds its bytes (at most twice the largest
+    request stays allocated per stream). Allocated on first use, which the runner does before any
+    capture."""
+    import cupy as cp
+
+    stream = stream if stream is not None else cp.cuda.get_current_stream()
+    key = (cp.cuda.Device().id, stream.ptr)
+    kept = _WORKSPACES.setdefault(key, [])
+    if not kept or kept[-1].size < nbytes:
+        size = max(nbytes, 2 * kept[-1].size if kept else 0)
+        kept.append(cp.empty(size, dtype=cp.uint8))
+    return kept[-1]
+
+
+def activation_image(prep: PreparedWeights, x_packed, x_scales, offsets, act: str = "nvfp4", out=None):
     """The GEMM's B operand as fp16 core matrices (gemm/act_image.cuh), written on the current
-    stream into a buffer kept per (x, offsets): (K/16, groups, 2, 8, 8) fp16 as uint8 bytes. The
-    kernel reads the counts from offsets on the device, so the launch can be graph-captured; the
-    buffer is allocated on first use, which the runner does before any capture."""
+    stream into `out` (uint8, at least image_bytes(rows, E, K); default the stream's workspace):
+    (K/16, groups, 2, 8, 8) fp16 as bytes; returns that many bytes of `out`. The kernel reads the
+    counts from offsets on the device, so the launch can be graph-captured."""
     import cupy as cp
 
     rows, k = x_packed.shape[0], prep.k
     groups = image_groups(rows, prep.experts)
-    key = (cp.cuda.Device().id, x_packed.data.ptr, rows, k, prep.experts, offsets.data.ptr, act)
-    image = _IMAGES.get(key)
-    if image is None:
-        image = _IMAGES[key] = cp.empty((k // 16) * groups * 256, dtype=cp.uint8)
+    nbytes = image_bytes(rows, prep.experts, k)
+    if out is None:
+        out = image_workspace(nbytes)
+    if out.dtype != cp.uint8 or out.ndim != 1 or out.size < nbytes:
+        raise ValueError(f"out: expected a 1-D uint8 buffer of at least {nbytes} bytes, got {out.shape} {out.dtype}")
+    image = out[:nbytes]
     fn = jit.kernel(SOURCE, f"lab_gemm::act_image<lab_gemm::Act::{act}>")
     grid = (-(-groups * 8 // IMAGE_THREADS), k // (16 * IMAGE_QB))
     fn(grid, (IMAGE_THREADS,), (x_packed, _NULL if x_scales is None else x_scales, offsets,
