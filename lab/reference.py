@@ -77,6 +77,27 @@ def grouped_gemm(x_packed, x_scales, offsets, w_packed, w_scales, alpha, experts
     return out
 
 
+def grouped_gemm_w4a16(x, offsets, w_packed, w_scales, alpha, experts=None) -> np.ndarray:
+    """The GEMM contract with activations as they are (W4A16): out[r] = alpha[e] * x[r] @
+    dec(w[e]).T for r in expert e, x (rows, K) any float dtype (bf16 included). Returns (rows, N)
+    float64; rows of experts not asked for stay NaN."""
+    x = np.asarray(x).astype(np.float64)
+    w_packed, w_scales = np.asarray(w_packed), np.asarray(w_scales)
+    if w_packed.ndim != 3 or x.ndim != 2 or x.shape[1] != 2 * w_packed.shape[2]:
+        raise ValueError(f"need x (rows, K) and w (E, N, K/2) of one K, got {x.shape}, {w_packed.shape}")
+    E, N, _ = w_packed.shape
+    offs = _check_offsets(offsets, x.shape[0], E)
+    alpha = np.asarray(alpha, dtype=np.float64)
+    if alpha.shape != (E,):
+        raise ValueError(f"alpha must have shape ({E},), got {alpha.shape}")
+    out = np.full((x.shape[0], N), np.nan)
+    for e in _expert_list(experts, E):
+        r0, r1 = offs[e], offs[e + 1]
+        if r1 > r0:
+            out[r0:r1] = alpha[e] * (x[r0:r1] @ nvfp4.dequantize_blocks(w_packed[e], w_scales[e]).T)
+    return out
+
+
 def w13(x_q: NVFP4Tensor, offsets, weights: MoEWeights, experts=None) -> np.ndarray:
     """h (rows, 2I) float64 = x_global * dec(x) @ dec(w13[e]).T; gate/up globals not applied."""
     alpha = np.full(weights.experts, float(x_q.global_scale))

@@ -150,3 +150,23 @@ def test_layer_input_checks():
         reference.layer(np.zeros((5, 64)), r, w)
     with pytest.raises(ValueError, match="offsets"):
         reference.swiglu(np.zeros((4, 128)), [0, 2, 3], w.gate_global, w.up_global)
+
+
+def test_w4a16_contract_on_decoded_activations_equals_the_nvfp4_one():
+    """reference.grouped_gemm_w4a16 on the float64 decode of NVFP4 activations is
+    reference.grouped_gemm on the codes; experts not asked for stay NaN; bad shapes raise."""
+    rng = np.random.default_rng(3)
+    e, n, k = 3, 16, 64
+    counts = np.array([2, 0, 5])
+    offsets = np.r_[0, np.cumsum(counts)]
+    wp = rng.integers(0, 256, (e, n, k // 2), np.uint8)
+    ws = rng.integers(1, 127, (e, n, k // 16)).astype(np.uint8)
+    xp = rng.integers(0, 256, (7, k // 2), np.uint8)
+    xs = rng.integers(1, 127, (7, k // 16)).astype(np.uint8)
+    alpha = rng.uniform(0.5, 2, e)
+    xf = nvfp4.dequantize_blocks(xp, xs)
+    got = reference.grouped_gemm_w4a16(xf, offsets, wp, ws, alpha)
+    np.testing.assert_array_equal(got, reference.grouped_gemm(xp, xs, offsets, wp, ws, alpha))
+    assert np.isnan(reference.grouped_gemm_w4a16(xf, offsets, wp, ws, alpha, experts=[0])[2:]).all()
+    with pytest.raises(ValueError, match="one K"):
+        reference.grouped_gemm_w4a16(xf[:, :32], offsets, wp, ws, alpha)
