@@ -9,6 +9,9 @@
 
 namespace lab_gemm {
 
+__device__ __forceinline__ constexpr int split_tb(const Unit&) { return 0; }
+__device__ __forceinline__ int split_tb(const SplitUnit& u) { return u.tb; }
+
 template <class C, class UnitOf>
 __device__ __forceinline__ void producer_warp(const void* wmap0, const void* wmap1, const uint8_t* xq0, const uint8_t* xq1,
                                               const uint8_t* xs0, const uint8_t* xs1, const int* offsets0,
@@ -29,7 +32,8 @@ __device__ __forceinline__ void producer_warp(const void* wmap0, const void* wma
     if (lane == 0) u = atomicAdd(&sched[0], 1);
     u = __shfl_sync(0xffffffffu, u, 0);
     const bool done = u >= n_units;
-    const Unit un = done ? Unit{0, 0, 0, 0} : unit_of(u);
+    using U = decltype(unit_of(u));  // Unit, or SplitUnit on image tiles
+    const U un = done ? U{} : unit_of(u);
     const int p = un.p, e = un.e, nb = un.nb;
     const int* offsets = LAB_P(offsets);
     const uint8_t* xq = LAB_P(xq);
@@ -38,8 +42,8 @@ __device__ __forceinline__ void producer_warp(const void* wmap0, const void* wma
     int row0 = offsets[e];
     int count = done ? 0 : offsets[e + 1] - row0;
     if constexpr (C::SPLIT) {  // one token block of the expert: its rows, one pass
-      row0 += un.tb * C::TOKEN_TILE;
-      count = min(C::TOKEN_TILE, count - un.tb * C::TOKEN_TILE);
+      row0 += split_tb(un) * C::TOKEN_TILE;
+      count = min(C::TOKEN_TILE, count - split_tb(un) * C::TOKEN_TILE);
     }
     // a finished CTA still posts one stage so that consumers and decoders read the -1
     const int passes = done ? 1 : (count + C::TOKEN_TILE - 1) / C::TOKEN_TILE;

@@ -42,7 +42,12 @@ __device__ __forceinline__ void compact_experts(const int* offsets0, const int* 
 // (the kernel's unit_of, a lambda over the compacted list: as a struct method ptxas schedules the
 // producer differently)
 struct Unit {
-  int p, e, nb, tb;  // tb: token block (image tiles' split units; 0 otherwise)
+  int p, e, nb;
+};
+// An image tile's unit: the same and its token block (a type of its own, so that the other
+// tiles' producers compile as they did before split units)
+struct SplitUnit {
+  int p, e, nb, tb;
 };
 
 // Image tiles (no decoder warps, large token counts): units are (problem, active expert, row
@@ -78,7 +83,7 @@ __device__ __forceinline__ int split_units(const int* active, int n_active, int 
 
 // split unit u -> (problem, expert, row block, token block): the first active expert whose
 // unit_end passes u, then row block and token block within its units.
-__device__ __forceinline__ Unit split_unit_of(int u, const int* active, const int* unit_end, int n_active,
+__device__ __forceinline__ SplitUnit split_unit_of(int u, const int* active, const int* unit_end, int n_active,
                                               int n_active0, int NB0, int NB1) {
   int lo = 0, hi = n_active - 1;
   while (lo < hi) {
@@ -90,7 +95,7 @@ __device__ __forceinline__ Unit split_unit_of(int u, const int* active, const in
   const int p = lo >= n_active0;
   const int blocks = (unit_end[lo] - start) / LAB_P(NB);  // token blocks of this expert
   const int local = u - start;
-  Unit r;
+  SplitUnit r;
   r.p = p;
   r.e = active[lo];
   r.nb = local / blocks;
