@@ -32,7 +32,7 @@ def log(tag: str, msg: str) -> None:
 
 CONFIG_HELP = ("override the tile: warps,row_tiles,k_step,stages[,mma[,ctas_per_sm[,max_frags[,image]]]] (token "
                "tile 8 * max_frags, default the heuristic's; mma 0 = mma.sync, 1 = wgmma; ctas_per_sm 0 = as many "
-               "as fit; max_frags 12 or 16, a 96- or 128-token tile, needs wgmma; image 1: the activations as a "
+               "as fit; max_frags 12, 16 or 20, a 96-, 128- or 160-token tile, needs wgmma; image 1: the activations as a "
                "pre-decoded fp16 image, no decoder warps, wgmma only)")
 
 

@@ -68,7 +68,7 @@ def test_image_tiles_compile_without_spills(cfg):
     info = jit.ptxas_report(gg.SOURCE, cfg.expression)
     assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
     assert info.registers <= 65536 // (4 * 32 * -(-cfg.threads // 128)), info
-    assert not info.wgmma_serialized, info
+    assert not info.wgmma_serialized and not info.setmaxnreg_ignored, info
 
 
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
@@ -147,10 +147,13 @@ def test_image_workspace_grows_per_stream_and_keeps_what_graphs_may_hold():
 
 
 def _twin(cfg):
-    """The decoder-warp tile of the same shape, where the lab compiles one."""
+    """The decoder-warp tile of the same shape, where the lab compiles one; else (the 256-row
+    tiles past 96 tokens, with a producer warpgroup) the 96-token image tile of the same rows."""
     dec = replace(cfg, image=False)
     known = set(gg.SHIPPED_CONFIGS) | set(gg.SHIPPED_LARGE) | set(gg.SHIPPED_W4A16)
-    return dec if dec in known else None
+    if dec in known:
+        return dec
+    return replace(cfg, max_frags=12, stages=4) if cfg.producer_warps > 1 else None
 
 
 @pytest.mark.gpu
@@ -159,7 +162,7 @@ def test_image_tiles_match_float64_and_their_decoder_twins_bit_for_bit(cfg):
     """Counts around each token tile and past it (several passes), empty experts included:
     relative error <= 1e-5 against float64, every element written, the same bits on a second
     run, and the same bits as the decoder-warp tile of the same shape (the image holds exactly
-    what the decoders write)."""
+    what the decoders write) or, for the producer-warpgroup tiles, as the 96-token image tile."""
     import cupy as cp
 
     seed = int(np.random.default_rng().integers(2**31))

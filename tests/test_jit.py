@@ -30,6 +30,17 @@ def test_report_of_a_multi_kernel_file_reads_the_block_of_the_kernel_asked_about
     assert info.expression == "lab_act::swiglu_quant" and not info.wgmma_serialized
 
 
+def test_report_flags_a_setmaxnreg_that_ptxas_ignored():
+    """ptxas 13.0's C7507 line (it names no function) marks the report: the consumers of a
+    producer-warpgroup tile would run on the entry budget."""
+    assert not jit._parse_ptxas(SWIGLU_REPORT, "lab_act::swiglu_quant").setmaxnreg_ignored
+    line = ("ptxas info    : (C7507) Potential Performance Loss: 'setmaxnreg' ignored to maintain minimum "
+            "register requirements.\n")
+    at = SWIGLU_REPORT.index("ptxas info    : Function properties for " + SWIGLU)
+    info = jit._parse_ptxas(SWIGLU_REPORT[:at] + line + SWIGLU_REPORT[at:], "lab_act::swiglu_quant")
+    assert info.setmaxnreg_ignored and info.registers == 29, info
+
+
 def test_report_reads_the_frame_of_the_kernel_asked_about():
     """div_check's frame line comes first in the report: a spill there is not swiglu_quant's."""
     text = SWIGLU_REPORT.replace("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",

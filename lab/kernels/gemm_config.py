@@ -16,10 +16,11 @@ from lab.kernels.gemm_weights import ATOM_BYTES, ATOM_K, ATOM_ROWS, default_layo
 
 SMEM_LIMIT = 227 * 1024  # H200 opt-in dynamic shared memory per block
 MAX_FRAGS_CHOICES = (1, 2, 4, 8)  # 8-token fragments per pass, compiled variants
-# Token tiles past 64 (96, 128): wgmma with the plain epilogue only. The heuristic picks the
-# 96-token one on the activation image where an expert's 99th-percentile count passes 64 tokens.
-LARGE_FRAGS = (12, 16)
-IMAGE_FRAGS = 12
+# Token tiles past 64 (96, 128, 160): wgmma with the plain epilogue only. The heuristic picks one on
+# the activation image where an expert's 99th-percentile count passes 64 tokens (IMAGE_FRAGS).
+LARGE_FRAGS = (12, 16, 20)
+IMAGE_FRAGS = (12, 16, 20)
+IMAGE_FRAGS_BEYOND = 16  # past 160 tokens (the 160-token tile's ring has no stage pairs)
 # What a launch computes (lab_gemm::Mode): grouped GEMMs with fp32 output; w13 ending in SwiGLU +
 # NVFP4 quantize; the whole layer, w2 after it in the same launch, bf16 output.
 MODES = ("plain", "swiglu", "layer")
@@ -61,8 +62,15 @@ class GemmConfig:
 
     @property
     def threads(self) -> int:
-        # consumers, producer, activation decoders, epilogue warps
-        return (self.warps + 1 + self.decoder_warps + self.epilogue_warps) * 32
+        # consumers, producer(s), activation decoders, epilogue warps
+        return (self.warps + self.producer_warps + self.decoder_warps + self.epilogue_warps) * 32
+
+    @property
+    def producer_warps(self) -> int:
+        """Config::PRODUCER_WARPS: a whole producer warpgroup (one warp working) on image tiles of 8
+        warps whose accumulators pass 168 registers (256 rows x 128 or 160 tokens), so that
+        setmaxnreg can move its registers to the consumers; else the one producer warp."""
+        return 4 if self.image and self.warps == 8 and self.row_tiles * self.max_frags > 24 else 1
 
     @property
     def decoder_warps(self) -> int:
@@ -250,10 +258,11 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None, act
         best = min(t, key=t.get)
         if t[best] < (1 - MODEL_MARGIN) * t[frags]:
             frags = best
-    # Past 64 tokens the 96-token image tile, which beats the 64-token one from mean 64 up
-    # (bench_gemm at d01e6e5: 8-29% faster at 64-512; the 128-token tile, 128 rows, loses to both)
+    # Past 64 tokens an image tile of 256 rows: the smallest of 96, 128 and 160 tokens that holds
+    # the percentile in one pass, past 160 the 128-token one (bench_gemm at d01e6e5: the 96-token
+    # tile 8-29% faster than the 64-token one at 64-512; 128 rows x 128 tokens loses to both)
     if frags == MAX_FRAGS_CHOICES[-1] and q > 8 * frags:
-        frags = IMAGE_FRAGS
+        frags = next((f for f in IMAGE_FRAGS if 8 * f >= q), IMAGE_FRAGS_BEYOND)
     tiles = block_rows // ATOM_ROWS
     # Four 16-row tiles per warp share each B fragment and give each warp four independent
     # decode+MMA chains, best for token tiles of 8-16; with 32-64 token tiles the accumulators
@@ -271,7 +280,7 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None, act
     # wgmma did not beat there (notes/gemm.md v9-v12).
     mma = 1 if frags >= 8 and warps % 4 == 0 else 0
     image = mma == 1
-    if frags > 8 and (not image or k % (2 * k_step)):  # (the 96-token tile's paired stages)
+    if frags > 8 and (not image or warps != 8 or row_tiles != 2):
         frags = 8
     # wgmma tiles read the activation image: no decoder warps, the decode once per launch instead
     # of once per row block (bench_gemm at d01e6e5, 64-token tile: 2-3% faster with NVFP4
@@ -279,6 +288,8 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None, act
     cfg = GemmConfig(warps, row_tiles, k_step, stages, frags, mma, ctas_per_sm=cap, act=act, image=image)
     while cfg.smem_bytes + 4096 > SMEM_LIMIT and cfg.stages > 2:
         cfg = replace(cfg, stages=cfg.stages - 1)
+    if cfg.paired_stages and k % (2 * k_step):  # paired stages need K in pairs of chunks
+        cfg = replace(cfg, max_frags=8, stages=stages)
     return cfg.validate(n, k)
 
 
@@ -329,9 +340,12 @@ SHIPPED_LARGE = (GemmConfig(8, 1, 128, 4, 16, 1), GemmConfig(4, 2, 128, 4, 16, 1
 
 
 # Tiles on the activation image (no decoder warps) that compile without spills, for the large-token
-# GEMM: 256 rows x 64 or 96 tokens (9 warps, 168 registers at most; 128 tokens spill), 128 x 128.
-SHIPPED_IMAGE = tuple(GemmConfig(w, r, 128, 4, f, 1, act=act, image=True)
-                      for (w, r, f) in ((8, 2, 8), (8, 2, 12), (8, 1, 16), (4, 2, 16)) for act in ACTS)
+# GEMM: 256 rows x 64 or 96 tokens (9 warps, 168 registers at most), 128 x 128, and 256 x 128 or 160
+# (a producer warpgroup and setmaxnreg: 224 registers per consumer thread; 160 tokens fit 3 stages).
+SHIPPED_IMAGE = tuple(GemmConfig(w, r, 128, st, f, 1, act=act, image=True)
+                      for (w, r, f, st) in ((8, 2, 8, 4), (8, 2, 12, 4), (8, 1, 16, 4), (4, 2, 16, 4), (8, 2, 16, 4),
+                                            (8, 2, 20, 3))
+                      for act in ACTS)
 
 
 # The fused instantiations the heuristic's tiles lead to (four row tiles per warp up to 16 tokens).

@@ -59,6 +59,12 @@
 #include "gemm/mainloop.cuh"
 #include "gemm/producer.cuh"
 
+// k16 steps per wgmma commit group on the producer-warpgroup tiles (Config::GS); a probe may
+// compile another (scripts/probes/wide_tile_probe.py: 1, 2, same process)
+#ifndef LAB_WIDE_GS
+#define LAB_WIDE_GS 2
+#endif
+
 namespace lab_gemm {
 
 // One instantiation's sizes and shared-memory layout. MMA: 0 = mma.sync m16n8k16 per 8-token
@@ -89,10 +95,17 @@ struct Config {
                                                       : TOKEN_TILE * K_STEP * 2;
   static constexpr int STAGE_XS = ACT == Act::nvfp4 && DECODER_WARPS != 0 ? TOKEN_TILE * (K_STEP / 16) : 0;
   static constexpr int XF = MAX_FRAGS * KSTEPS * 32 * 8;  // fp16 B fragments of one stage
+  // Image tiles of 8 warps whose accumulators outgrow the 168 registers 9 warps leave each thread
+  // (256 rows x 128 tokens): a producer warpgroup, one warp of it working, hands the consumers its
+  // registers by setmaxnreg (384 threads enter with 168, then 8 x 224 + 4 x 56 warps' worth: the
+  // producer's unit scan needs more than 40, ptxas spills there)
+  static constexpr int PRODUCER_WARPS = DECODER_WARPS == 0 && WARPS == 8 && ROW_TILES * MAX_FRAGS > 24 ? 4 : 1;
+  static constexpr int CONSUMER_REGS = 224, PRODUCER_REGS = 56;
   // wgmma: k16 steps per commit group. A whole atom where registers allow (the group's and the
   // previous group's A fragments live at once: 8 * ROW_TILES * GS registers); ptxas serializes
   // every wgmma of a kernel short of them, and the CPU tests check that it does not
-  static constexpr int GS = ROW_TILES >= 4 || (DECODER_WARPS == 0 && MAX_FRAGS * ROW_TILES >= 24) ? 1 : MODE == Mode::layer ? 2 : 4;
+  // (On the producer-warpgroup tiles, two: their 224 registers hold two groups of two steps.)
+  static constexpr int GS = PRODUCER_WARPS > 1 ? LAB_WIDE_GS : ROW_TILES >= 4 || (DECODER_WARPS == 0 && MAX_FRAGS * ROW_TILES >= 24) ? 1 : MODE == Mode::layer ? 2 : 4;
   // Image tiles split units by token block (scheduler.cuh, split_units); their dynamic shared
   // memory holds a second list after the compacted experts (GemmConfig.launch_smem)
   static constexpr bool SPLIT = DECODER_WARPS == 0;
@@ -111,7 +124,7 @@ struct Config {
   static constexpr int H_STRIDE = BLOCK_ROWS + 4;
   static constexpr int OFF_H = 16 * ((OFF_XF + STAGES * XF + 15) / 16);
   static constexpr int SMEM = OFF_H + (EPILOGUE_WARPS ? TOKEN_TILE * H_STRIDE * 4 : 0);
-  static constexpr int THREADS = (WARPS + 1 + DECODER_WARPS + EPILOGUE_WARPS) * 32;
+  static constexpr int THREADS = (WARPS + PRODUCER_WARPS + DECODER_WARPS + EPILOGUE_WARPS) * 32;
 };
 
 // READ_ONLY = true runs the same grid, pipeline and copies but skips decode, MMA and stores:
@@ -147,7 +160,8 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
   static_assert(MMA == 0 || WARPS % 4 == 0, "wgmma needs whole warpgroups of consumers");
   static_assert(MMA == 0 || MMA == 1, "MMA: 0 = mma.sync, 1 = wgmma");
   static_assert(MAX_FRAGS <= 8 || (MMA == 1 && MODE == Mode::plain),
-                "token tiles past 64 (up to 128): wgmma, plain epilogue only");
+                "token tiles past 64 (up to 160): wgmma, plain epilogue only");
+  static_assert(MAX_FRAGS <= 20, "wgmma N at most 160 (gemm/wgmma.cuh)");
   static_assert(!(READ_ONLY && C::MODE != Mode::plain), "the read-only pattern has no epilogue to fuse");
   static_assert(STAGES < RING, "unit ring too small");
   const int NB0 = N0 / C::BLOCK_ROWS, NB1 = N1 / C::BLOCK_ROWS;
@@ -200,7 +214,11 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
     return r;
   };
 
-  if (warp == WARPS) {
+  if (C::PRODUCER_WARPS > 1 ? warp >= WARPS : warp == WARPS) {
+    if constexpr (C::PRODUCER_WARPS > 1) {  // the producer warpgroup (image tiles: no other roles)
+      setmaxnreg_dec<C::PRODUCER_REGS>();
+      if (warp > WARPS) goto finish;
+    }
     if constexpr (C::SPLIT) {  // units by token block (scheduler.cuh), planned by this warp alone
       int* unit_end = active + num_experts0 + num_experts1;
       const int n_active = n_active_s;
@@ -306,6 +324,7 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
   // codes, bit decode, e4m3 scale, mma.sync or wgmma against the decoded activations), arrives
   // on the stage's `empty` barrier, and at the end of each pass runs the plain epilogue or hands
   // the pass to the epilogue warps.
+  if constexpr (C::PRODUCER_WARPS > 1) setmaxnreg_inc<C::CONSUMER_REGS>();
   const int g = lane >> 2;
   const int t4 = lane & 3;
   float acc[ROW_TILES][MAX_FRAGS][4];
@@ -384,6 +403,7 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
       LAB_STAGE_CASE(5) LAB_STAGE_CASE(6) LAB_STAGE_CASE(7) LAB_STAGE_CASE(8)
       LAB_STAGE_CASE(9) LAB_STAGE_CASE(10) LAB_STAGE_CASE(11) LAB_STAGE_CASE(12)
       LAB_STAGE_CASE(13) LAB_STAGE_CASE(14) LAB_STAGE_CASE(15) LAB_STAGE_CASE(16)
+      LAB_STAGE_CASE(17) LAB_STAGE_CASE(18) LAB_STAGE_CASE(19) LAB_STAGE_CASE(20)
 #undef LAB_STAGE_CASE
       default: break;
     }

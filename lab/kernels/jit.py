@@ -87,6 +87,10 @@ class PtxasInfo:
     spill_loads: int
     smem_static: int
     wgmma_serialized: bool  # ptxas's "Potential Performance Loss: wgmma ... serialized"
+    # ptxas's C7507, "'setmaxnreg' ignored to maintain minimum register requirements": the
+    # consumers would run on the entry budget. The message names no function; ptxas_report's unit
+    # compiles one kernel that could carry it (the marker has none)
+    setmaxnreg_ignored: bool = False
 
 
 def nvcc_path() -> str | None:
@@ -220,4 +224,5 @@ def _parse_ptxas(text: str, expression: str) -> PtxasInfo:
                   re.search(r"wgmma\S* instructions are serialized[^\n]*in the function '" + re.escape(mangled) + "'",
                             text))
     return PtxasInfo(expression, int(regs.group(1)), int(frame.group(1)), int(frame.group(2)),
-                     int(frame.group(3)), int(smem.group(1)) if smem else 0, serialized is not None)
+                     int(frame.group(3)), int(smem.group(1)) if smem else 0, serialized is not None,
+                     "'setmaxnreg' ignored" in text)
