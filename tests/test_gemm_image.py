@@ -33,7 +33,8 @@ def test_image_tiles_have_no_decoder_warps_and_no_raw_stage():
     with pytest.raises(ValueError, match="in pairs"):
         c.validate(4096, 3 * 128)
     replace(c, max_frags=8).validate(4096, 3 * 128)
-    assert gg.heuristic(4096, 3 * 128, [300] * 8).max_frags == 8  # (no pairs: the 64-token image tile)
+    assert gg.heuristic(4096, 3 * 128, [90] * 8).max_frags == 8  # (no pairs: the 64-token image tile)
+    assert gg.heuristic(4096, 3 * 128, [300] * 8).max_frags == 20  # (3 stages, unpaired)
     for bad in (dict(mma=0), dict(mode="swiglu")):
         with pytest.raises(ValueError, match="image"):
             replace(c, **bad).validate()

@@ -22,17 +22,18 @@ def test_large_tiles_need_wgmma_and_the_plain_epilogue():
         gg.GemmConfig(8, 2, 128, 4, 16, 1, mode="swiglu").validate()
     with pytest.raises(ValueError, match="max_frags"):
         gg.GemmConfig(8, 1, 128, 4, 10, 1).validate()
-    # the heuristic: once the 99th percentile passes 64 tokens, the smallest 256-row image tile of
-    # 96, 128 or 160 tokens holding it, past 160 the 128-token one (paired, 4 stages); the
-    # 160-token tile takes 3 unpaired stages, so it runs where K holds an odd number of chunks
+    # the heuristic: once the 99th percentile passes 64 tokens, the 256-row 96-token image tile
+    # (paired, 4 stages) up to 96 and the 160-token one past that; the 160-token tile takes 3
+    # unpaired stages, so it runs where K holds an odd number of chunks
     assert gg.heuristic(4096, 4096, [9] * 8).max_frags <= 8
     assert gg.heuristic(4096, 4096, [64] * 8).max_frags == 8
-    for counts, frags, stages in (([65] * 8, 12, 4), ([96] * 8, 12, 4), ([97] * 8, 16, 4), ([128] * 8, 16, 4),
-                                  ([129] * 8, 20, 3), ([160] * 8, 20, 3), ([700] * 8, 16, 4)):
+    for counts, frags, stages in (([65] * 8, 12, 4), ([96] * 8, 12, 4), ([97] * 8, 20, 3), ([128] * 8, 20, 3),
+                                  ([160] * 8, 20, 3), ([700] * 8, 20, 3)):
         cfg = gg.heuristic(4096, 4096, counts)
         assert (cfg.max_frags, cfg.stages, cfg.mma, cfg.image, cfg.block_rows) == (frags, stages, 1, True, 256), cfg
         assert cfg.paired_stages == (frags != 20) and cfg.producer_warps == (4 if frags > 12 else 1), cfg
-    assert gg.heuristic(4096, 3 * 128, [100] * 8).max_frags == 8  # (no pairs: the 64-token tile)
+    assert gg.GemmConfig(8, 2, 128, 4, 16, 1, image=True).producer_warps == 4  # (compiled, timeable, not picked)
+    assert gg.heuristic(4096, 3 * 128, [90] * 8).max_frags == 8  # (no pairs: the 64-token tile)
     assert gg.heuristic(4096, 3 * 128, [150] * 8).max_frags == 20
     # no wgmma without whole warpgroups (64-row blocks: two consumer warps): the 64-token tile
     small = gg.heuristic(192, 256, [300] * 8)

@@ -222,13 +222,14 @@ def test_heuristic_gives_a_valid_config(n, k, mean):
 def _percentile_frags(counts, cfg, k) -> int:
     """The heuristic's token tile under uniform routing: the smallest compiled tile holding the
     99th percentile in one pass; past 64 tokens, on an image tile of 8 warps x 2 row tiles, the
-    smallest 256-row image tile that does (past 160 tokens the 128-token one), where K holds its
-    K_STEP chunks in pairs or the tile takes no pairs."""
+    96-token image tile up to 96 where K holds its K_STEP chunks in pairs, else the 160-token one
+    (3 stages, no pairs)."""
     q = int(np.ceil(np.quantile(counts[counts > 0], 0.99)))
     if q > 64 and cfg.image and (cfg.warps, cfg.row_tiles) == (8, 2):
-        f = next((f for f in gg.IMAGE_FRAGS if 8 * f >= q), gg.IMAGE_FRAGS_BEYOND)
-        if f == 20 or k % (2 * cfg.k_step) == 0:  # (the 160-token tile's 3 stages take no pairs)
-            return f
+        if q > 96:
+            return 20
+        if k % (2 * cfg.k_step) == 0:
+            return 12
     return gg.frags_for(q)
 
 

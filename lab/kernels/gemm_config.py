@@ -17,10 +17,10 @@ from lab.kernels.gemm_weights import ATOM_BYTES, ATOM_K, ATOM_ROWS, default_layo
 SMEM_LIMIT = 227 * 1024  # H200 opt-in dynamic shared memory per block
 MAX_FRAGS_CHOICES = (1, 2, 4, 8)  # 8-token fragments per pass, compiled variants
 # Token tiles past 64 (96, 128, 160): wgmma with the plain epilogue only. The heuristic picks one on
-# the activation image where an expert's 99th-percentile count passes 64 tokens (IMAGE_FRAGS).
+# the activation image where an expert's 99th-percentile count passes 64 tokens: the 96-token tile
+# up to 96, the 160-token one past that (IMAGE_FRAGS).
 LARGE_FRAGS = (12, 16, 20)
-IMAGE_FRAGS = (12, 16, 20)
-IMAGE_FRAGS_BEYOND = 16  # past 160 tokens (the 160-token tile's ring has no stage pairs)
+IMAGE_FRAGS = (12, 20)
 # What a launch computes (lab_gemm::Mode): grouped GEMMs with fp32 output; w13 ending in SwiGLU +
 # NVFP4 quantize; the whole layer, w2 after it in the same launch, bf16 output.
 MODES = ("plain", "swiglu", "layer")
@@ -258,11 +258,12 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None, act
         best = min(t, key=t.get)
         if t[best] < (1 - MODEL_MARGIN) * t[frags]:
             frags = best
-    # Past 64 tokens an image tile of 256 rows: the smallest of 96, 128 and 160 tokens that holds
-    # the percentile in one pass, past 160 the 128-token one (bench_gemm at d01e6e5: the 96-token
-    # tile 8-29% faster than the 64-token one at 64-512; 128 rows x 128 tokens loses to both)
+    # Past 64 tokens an image tile of 256 rows: 96 tokens up to 96, else 160 (bench_gemm at d01e6e5:
+    # the 96-token tile 8-29% faster than the 64-token one at 64-512; at 37501c1, one process, the
+    # 160-token tile 25-35% faster than the 96-token one at means 128 and 256 and 3-19% at 512, and
+    # 1-16% faster than the 128-token one at each; 128 rows x 128 tokens loses to all)
     if frags == MAX_FRAGS_CHOICES[-1] and q > 8 * frags:
-        frags = next((f for f in IMAGE_FRAGS if 8 * f >= q), IMAGE_FRAGS_BEYOND)
+        frags = next((f for f in IMAGE_FRAGS if 8 * f >= q), IMAGE_FRAGS[-1])
     tiles = block_rows // ATOM_ROWS
     # Four 16-row tiles per warp share each B fragment and give each warp four independent
     # decode+MMA chains, best for token tiles of 8-16; with 32-64 token tiles the accumulators

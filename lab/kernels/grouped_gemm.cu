@@ -59,12 +59,6 @@
 #include "gemm/mainloop.cuh"
 #include "gemm/producer.cuh"
 
-// k16 steps per wgmma commit group on the producer-warpgroup tiles (Config::GS); a probe may
-// compile another (scripts/probes/wide_tile_probe.py: 1, 2, same process)
-#ifndef LAB_WIDE_GS
-#define LAB_WIDE_GS 2
-#endif
-
 namespace lab_gemm {
 
 // One instantiation's sizes and shared-memory layout. MMA: 0 = mma.sync m16n8k16 per 8-token
@@ -104,8 +98,10 @@ struct Config {
   // wgmma: k16 steps per commit group. A whole atom where registers allow (the group's and the
   // previous group's A fragments live at once: 8 * ROW_TILES * GS registers); ptxas serializes
   // every wgmma of a kernel short of them, and the CPU tests check that it does not
-  // (On the producer-warpgroup tiles, two: their 224 registers hold two groups of two steps.)
-  static constexpr int GS = PRODUCER_WARPS > 1 ? LAB_WIDE_GS : ROW_TILES >= 4 || (DECODER_WARPS == 0 && MAX_FRAGS * ROW_TILES >= 24) ? 1 : MODE == Mode::layer ? 2 : 4;
+  // On the producer-warpgroup tiles two (their 224 registers hold two groups of two steps; four
+  // spill at 160 tokens): at 37501c1, one process, 2 against 1 at 128 / 512 tokens per expert,
+  // the 160-token tile's w13 1.5% / 4.9% faster, w2 1.9% / 6.6%; the 128-token one level.
+  static constexpr int GS = PRODUCER_WARPS > 1 ? 2 : ROW_TILES >= 4 || (DECODER_WARPS == 0 && MAX_FRAGS * ROW_TILES >= 24) ? 1 : MODE == Mode::layer ? 2 : 4;
   // Image tiles split units by token block (scheduler.cuh, split_units); their dynamic shared
   // memory holds a second list after the compacted experts (GemmConfig.launch_smem)
   static constexpr bool SPLIT = DECODER_WARPS == 0;
