@@ -41,7 +41,7 @@ from lab.variants import make as make_variant  # noqa: E402
 
 TAG = "token_axis"
 MEANS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
-LAB_DEFAULT = ["separate", "cuda-graph", "fused-swiglu", "fused-layer", "w4a16", "w4a16-fused", "w4a16-layer"]
+LAB_DEFAULT = ["separate", "cuda-graph", "fused-swiglu", "fused-layer", "fused-out", "w4a16", "w4a16-fused", "w4a16-layer"]
 VALID = ("baseline", "match")  # a lab variant counts for "best" only if its output is separate's
 
 

@@ -194,3 +194,64 @@ def test_image_tiles_match_float64_and_their_decoder_twins_bit_for_bit(cfg):
         want = reference.grouped_gemm_w4a16(xf, offsets, packed, scales, alpha)
     err = checks.rel_error(outs[0], want)
     assert err is not None and err <= 1e-5, f"seed {seed}: {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [c for c in gg.SHIPPED_IMAGE if c.warps == 8 and c.row_tiles == 2], ids=IDS)
+def test_image_tiles_write_bf16_as_the_conversion_rounds_it(cfg):
+    """A uint16 out: the bits of the fp32 output through swiglu_quant.to_bf16, and the same count
+    of non-finite outputs (an expert with alpha = inf makes them: inf, and NaN where the sum is
+    zero), every element written over a poisoned buffer."""
+    import cupy as cp
+
+    from lab.kernels import swiglu_quant as sq
+
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    tt = cfg.token_tile
+    counts = np.array([0, 3, tt - 1, tt + 1, 2 * tt + 3, 0, 40])
+    e, n, k = counts.size, 256, 256
+    packed = rng.integers(0, 256, (e, n, k // 2), np.uint8)
+    scales = rng.integers(1, 127, (e, n, k // 16)).astype(np.uint8)
+    offsets, xq, xs, _ = _problem(rng, cfg.act, counts, k)
+    alpha = rng.uniform(0.5, 2, e).astype(np.float32)
+    alpha[6] = np.inf
+    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
+    args = (cp.asarray(xq), None if xs is None else cp.asarray(xs), cp.asarray(offsets), cp.asarray(alpha))
+    rows = xq.shape[0]
+    out32 = cp.full((rows, n), cp.nan, cp.float32)
+    gg.grouped_gemm(prep, *args, out32, cfg)
+    want, c_want = cp.full((rows, n), 0xFFFF, cp.uint16), cp.zeros(1, cp.uint32)
+    sq.to_bf16(out32, want, c_want)
+    got, c_got = cp.full((rows, n), 0xFFFF, cp.uint16), cp.zeros(1, cp.uint32)
+    gg.grouped_gemm(prep, *args, got, cfg, nonfinite=c_got)
+    ok, msg = checks.compare_bits(got.get(), want.get())
+    assert ok, f"seed {seed}: {msg}"
+    assert int(c_got.get()[0]) == int(c_want.get()[0]) > 0, f"seed {seed}: {c_got.get()} against {c_want.get()}"
+    assert np.isfinite(out32.get()[:offsets[6]]).all(), f"seed {seed}: unwritten fp32 outputs"
+
+
+def test_bf16_out_is_refused_where_it_cannot_run():
+    """A bf16 out needs an image tile and a counter; a counter needs a bf16 out: clear errors
+    before any launch (no GPU needed to reach them)."""
+    cp = pytest.importorskip("cupy")
+    from lab.gpu import gpu_available
+
+    if not gpu_available():
+        pytest.skip("needs a CUDA GPU")
+    e, n, k, rows = 2, 256, 256, 8
+    prep = gg.prepare_weights(np.zeros((e, n, k // 2), np.uint8), np.ones((e, n, k // 16), np.uint8), xp=cp)
+    xq, xs = cp.zeros((rows, k // 2), cp.uint8), cp.ones((rows, k // 16), cp.uint8)
+    off, alpha = cp.asarray(np.array([0, 4, 8], np.int32)), cp.ones(e, cp.float32)
+    bf, c = cp.zeros((rows, n), cp.uint16), cp.zeros(1, cp.uint32)
+    img = gg.GemmConfig(8, 2, 128, 4, 8, 1, image=True)
+    with pytest.raises(ValueError, match="image tile"):
+        gg.grouped_gemm(prep, xq, xs, off, alpha, bf, gg.GemmConfig(8, 2, 128, 4, 8, 1), nonfinite=c)
+    with pytest.raises(ValueError, match="nonfinite"):
+        gg.grouped_gemm(prep, xq, xs, off, alpha, bf, img)
+    with pytest.raises(ValueError, match="nonfinite"):
+        gg.grouped_gemm(prep, xq, xs, off, alpha, cp.zeros((rows, n), cp.float32), img, nonfinite=c)
+    with pytest.raises(ValueError, match="nonfinite"):
+        gg.grouped_gemm(prep, xq, xs, off, alpha, bf, img, nonfinite=cp.zeros(2, cp.uint32))
+    with pytest.raises(ValueError, match="out"):
+        gg.grouped_gemm(prep, xq, xs, off, alpha, cp.zeros((rows, n + 1), cp.uint16), img, nonfinite=c)

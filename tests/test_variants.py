@@ -27,7 +27,7 @@ from strategies import routings
 
 def test_registry_lists_the_study_variants_in_order():
     assert NAMES == ("separate", "cuda-graph", "chunked-2", "chunked-4", "chunked-8", "chunked-16",
-                     "fused-swiglu", "fused-layer", "one-launch-2G", "fold-b", "w4a16",
+                     "fused-swiglu", "fused-layer", "fused-out", "one-launch-2G", "fold-b", "w4a16",
                      "w4a16-fused", "w4a16-layer")
     for name in NAMES:
         v = make(name)
@@ -40,7 +40,7 @@ def test_default_variants_are_the_registry_less_the_unmeasured_ones():
     assert DEFAULT == tuple(n for n in NAMES if n not in UNMEASURED)
 
 
-@pytest.mark.parametrize("module", ["separate", "cuda_graph", "chunked", "fused_swiglu", "fused_layer",
+@pytest.mark.parametrize("module", ["separate", "cuda_graph", "chunked", "fused_swiglu", "fused_layer", "fused_out",
                                     "one_launch_2g", "fold_b", "w4a16"])
 def test_each_variant_file_declares_name_and_expect(module):
     m = importlib.import_module(f"lab.variants.{module}")
@@ -286,6 +286,35 @@ def test_matching_variants_are_bitwise_equal_to_separate(gpu_case, name):
     runner.prepare(v, layer)
     for _ in range(2):  # a second run, over the first one's buffers, must not differ
         assert_matches_separate(runner, layer, v, bf16, out, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [300, 600])
+def test_fused_out_on_image_tiles_is_bitwise_equal_to_separate(tokens):
+    """Past 64 tokens per expert w2 runs an image tile and fused-out's w2 epilogue writes the bf16
+    output (the GPU cases above stay below that, where fused-out is separate's stages): the same
+    bits as separate's conversion, graph replay and direct launches alike."""
+    from lab.layer import load_layer, upload_weights
+
+    problem = MoEProblem(8, 256, 256, 2)
+    seed = int(np.random.default_rng().integers(2**31))
+    routing = make_routing(tokens, problem.experts, problem.top_k, seed=seed)
+    runner = poisoned_runner(problem, routing)
+    layer = load_layer(runner, upload_weights(random_weights(problem, seed=seed)), routing,
+                       random_activations(tokens, problem.hidden, seed=seed))
+    assert layer.w2_cfg.image, layer.w2_cfg
+    sep = make("separate")
+    runner.prepare(sep, layer)
+    runner.checked_run(sep, layer)
+    bf16 = layer.out_bf16.get()
+    v = make("fused-out")
+    runner.prepare(v, layer)
+    for _ in range(2):
+        runner.checked_run(v, layer)
+        ok, msg = checks.compare_bits(layer.out_bf16.get(), bf16)
+        assert ok, f"seed {seed}: {msg}"
+    st = runner.time_stages(v, layer, iterations=2, warmup=1)
+    assert list(st) == ["w13", "act", "w2+out"], st
 
 
 @pytest.mark.gpu

@@ -144,8 +144,11 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
     uint8_t* __restrict__ a_packed, uint8_t* __restrict__ a_scales,
     // Mode::layer (problem 1 = w2 of the same experts): a unit of expert e starts reading its
     // activations once ready[e] counts every (w13 block, pass, warp) of e; problem 1's output
-    // goes to out1_bf16 as bf16 bits, written by the epilogue warps (out1 is not written).
-    int* __restrict__ ready, unsigned short* __restrict__ out1_bf16,
+    // goes to out_bf16 as bf16 bits, written by the epilogue warps (out1 is not written).
+    // Mode::plain on an image tile, one problem: out_bf16 non-null takes problem 0's output as bf16
+    // bits instead of out0 (the consumers round as the separate conversion does, and count the
+    // outputs that are not finite in *nonfinite).
+    int* __restrict__ ready, unsigned short* __restrict__ out_bf16,
     unsigned int* __restrict__ nonfinite) {  // SwiGLU values or bf16 outputs that are not finite
   using C = Config<WARPS, ROW_TILES, K_STEP, STAGES, MAX_FRAGS, MMA, DECODER_WARPS, EPILOGUE_WARPS, MODE, ACT>;
   static_assert(DECODER_WARPS >= 1 || (MMA == 1 && MODE == Mode::plain),
@@ -232,7 +235,7 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
   }
   if (C::EPILOGUE_WARPS != 0 && warp > WARPS + C::DECODER_WARPS) {
     if constexpr (C::EPILOGUE_WARPS != 0)
-      epilogue_warps<C>(N0, N1, gate_global, up_global, act_global, a_packed, a_scales, ready, out1_bf16, nonfinite,
+      epilogue_warps<C>(N0, N1, gate_global, up_global, act_global, a_packed, a_scales, ready, out_bf16, nonfinite,
                         pipe, warp, lane);
     goto finish;
   }
@@ -341,6 +344,7 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
   float out_scale = 0.f;
   float* out = out0;
   int epi_it = 0;    // h tiles handed to the epilogue warps
+  uint32_t bad_out = 0;  // bf16 outputs that are not finite (image tiles writing out_bf16)
   // Stage s of the ring (phase: its use's parity); kc, pass: this stage's place in its unit.
   auto next_stage = [&]() { advance_stage<STAGES>(kc, pass, s, phase, kchunks, passes); };
   for (int useq = 0;;) {
@@ -353,6 +357,9 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
           if (epi_it > 0) mbar_wait(pipe.epi_empty, (epi_it - 1) & 1);
           if (warp == 0 && lane == 0) epi_tile.expert = -1;
           mbar_arrive(pipe.epi_full);
+        }
+        if constexpr (C::SPLIT) {
+          if (bad_out) atomicAdd(nonfinite, bad_out);
         }
         break;
       }
@@ -432,7 +439,14 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
       }
     }
     if (kc == kchunks - 1) {  // (the fused layer hands every pass off above)
-      store_tile<C>(acc, out, N, nb, row0, tok0, count, frags, out_scale, warp, g, t4);
+      if constexpr (C::SPLIT) {
+        if (out_bf16 != nullptr)
+          store_tile_bf16<C>(acc, out_bf16, N, nb, row0, tok0, count, frags, out_scale, warp, g, t4, bad_out);
+        else
+          store_tile<C>(acc, out, N, nb, row0, tok0, count, frags, out_scale, warp, g, t4);
+      } else {
+        store_tile<C>(acc, out, N, nb, row0, tok0, count, frags, out_scale, warp, g, t4);
+      }
       zero_acc();
     }
     next_stage();

@@ -50,7 +50,7 @@ __all__ = [  # the launchers, and what gemm_weights and gemm_config define, unde
 
 
 def _check_activation(x_packed, x_scales, offsets, alpha, out, prep: PreparedWeights, optional_out=False,
-                      act: str = "nvfp4"):
+                      act: str = "nvfp4", bf16_out: bool = False):
     import cupy as cp
 
     t = x_packed.shape[0] if x_packed.ndim == 2 else -1
@@ -71,16 +71,17 @@ def _check_activation(x_packed, x_scales, offsets, alpha, out, prep: PreparedWei
         raise ValueError(f"alpha: expected ({prep.experts},) float32, got {alpha.shape} {alpha.dtype}")
     if out is None and optional_out:
         out = x_packed  # nothing to check: the fused epilogue writes elsewhere
-    elif out is None or out.shape != (t, prep.n) or out.dtype != cp.float32:
+    elif out is None or out.shape != (t, prep.n) or out.dtype != (cp.uint16 if bf16_out else cp.float32):
         got = None if out is None else (out.shape, out.dtype)
-        raise ValueError(f"out: expected ({t}, {prep.n}) float32, got {got}")
+        want = "uint16 (bf16 bits)" if bf16_out else "float32"
+        raise ValueError(f"out: expected ({t}, {prep.n}) {want}, got {got}")
     for name, a in (("x_packed", x_packed), ("x_scales", x_scales), ("out", out)):
         if a is not None and not a.flags.c_contiguous:
             raise ValueError(f"{name}: must be C-contiguous")
 
 
 def grouped_gemm(prep: PreparedWeights, x_packed, x_scales, offsets, alpha, out,
-                 cfg: GemmConfig, stream=None, read_only: bool = False) -> None:
+                 cfg: GemmConfig, stream=None, read_only: bool = False, nonfinite=None) -> None:
     """Launch the grouped GEMM on `stream` (CuPy stream or None for the current one).
 
     `cfg` comes from `heuristic` (it needs the host-side token counts, which the caller has when
@@ -92,8 +93,24 @@ def grouped_gemm(prep: PreparedWeights, x_packed, x_scales, offsets, alpha, out,
     uint16, and `x_scales` None: the decoders convert them to fp16 as they are (exact for
     magnitudes in [2^-14, 65504] and zeros; the caller keeps |x| below 65504, where fp16
     overflows), and out = alpha[e] * x @ dec(w[e]).T as for NVFP4 activations.
+
+    On an image tile (``cfg.image``) `out` may be (T, N) uint16 instead: the same values as bf16
+    bits, rounded as `swiglu_quant.to_bf16` rounds the fp32 ones (bit for bit), and `nonfinite`,
+    a (1,) uint32 counter, counts the outputs that are not finite (as to_bf16's counter does).
     """
-    _launch([(prep, x_packed, x_scales, offsets, alpha, out)], cfg, stream, read_only)
+    import cupy as cp
+
+    bf16_out = getattr(out, "dtype", None) == cp.uint16
+    if bf16_out and not cfg.image:
+        raise ValueError(f"out: a bf16 (uint16) output needs an image tile (cfg.image); {cfg} writes float32")
+    if bf16_out and read_only:
+        raise ValueError("out: the read-only pattern writes nothing; pass the float32 out")
+    if bf16_out != (nonfinite is not None):
+        raise ValueError("nonfinite: a (1,) uint32 counter exactly when out is bf16 (uint16), "
+                         f"got out {getattr(out, 'dtype', None)} and nonfinite {nonfinite!r:.40}")
+    if bf16_out and (nonfinite.shape != (1,) or nonfinite.dtype != cp.uint32):
+        raise ValueError(f"nonfinite: expected (1,) uint32, got {nonfinite.shape} {nonfinite.dtype}")
+    _launch([(prep, x_packed, x_scales, offsets, alpha, out)], cfg, stream, read_only, nonfinite=nonfinite)
 
 
 def grouped_gemm_pair(first: tuple, second: tuple, cfg: GemmConfig, stream=None) -> None:
@@ -191,7 +208,8 @@ def fused_layer(w13: PreparedWeights, x_packed, x_scales, offsets, w13_alpha, w2
              (w2, fusion.a_packed, fusion.a_scales, offsets, w2_alpha, None)], cfg, stream, False, fusion)
 
 
-def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fusion | None = None) -> None:
+def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fusion | None = None,
+            nonfinite=None) -> None:
     import cupy as cp
 
     if fusion is not None:
@@ -200,7 +218,8 @@ def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fu
         cfg = replace(cfg, mode="plain")
     for pi, (prep, x_packed, x_scales, offsets, alpha, out) in enumerate(problems):
         fused_out = fusion is not None and (pi == 0 or fusion.mode == "layer")
-        _check_activation(x_packed, x_scales, offsets, alpha, out, prep, optional_out=fused_out, act=cfg.act)
+        _check_activation(x_packed, x_scales, offsets, alpha, out, prep, optional_out=fused_out, act=cfg.act,
+                          bf16_out=nonfinite is not None)
         cfg.validate(prep.n, prep.k)
         if (cfg.block_rows, cfg.k_step) != (prep.block_rows, prep.k_step):
             raise ValueError(f"cfg: block {cfg.block_rows} x k_step {cfg.k_step} does not match the weights' "
@@ -236,6 +255,7 @@ def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fu
     maps = [tensor_map.device_map(pr[0].data, pr[0].stage_bytes) for pr in problems if pr[0].experts]
     maps += maps[:1] * (2 - len(maps))
     for (prep, x_packed, x_scales, offsets, alpha, out), wmap in zip(problems, maps):
+        out = None if nonfinite is not None else out  # (a bf16 out goes in out_bf16)
         args += [wmap, x_packed, _NULL if x_scales is None else x_scales, offsets, alpha, _NULL if out is None else out,
                  np.int32(prep.n), np.int32(prep.k), np.int32(prep.experts)]
     first_out = problems[0][5] if fusion is None else fusion.a_packed
@@ -243,7 +263,9 @@ def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fu
     with stream:
         sched, ready = _scheduler_state(cp, first_out, problems[0][3], second_out, problems[0][0].experts)
         args.append(sched)
-        if fusion is None:
+        if fusion is None and nonfinite is not None:  # one problem's bf16 output (an image tile)
+            args += [_NULL, _NULL, np.float32(1.0), _NULL, _NULL, _NULL, problems[0][5], nonfinite]
+        elif fusion is None:
             args += [_NULL, _NULL, np.float32(1.0), _NULL, _NULL, _NULL, _NULL, _NULL]
         else:
             args += [fusion.gate_global, fusion.up_global, np.float32(fusion.act_global), fusion.a_packed,

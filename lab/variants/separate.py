@@ -14,9 +14,10 @@ expect = "baseline"
 STAGES = ("w13", "act", "w2", "out")
 
 
-def launch_stages(runner, layer, part, stream, after_w13=None) -> None:
+def launch_stages(runner, layer, part, stream, after_w13=None, fuse_out: bool = False) -> None:
     """The four stages of `part` (a lab.layer.Part) on `stream`; `after_w13` (an event) is
-    recorded on `stream` once the w13 GEMM is enqueued, for pipelines that order on it."""
+    recorded on `stream` once the w13 GEMM is enqueued, for pipelines that order on it;
+    `fuse_out` as for launch_w2_out."""
     with runner.stage("w13", stream):
         gg.grouped_gemm(part.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, part.h,
                         layer.w13_cfg, stream=stream)
@@ -25,11 +26,18 @@ def launch_stages(runner, layer, part, stream, after_w13=None) -> None:
     with runner.stage("act", stream):
         sq.swiglu_quant(part.h, part.offsets, part.gate_global, part.up_global, layer.weights.w2_input_scale,
                         part.a_packed, part.a_scales, runner.counter, stream=stream)
-    launch_w2_out(runner, layer, part, stream)
+    launch_w2_out(runner, layer, part, stream, fuse_out)
 
 
-def launch_w2_out(runner, layer, part, stream) -> None:
-    """The w2 GEMM on a_q and the bf16 conversion: the stages every unfused-w2 variant ends with."""
+def launch_w2_out(runner, layer, part, stream, fuse_out: bool = False) -> None:
+    """The w2 GEMM on a_q and the bf16 conversion: the stages every unfused-w2 variant ends with.
+    `fuse_out`: where w2 runs an image tile, its epilogue writes the bf16 output itself (one
+    stage, "w2+out"; the same bits, grouped_gemm's bf16 out)."""
+    if fuse_out and layer.w2_cfg.image:
+        with runner.stage("w2+out", stream):
+            gg.grouped_gemm(part.w2, part.a_packed, part.a_scales, part.offsets, part.w2_alpha, part.out_bf16,
+                            layer.w2_cfg, stream=stream, nonfinite=runner.counter)
+        return
     with runner.stage("w2", stream):
         gg.grouped_gemm(part.w2, part.a_packed, part.a_scales, part.offsets, part.w2_alpha, part.out,
                         layer.w2_cfg, stream=stream)

@@ -1,6 +1,7 @@
 // The GEMM's epilogues, each a function of one pass's accumulators or of one h tile and its
 // EpiTile header, so that an epilogue can change without touching the mainloop.
-//   store_tile:   plain; the consumers write out = (acc * ACC_SCALE) * alpha as fp32.
+//   store_tile:   plain; the consumers write out = (acc * ACC_SCALE) * alpha as fp32
+//                 (store_tile_bf16: as bf16 bits, on image tiles that are asked to).
 //   handoff_tile: fused; the consumers put the same values into the shared h tile, fp32
 //                 [token][BLOCK_ROWS + 4], for the epilogue warps.
 //   swiglu_tile:  epilogue warps, w13 tile: SwiGLU with each half's global, then NVFP4 quantize
@@ -38,6 +39,37 @@ __device__ __forceinline__ void store_tile(const float (&acc)[C::ROW_TILES][C::M
               out[at] = v0;
               out[at + 8] = v1;
             }
+          }
+        }
+      }
+    }
+  }
+}
+
+// store_tile's values as bf16 bits (image tiles asked for a bf16 output): each value rounded as
+// the separate conversion rounds it (lab_act::bf16x2_bits, element by element), so the bits equal
+// store_tile followed by to_bf16; `bad` counts the outputs that are not finite.
+template <class C>
+__device__ __forceinline__ void store_tile_bf16(const float (&acc)[C::ROW_TILES][C::MAX_FRAGS][4], unsigned short* out,
+                                                int N, int nb, int row0, int tok0, int count, int frags,
+                                                float out_scale, int warp, int g, int t4, uint32_t& bad) {
+  constexpr int WARPS = C::WARPS, ROW_TILES = C::ROW_TILES;
+#pragma unroll
+  for (int r = 0; r < ROW_TILES; ++r) {
+    const int n = (nb * (WARPS * ROW_TILES) + r * WARPS + warp) * 16 + g;
+#pragma unroll
+    for (int f = 0; f < C::MAX_FRAGS; ++f) {
+      if (f < frags) {
+        const int tok = tok0 + f * 8 + 2 * t4;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {  // tokens tok and tok + 1
+          if (tok + hh < count) {
+            const size_t at = (size_t)(row0 + tok + hh) * N + n;
+            const uint32_t b = lab_act::bf16x2_bits((acc[r][f][hh] * C::ACC_SCALE) * out_scale,
+                                                    (acc[r][f][2 + hh] * C::ACC_SCALE) * out_scale);
+            out[at] = (unsigned short)(b & 0xffffu);
+            out[at + 8] = (unsigned short)(b >> 16);
+            bad += lab_act::bf16x2_nonfinite(b);
           }
         }
       }
