@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lab.checks import compare_bits
 from lab.kernels import grouped_gemm as gg
 from lab.kernels import jit
 from test_grouped_gemm import SCALE_PROFILES, counts_strategy, edge_nvfp4, random_nvfp4
@@ -153,6 +154,47 @@ def test_fused_kernels_equal_the_separate_kernels_bitwise(counts, h, i, seed):
     assert d["counter"].get()[0] == 0
     for sched, ready in gg._SCHED.values():
         assert not sched.get().any() and not ready.get().any(), "counters not reset by the launch"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("i", [128, 256])
+def test_register_swiglu_epilogue_equals_the_separate_kernels_bitwise(i):
+    """Past 96 tokens per expert swiglu_gemm runs the 160-token image tile with SwiGLU + quantize
+    in the consumers' registers (swiglu_regs): a_q's codes and scales bit for bit those of
+    grouped_gemm + swiglu_quant, over counts around the tile and past it (several passes), the
+    GEMM tests' scale profiles (zero blocks, subnormals), and the same count of non-finite SwiGLU
+    values where one expert's gate global overflows them."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    counts = np.array([0, 3, 159, 160, 161, 323, 0, 97, 130])
+    h = 256
+    d = _problem(cp, rng, counts, h, i)
+    cfg13 = gg.heuristic(2 * i, h, counts)
+    fused = gg.fused_config(cfg13, "swiglu")
+    assert fused.swiglu_regs and fused.max_frags == 20 and fused.epilogue_warps == 0, fused
+    for overflow in (False, True):
+        if overflow:
+            d["gate"][5] = np.float32(3e38)
+        rows = d["rows"]
+        hbuf = cp.full((rows, 2 * i), np.nan, cp.float32)
+        want_p, want_s = cp.full((rows, i // 2), 0xFF, cp.uint8), cp.full((rows, i // 16), 0xFF, cp.uint8)
+        d["counter"].fill(0)
+        gg.grouped_gemm(d["w13"], d["xq"], d["xs"], d["offsets"], d["alpha13"], hbuf, cfg13)
+        d["sq"].swiglu_quant(hbuf, d["offsets"], d["gate"], d["up"], d["act_global"], want_p, want_s, d["counter"])
+        want_bad = int(d["counter"].get()[0])
+        assert (want_bad > 0) == overflow, want_bad
+        for _ in range(2):  # deterministic, and over the first launch's output
+            d["counter"].fill(0)
+            fz = _fusion(cp, d, with_bf16=False)
+            gg.swiglu_gemm(d["w13_paired"], d["xq"], d["xs"], d["offsets"], d["alpha13"], fz, cfg13)
+            ok, msg = compare_bits(fz.a_scales.get(), want_s.get())
+            assert ok, f"seed {seed}, overflow {overflow}, scales: {msg}"
+            ok, msg = compare_bits(fz.a_packed.get(), want_p.get())
+            assert ok, f"seed {seed}, overflow {overflow}, codes: {msg}"
+            assert int(d["counter"].get()[0]) == want_bad, f"seed {seed}: {d['counter'].get()} against {want_bad}"
 
 
 @pytest.mark.gpu

@@ -87,11 +87,18 @@ class GemmConfig:
     @property
     def epilogue_warps(self) -> int:
         """The fused modes' epilogue warps fill the CTA's last group of four warps (ptxas budgets
-        registers for whole groups, so a fifth group would cut every thread's registers)."""
-        if self.mode == "plain":
+        registers for whole groups, so a fifth group would cut every thread's registers). None on
+        image tiles: the plain epilogue, or SwiGLU in the consumers' registers (swiglu_regs)."""
+        if self.mode == "plain" or self.image:
             return 0
         rest = (self.warps + 1 + self.decoder_warps) % 4
         return 4 - rest if rest else 2
+
+    @property
+    def swiglu_regs(self) -> bool:
+        """The kernel's SWIGLU_REGS: w13's SwiGLU + quantize epilogue in the consumers' registers, on
+        a producer-warpgroup image tile with NVFP4 activations (gemm/epilogue.cuh, swiglu_regs)."""
+        return self.mode == "swiglu" and self.image and self.producer_warps > 1 and self.act == "nvfp4"
 
     @property
     def paired_stages(self) -> bool:
@@ -147,12 +154,13 @@ class GemmConfig:
         if self.mma not in (0, 1) or (self.mma and self.warps % 4):
             raise ValueError(f"mma must be 0 (mma.sync) or 1 (wgmma, warps a multiple of 4), got {self.mma} "
                              f"with {self.warps} warps")
-        if self.image and (self.mma != 1 or self.mode != "plain"):
-            raise ValueError(f"image: the activation image needs wgmma (mma=1) and the plain epilogue, got "
-                             f"mma={self.mma}, mode={self.mode!r}")
+        if self.image and (self.mma != 1 or (self.mode != "plain" and not self.swiglu_regs)):
+            raise ValueError(f"image: the activation image needs wgmma (mma=1) and the plain epilogue (or swiglu "
+                             f"on a producer-warpgroup tile with NVFP4 activations), got mma={self.mma}, "
+                             f"mode={self.mode!r}")
         if self.k_step not in (64, 128, 256):
             raise ValueError(f"k_step must be 64, 128 or 256, got {self.k_step}")
-        large = self.max_frags in LARGE_FRAGS and self.mma == 1 and self.mode == "plain"
+        large = self.max_frags in LARGE_FRAGS and self.mma == 1 and (self.mode == "plain" or self.swiglu_regs)
         if self.max_frags not in MAX_FRAGS_CHOICES and not large:
             raise ValueError(f"max_frags must be one of {MAX_FRAGS_CHOICES}, or {LARGE_FRAGS} with wgmma (mma=1) "
                              f"and the plain epilogue, got {self.max_frags} (mma={self.mma}, mode={self.mode!r})")
@@ -315,9 +323,14 @@ def fused_config(cfg: GemmConfig, mode: str) -> GemmConfig:
     """`cfg` in a fused mode: one to three more warps and the h tile in shared memory (a stage
     fewer wherever the two would not fit), and for tiles of up to 16 tokens at least
     FUSED_SMALL_STAGES stages. The fused epilogues hold at most 64 tokens and read decoded
-    activations from their decoder warps, so a large or image tile fuses as the 64-token one.
-    Cached: launchers ask on every launch."""
+    activations from their decoder warps, so a large or image tile fuses as the 64-token one;
+    but the producer-warpgroup tiles take w13's SwiGLU (NVFP4) in their consumers' registers, as
+    they are. Cached: launchers ask on every launch."""
+    if mode == "swiglu" and replace(cfg, mode=mode).swiglu_regs:
+        return replace(cfg, mode=mode).validate()  # SwiGLU in the consumers' registers, on the image
     fused = replace(cfg, mode=mode, image=False, max_frags=min(cfg.max_frags, 8))
+    if cfg.image:  # (as from the 64- and 96-token image tiles: the 160-token one has 3 stages)
+        fused = replace(fused, stages=max(fused.stages, 4))
     if cfg.max_frags <= 2:
         fused = replace(fused, stages=max(fused.stages, FUSED_SMALL_STAGES))
         # ...but two CTAs per SM, as the plain tile runs: bf16 activation stages (W4A16) are 3.5x
@@ -351,6 +364,7 @@ SHIPPED_IMAGE = tuple(GemmConfig(w, r, 128, st, f, 1, act=act, image=True)
 
 # The fused instantiations the heuristic's tiles lead to (four row tiles per warp up to 16 tokens).
 SHIPPED_FUSED = tuple(fused_config(heuristic(4096, 4096, [8 * f] * 4), mode)
-                      for f in MAX_FRAGS_CHOICES for mode in ("swiglu", "layer"))
+                      for f in MAX_FRAGS_CHOICES for mode in ("swiglu", "layer")) + (
+    fused_config(heuristic(4096, 4096, [150] * 4), "swiglu"),)  # (the 160-token tile, swiglu_regs)
 SHIPPED_FUSED_W4A16 = tuple(fused_config(heuristic(4096, 4096, [8 * f] * 4, act="bf16"), mode)
                             for f in MAX_FRAGS_CHOICES for mode in ("swiglu", "layer"))

@@ -151,14 +151,18 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
     int* __restrict__ ready, unsigned short* __restrict__ out_bf16,
     unsigned int* __restrict__ nonfinite) {  // SwiGLU values or bf16 outputs that are not finite
   using C = Config<WARPS, ROW_TILES, K_STEP, STAGES, MAX_FRAGS, MMA, DECODER_WARPS, EPILOGUE_WARPS, MODE, ACT>;
-  static_assert(DECODER_WARPS >= 1 || (MMA == 1 && MODE == Mode::plain),
-                "no decoder warps (the activation image): wgmma and the plain epilogue only");
-  static_assert((MODE == Mode::plain) == (EPILOGUE_WARPS == 0), "epilogue warps exactly in the fused modes");
+  // The SwiGLU epilogue in the consumers' registers (gemm/epilogue.cuh, swiglu_regs) on the
+  // producer-warpgroup tiles; every other fused tile hands its h tile to epilogue warps.
+  constexpr bool SWIGLU_REGS = MODE == Mode::swiglu && C::PRODUCER_WARPS > 1 && ACT == Act::nvfp4;
+  static_assert(DECODER_WARPS >= 1 || (MMA == 1 && (MODE == Mode::plain || SWIGLU_REGS)),
+                "no decoder warps (the activation image): wgmma, and the plain or register SwiGLU epilogue");
+  static_assert((MODE == Mode::plain || SWIGLU_REGS) == (EPILOGUE_WARPS == 0),
+                "epilogue warps exactly in the fused modes, but the register SwiGLU epilogue");
   static_assert(C::MODE == Mode::plain || C::BLOCK_ROWS % 32 == 0,
                 "the SwiGLU tile splits BLOCK_ROWS/2 columns into 16-element blocks");
   static_assert(MMA == 0 || WARPS % 4 == 0, "wgmma needs whole warpgroups of consumers");
   static_assert(MMA == 0 || MMA == 1, "MMA: 0 = mma.sync, 1 = wgmma");
-  static_assert(MAX_FRAGS <= 8 || (MMA == 1 && MODE == Mode::plain),
+  static_assert(MAX_FRAGS <= 8 || (MMA == 1 && (MODE == Mode::plain || SWIGLU_REGS)),
                 "token tiles past 64 (up to 160): wgmma, plain epilogue only");
   static_assert(MAX_FRAGS <= 20, "wgmma N at most 160 (gemm/wgmma.cuh)");
   static_assert(!(READ_ONLY && C::MODE != Mode::plain), "the read-only pattern has no epilogue to fuse");
@@ -344,7 +348,8 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
   float out_scale = 0.f;
   float* out = out0;
   int epi_it = 0;    // h tiles handed to the epilogue warps
-  uint32_t bad_out = 0;  // bf16 outputs that are not finite (image tiles writing out_bf16)
+  uint32_t bad_out = 0;  // bf16 outputs or SwiGLU values that are not finite (image tiles)
+  const float six_g = __fmul_rn(6.0f, act_global);  // (the register SwiGLU epilogue's)
   // Stage s of the ring (phase: its use's parity); kc, pass: this stage's place in its unit.
   auto next_stage = [&]() { advance_stage<STAGES>(kc, pass, s, phase, kchunks, passes); };
   for (int useq = 0;;) {
@@ -439,7 +444,10 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
       }
     }
     if (kc == kchunks - 1) {  // (the fused layer hands every pass off above)
-      if constexpr (C::SPLIT) {
+      if constexpr (SWIGLU_REGS) {
+        swiglu_regs<C>(acc, gate_global[unit_e], up_global[unit_e], act_global, six_g, N / 2, a_packed, a_scales, nb,
+                       row0, tok0, count, frags, out_scale, warp, g, t4, bad_out);
+      } else if constexpr (C::SPLIT) {
         if (out_bf16 != nullptr)
           store_tile_bf16<C>(acc, out_bf16, N, nb, row0, tok0, count, frags, out_scale, warp, g, t4, bad_out);
         else

@@ -21,7 +21,6 @@ class FusedOut:
     name = name
     expect = expect
     stages = ("graph",)
-    fp32_out = False  # where w2 runs an image tile, the epilogue writes bf16 only
 
     def __init__(self):
         self.graph = None
@@ -30,6 +29,7 @@ class FusedOut:
         launch_stages(runner, layer, layer.full, runner.stream, fuse_out=True)
 
     def prepare(self, runner, layer) -> None:
+        self.fp32_out = not layer.w2_cfg.image  # (an image w2 writes the bf16 output only)
         self.launch(runner, layer)  # compiles every kernel and checks the arguments before capture
         self.graph = runner.capture(lambda: self.launch(runner, layer))
 

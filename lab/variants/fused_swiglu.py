@@ -3,6 +3,10 @@ memory), then w2 and the bf16 conversion, captured once as a CUDA graph and repl
 
     x_q --w13 + SwiGLU + quantize--> a_q (rows, I) --w2--> out f32 --out--> bf16
 
+Past 96 tokens per expert w13 runs the 160-token image tile with the SwiGLU in its consumers'
+registers, and w2 an image tile whose epilogue writes the bf16 output (fused-out's w2 stage);
+below, the fused w13 tile hands its h tiles to epilogue warps (at most 64 tokens per pass).
+
 w13 is laid out a second time at load (prepare_weights(pair_gate_up=True)) so that one CTA
 computes gate columns c..c+127 and up columns I+c..I+c+127; each half keeps its own per-expert
 global in the epilogue (option (a)). The epilogue runs the activation kernels' arithmetic on the
@@ -41,7 +45,7 @@ def launch(runner, layer, w13, w13_alpha, fusion) -> None:
     with runner.stage("w13+act"):
         gg.swiglu_gemm(w13, part.x_packed, part.x_scales, part.offsets, w13_alpha, fusion, layer.w13_cfg,
                        stream=runner.stream)
-    launch_w2_out(runner, layer, part, runner.stream)
+    launch_w2_out(runner, layer, part, runner.stream, fuse_out=True)
 
 
 class FusedSwiglu:
@@ -59,6 +63,7 @@ class FusedSwiglu:
         return paired_w13(w), w.w13_alpha, w.gate_global, w.up_global
 
     def prepare(self, runner, layer) -> None:
+        self.fp32_out = not layer.w2_cfg.image  # (an image w2 writes the bf16 output only)
         w13, alpha, gate, up = self.weights(runner, layer)
         self.args = (w13, alpha, fusion_for(runner, layer, gate, up))
         launch(runner, layer, *self.args)  # compiles, and checks the arguments once

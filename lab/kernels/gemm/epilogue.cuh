@@ -4,6 +4,7 @@
 //                 (store_tile_bf16: as bf16 bits, on image tiles that are asked to).
 //   handoff_tile: fused; the consumers put the same values into the shared h tile, fp32
 //                 [token][BLOCK_ROWS + 4], for the epilogue warps.
+//   swiglu_regs:  the same from the accumulators, on the producer-warpgroup image tiles
 //   swiglu_tile:  epilogue warps, w13 tile: SwiGLU with each half's global, then NVFP4 quantize
 //                 (nvfp4_act.cuh, the SwiGLU kernel's own functions and lane mapping, so the
 //                 result equals the separate kernels' bit for bit).
@@ -48,28 +49,90 @@ __device__ __forceinline__ void store_tile(const float (&acc)[C::ROW_TILES][C::M
 
 // store_tile's values as bf16 bits (image tiles asked for a bf16 output): each value rounded as
 // the separate conversion rounds it (lab_act::bf16x2_bits, element by element), so the bits equal
-// store_tile followed by to_bf16; `bad` counts the outputs that are not finite.
+// store_tile followed by to_bf16; `bad` counts the outputs that are not finite. Lanes g and g + 1
+// (lane ^ 4) hold adjacent columns: one exchange gives the even lane both columns of token tok
+// and the odd lane both of token tok + 1, so each store is 4 bytes.
 template <class C>
 __device__ __forceinline__ void store_tile_bf16(const float (&acc)[C::ROW_TILES][C::MAX_FRAGS][4], unsigned short* out,
                                                 int N, int nb, int row0, int tok0, int count, int frags,
                                                 float out_scale, int warp, int g, int t4, uint32_t& bad) {
   constexpr int WARPS = C::WARPS, ROW_TILES = C::ROW_TILES;
+  const int odd = g & 1;
 #pragma unroll
   for (int r = 0; r < ROW_TILES; ++r) {
-    const int n = (nb * (WARPS * ROW_TILES) + r * WARPS + warp) * 16 + g;
+    const int n = (nb * (WARPS * ROW_TILES) + r * WARPS + warp) * 16 + g - odd;  // the pair's even column
 #pragma unroll
     for (int f = 0; f < C::MAX_FRAGS; ++f) {
-      if (f < frags) {
-        const int tok = tok0 + f * 8 + 2 * t4;
+      if (f < frags) {  // (warp-uniform: every lane takes part in the exchange)
+        const int tok = tok0 + f * 8 + 2 * t4 + odd;  // the token this lane stores
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {  // tokens tok and tok + 1
-          if (tok + hh < count) {
-            const size_t at = (size_t)(row0 + tok + hh) * N + n;
-            const uint32_t b = lab_act::bf16x2_bits((acc[r][f][hh] * C::ACC_SCALE) * out_scale,
-                                                    (acc[r][f][2 + hh] * C::ACC_SCALE) * out_scale);
-            out[at] = (unsigned short)(b & 0xffffu);
-            out[at + 8] = (unsigned short)(b >> 16);
+        for (int j = 0; j < 2; ++j) {  // rows g and g + 8
+          const float v0 = (acc[r][f][2 * j] * C::ACC_SCALE) * out_scale;      // token tok0 + f * 8 + 2 * t4
+          const float v1 = (acc[r][f][2 * j + 1] * C::ACC_SCALE) * out_scale;  // and the next
+          const float mine = odd ? v1 : v0;
+          const float theirs = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);  // the partner's value of `tok`
+          const uint32_t b = odd ? lab_act::bf16x2_bits(theirs, mine) : lab_act::bf16x2_bits(mine, theirs);
+          if (tok < count) {
+            *reinterpret_cast<uint32_t*>(out + (size_t)(row0 + tok) * N + n + 8 * j) = b;
             bad += lab_act::bf16x2_nonfinite(b);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Mode::swiglu on the producer-warpgroup image tiles (no epilogue warps): SwiGLU + NVFP4 quantize
+// from the accumulators. pair_gate_up puts a block's gate rows in row tile 0 and the matching up
+// rows in row tile 1, so lane (g, t4) holds both halves of columns c0 + g and c0 + g + 8 of two
+// tokens, c0 = this warp's 16 columns: one NVFP4 block per token, spread over the 8 lanes of one
+// t4 (lane bits 2-4). Its amax by three exchanges, each lane's two codes by the SwiGLU kernel's
+// functions, the block's 8 bytes gathered by three more (ORs of disjoint nibbles): the same bits
+// as swiglu_tile and the separate kernels. `bad` counts SwiGLU values that are not finite.
+template <class C>
+__device__ __forceinline__ void swiglu_regs(const float (&acc)[C::ROW_TILES][C::MAX_FRAGS][4], float gs, float us,
+                                            float act_global, float six_g, int I, uint8_t* a_packed,
+                                            uint8_t* a_scales, int nb, int row0, int tok0, int count, int frags,
+                                            float out_scale, int warp, int g, int t4, uint32_t& bad) {
+  static_assert(C::ROW_TILES == 2, "row tile 0: the gate rows; row tile 1: the matching up rows");
+  const int c0 = nb * (C::BLOCK_ROWS / 2) + warp * 16;
+#pragma unroll
+  for (int f = 0; f < C::MAX_FRAGS; ++f) {
+    if (f < frags) {  // (warp-uniform: every lane takes part in the exchanges)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int tok = tok0 + f * 8 + 2 * t4 + hh;  // the same for the block's 8 lanes
+        float a[2];  // columns c0 + g, c0 + g + 8
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+          a[j] = lab_act::swiglu((acc[0][f][2 * j + hh] * C::ACC_SCALE) * out_scale,
+                                 (acc[1][f][2 * j + hh] * C::ACC_SCALE) * out_scale, gs, us);
+        float amax = fmaxf(fabsf(a[0]), fabsf(a[1]));
+#pragma unroll
+        for (int m = 4; m <= 16; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+        float denom;
+        const uint32_t code = lab_act::block_scale(amax, act_global, six_g, denom);
+        uint32_t q0, q1;
+        if (denom != 0.0f && lab_act::fast_block(denom, amax)) {
+          const float rr = lab_act::rcp_refined(denom);
+          q0 = lab_act::quantize_fast(a[0], denom, rr);
+          q1 = lab_act::quantize_fast(a[1], denom, rr);
+        } else {
+          q0 = lab_act::quantize_element(a[0], denom);
+          q1 = lab_act::quantize_element(a[1], denom);
+        }
+        uint32_t lo = q0 << (4 * g), hi = q1 << (4 * g);  // nibble g of columns 0-7 and 8-15
+#pragma unroll
+        for (int m = 4; m <= 16; m <<= 1) {
+          lo |= __shfl_xor_sync(0xffffffffu, lo, m);
+          hi |= __shfl_xor_sync(0xffffffffu, hi, m);
+        }
+        if (tok < count) {
+          bad += !lab_act::finite(a[0]) + !lab_act::finite(a[1]);
+          if (g == 0) {
+            const size_t row = (size_t)(row0 + tok);
+            *reinterpret_cast<uint2*>(a_packed + row * (I / 2) + c0 / 2) = make_uint2(lo, hi);
+            a_scales[row * (I / 16) + c0 / 16] = (uint8_t)code;
           }
         }
       }
