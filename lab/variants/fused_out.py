@@ -11,31 +11,23 @@ without the image the stages are separate's four.
 
 from __future__ import annotations
 
-from .separate import launch_stages
+from .cuda_graph import CudaGraph
 
 name = "fused-out"
 expect = "match"
 
 
-class FusedOut:
+class FusedOut(CudaGraph):
     name = name
     expect = expect
-    stages = ("graph",)
-
-    def __init__(self):
-        self.graph = None
-
-    def launch(self, runner, layer) -> None:
-        launch_stages(runner, layer, layer.full, runner.stream, fuse_out=True)
+    fuse_out = True
 
     def prepare(self, runner, layer) -> None:
         self.fp32_out = not layer.w2_cfg.image  # (an image w2 writes the bf16 output only)
-        self.launch(runner, layer)  # compiles every kernel and checks the arguments before capture
-        self.graph = runner.capture(lambda: self.launch(runner, layer))
+        super().prepare(runner, layer)
 
     def run(self, runner, layer) -> None:
         if runner.timing_stages:
             self.launch(runner, layer)  # direct launches, so that each stage gets its events
         else:
-            with runner.stage("graph"):
-                runner.replay(self.graph)
+            super().run(runner, layer)
