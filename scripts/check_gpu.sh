@@ -11,10 +11,10 @@ status=${PIPESTATUS[0]}
 {
   echo "compute-sanitizer on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), kernels of ${LAB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")}:"
   echo "  grouped_gemm: tests/test_grouped_gemm.py -k 'one_expert or subnormal or two_problems'"
-  echo "  fused: tests/test_fused.py -k 'fixed or non_finite'"
+  echo "  fused: tests/test_fused.py -k 'fixed or non_finite or register_swiglu'"
   echo "  w4a16: tests/test_gemm_w4a16.py -k 'deterministic or subnormal or bit_for_bit'"
   echo "  large tiles: tests/test_gemm_large_tiles.py -k float64"
-  echo "  activation image: tests/test_gemm_image.py -k 'layout or float64'"
+  echo "  activation image: tests/test_gemm_image.py -k 'layout or float64 or bf16_as'"
   echo "  swiglu_quant: tests/test_swiglu_quant.py"
   run() {  # tool, name, pytest arguments...
     local tool=$1 name=$2; shift 2
@@ -23,10 +23,10 @@ status=${PIPESTATUS[0]}
   }
   for tool in memcheck racecheck synccheck; do
     run "$tool" grouped_gemm tests/test_grouped_gemm.py -k 'one_expert or subnormal or two_problems'
-    run "$tool" fused tests/test_fused.py -k 'fixed or non_finite'
+    run "$tool" fused tests/test_fused.py -k 'fixed or non_finite or register_swiglu'
     run "$tool" w4a16 tests/test_gemm_w4a16.py -k 'deterministic or subnormal or bit_for_bit'
     run "$tool" large_tiles tests/test_gemm_large_tiles.py -k float64
-    run "$tool" image tests/test_gemm_image.py -k 'layout or float64'
+    run "$tool" image tests/test_gemm_image.py -k 'layout or float64 or bf16_as'
   done
   run memcheck swiglu_quant tests/test_swiglu_quant.py
   echo "GPU suite in the same call: $(tail -1 "$out/pytest_gpu.log")"

@@ -268,8 +268,9 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None, act
             frags = best
     # Past 64 tokens an image tile of 256 rows: 96 tokens up to 96, else 160 (bench_gemm at d01e6e5:
     # the 96-token tile 8-29% faster than the 64-token one at 64-512; at 37501c1, one process, the
-    # 160-token tile 25-35% faster than the 96-token one at means 128 and 256 and 3-19% at 512, and
-    # 1-16% faster than the 128-token one at each; 128 rows x 128 tokens loses to all)
+    # 160-token tile 1.33-1.35x faster than the 96-token one at mean 128, 1.13-1.16x at 256 and
+    # 1.03-1.20x at 512, and 1.01-1.16x faster than the 128-token one; 128 rows x 128 tokens loses
+    # to all)
     if frags == MAX_FRAGS_CHOICES[-1] and q > 8 * frags:
         frags = next((f for f in IMAGE_FRAGS if 8 * f >= q), IMAGE_FRAGS[-1])
     tiles = block_rows // ATOM_ROWS
