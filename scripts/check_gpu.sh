@@ -19,7 +19,7 @@ status=${PIPESTATUS[0]}
   run() {  # tool, name, pytest arguments...
     local tool=$1 name=$2; shift 2
     echo "== $tool $name"
-    "$san" --tool "$tool" python -m pytest -q "$@" 2>&1 | grep -E "passed|failed|error|SUMMARY" | tail -3
+    "$san" --tool "$tool" python -m pytest -q "$@" 2>&1 | grep -E "passed|failed|error|SUMMARY|^FAILED" | tail -6
   }
   for tool in memcheck racecheck synccheck; do
     run "$tool" grouped_gemm tests/test_grouped_gemm.py -k 'one_expert or subnormal or two_problems'

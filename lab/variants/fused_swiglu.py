@@ -48,10 +48,16 @@ def launch(runner, layer, w13, w13_alpha, fusion) -> None:
     launch_w2_out(runner, layer, part, runner.stream, fuse_out=True)
 
 
+def stages_for(w2_cfg) -> tuple[str, ...]:
+    """The stages launch() times: w2 with the bf16 output in its epilogue where it runs an image
+    tile (launch_w2_out's "w2+out"), else w2 and the conversion."""
+    return ("w13+act", "w2+out") if w2_cfg.image else ("w13+act", "w2", "out")
+
+
 class FusedSwiglu:
     name = name
     expect = expect
-    stages = ("w13+act", "w2", "out")
+    stages = ("w13+act", "w2", "out")  # (prepare sets the plan's: stages_for)
 
     def __init__(self, graph: bool = True):
         self.use_graph = graph
@@ -64,6 +70,7 @@ class FusedSwiglu:
 
     def prepare(self, runner, layer) -> None:
         self.fp32_out = not layer.w2_cfg.image  # (an image w2 writes the bf16 output only)
+        self.stages = stages_for(layer.w2_cfg)
         w13, alpha, gate, up = self.weights(runner, layer)
         self.args = (w13, alpha, fusion_for(runner, layer, gate, up))
         launch(runner, layer, *self.args)  # compiles, and checks the arguments once
