@@ -9,6 +9,7 @@ check registers, stack and spills.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -27,11 +28,11 @@ ARCH_OPTIONS = ("-arch=sm_90a", "-std=c++17")
 _INCLUDE = re.compile(r'^#include "([\w./]+)"\s*$', re.M)
 
 
-def source(name: str) -> str:
-    """The text of `lab/kernels/<name>` with every `#include "path"` inlined once (paths relative
-    to the including file, as nvcc resolves them): NVRTC gets one string, and CuPy's cache key (the
-    string) changes when any header does."""
-    root = (KERNEL_DIR / name).resolve()
+def source(name: str, tree: Path | None = None) -> str:
+    """The text of `lab/kernels/<name>` (or `<tree>/<name>`) with every `#include "path"` inlined
+    once (paths relative to the including file, as nvcc resolves them): NVRTC gets one string, and
+    CuPy's cache key (the string) changes when any header does."""
+    root = (Path(tree) if tree is not None else KERNEL_DIR).joinpath(name).resolve()
     seen = {root}
 
     def expand(path: Path) -> str:
@@ -47,17 +48,36 @@ def source(name: str) -> str:
     return expand(root)
 
 
+# The source tree kernel() compiles from: this directory, or the one use_tree names.
+_TREES = [KERNEL_DIR]
+
+
+@contextlib.contextmanager
+def use_tree(path):
+    """Within the block, kernel() compiles every kernel from `path`, a directory laid out as
+    lab/kernels (e.g. another commit's, from `git archive`), one module per tree: two versions of a
+    kernel side by side in one process, for a same-process A/B (scripts/ab_kernels.py)."""
+    tree = Path(path).resolve()
+    if not (tree / "grouped_gemm.cu").is_file():
+        raise ValueError(f"tree: expected a directory laid out as lab/kernels (holding grouped_gemm.cu), got {path}")
+    _TREES.append(tree)
+    try:
+        yield tree
+    finally:
+        _TREES.pop()
+
+
 @functools.lru_cache(maxsize=None)
-def _module(name: str, name_expressions: tuple[str, ...]):
+def _module(name: str, name_expressions: tuple[str, ...], tree: Path = KERNEL_DIR):
     import cupy as cp
 
-    return cp.RawModule(code=source(name), options=ARCH_OPTIONS, name_expressions=name_expressions)
+    return cp.RawModule(code=source(name, tree), options=ARCH_OPTIONS, name_expressions=name_expressions)
 
 
 def kernel(name: str, expression: str, smem_bytes: int = 0):
     """The compiled kernel `expression` (a template instantiation) from source file `name`."""
     require_gpu(f"compiling {expression}")
-    fn = _module(name, (expression,)).get_function(expression)
+    fn = _module(name, (expression,), _TREES[-1]).get_function(expression)
     if smem_bytes > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem_bytes
     return fn

@@ -1,0 +1,167 @@
+"""Same-process A/B of kernel source trees: the grouped GEMM compiled from each tree (a directory
+laid out as lab/kernels: another commit's, or the working tree's with an edit), run on the same
+inputs and buffers, outputs compared bit for bit with the first tree's, and timed in rounds that
+alternate the trees' order. A kernel's time moves with ptxas's schedule and with the machine from
+one process to the next; only a comparison inside one process counts (notes/gemm.md v24).
+
+    git archive HEAD lab/kernels | tar -x -C /tmp/base
+    python scripts/ab_kernels.py --tree base=/tmp/base/lab/kernels --tree work=lab/kernels \\
+        --gemm w2 --mean-tokens 512 2048 --out fp32 bf16 --json results/ab_<what>.json
+
+With no --tree the working tree runs against itself: the method's noise floor. The first tree is
+the base: the table gives each tree's time as a ratio to it, and the script exits 1 when a tree's
+output differs from the base's (kernel edits here keep the bits) or leaves a poisoned element.
+--out bf16 asks for the image tiles' bf16 output (fused-out's w2), fp32 the plain one; fp32 rows
+are also checked against float64 on the busiest experts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+from tabulate import tabulate
+
+from lab.ceilings import measure_tensor_peak
+from lab.checks import format_rel
+from lab.device_info import setup_info
+from lab.gemm_bench import CONFIG_HELP, GemmBench, config_of, log, parse_config, problem_of, study_parser, write_json
+from lab.gpu import require_gpu, run_script
+from lab.kernels import grouped_gemm as gg
+from lab.kernels import jit
+from lab.timing import time_cuda
+
+TAG = "ab_kernels"
+BF16_POISON = 0xFFFF  # a NaN's bits: no finite product of finite inputs rounds to it
+
+
+def parse_tree(text: str) -> tuple[str, Path]:
+    """--tree's value: NAME=DIR, DIR laid out as lab/kernels."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path or not name.replace("-", "").replace("_", "").isalnum():
+        raise argparse.ArgumentTypeError(f"--tree: expected NAME=DIR (NAME letters, digits, - or _), got {text!r}")
+    if not (Path(path) / "grouped_gemm.cu").is_file():
+        raise argparse.ArgumentTypeError(f"--tree {name}: {path} is not laid out as lab/kernels (no grouped_gemm.cu)")
+    return name, Path(path).resolve()
+
+
+def trees_of(given: list[tuple[str, Path]]) -> dict[str, Path]:
+    """The trees to compare, the base first: the working tree twice when none is given."""
+    if not given:
+        return {"work": jit.KERNEL_DIR, "work-again": jit.KERNEL_DIR}
+    if len(given) < 2:
+        raise ValueError(f"--tree: give two or more trees (the first is the base), got {len(given)}")
+    names = [n for n, _ in given]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--tree: names must differ, got {names}")
+    return dict(given)
+
+
+def main(argv=None) -> int:
+    ap = study_parser(__doc__, [512], 20)
+    ap.add_argument("--tree", type=parse_tree, action="append", default=[],
+                    help="NAME=DIR, a kernel tree laid out as lab/kernels; repeat (the first is the base)")
+    ap.add_argument("--gemm", nargs="+", choices=["w13", "w2"], default=["w13", "w2"], help="which GEMMs")
+    ap.add_argument("--out", nargs="+", choices=["fp32", "bf16"], default=["fp32"],
+                    help="the output: fp32, and/or bf16 bits (image tiles only: past 64 tokens per expert)")
+    ap.add_argument("--act", choices=["nvfp4", "bf16"], default="nvfp4", help="activations: NVFP4 (W4A4) or bf16 (W4A16)")
+    ap.add_argument("--config", type=parse_config, help=CONFIG_HELP)
+    ap.add_argument("--rounds", type=int, default=4, help="timing rounds; each times every tree once, order alternating")
+    args = ap.parse_args(argv)
+    try:
+        trees = trees_of(args.tree)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.rounds < 1 or args.iterations < 1:
+        ap.error(f"--rounds and --iterations must be >= 1, got {args.rounds} and {args.iterations}")
+    if "bf16" in args.out and args.act == "bf16":
+        ap.error("--out bf16: the bf16 output is an NVFP4-activation (W4A4) epilogue here; use --act nvfp4")
+    problem = problem_of(args)
+    cp = require_gpu(TAG)
+    setup = setup_info()
+    log(TAG, f"setup: {setup}")
+    tensor = measure_tensor_peak(iterations=max(3, args.iterations // 2))
+    log(TAG, f"tensor peak {tensor['tflops']:.0f} TFLOP/s (dense fp16 cuBLAS)")
+    bench = GemmBench(problem, args.seed, TAG)
+    names = list(trees)
+    base = names[0]
+    rows, bad = [], []
+    for mean in args.mean_tokens:
+        for gemm in args.gemm:
+            case = bench.case(gemm, mean)
+            cfg = gg.heuristic(case.n, case.k, case.counts, act=args.act)
+            if args.config:
+                cfg = config_of(args.config, cfg)
+            try:
+                cfg = cfg.validate(case.n, case.k)
+            except ValueError as e:
+                ap.error(f"--config: {e}")
+            prep = bench.prepared(gemm, (cfg.block_rows, cfg.k_step))
+            xs = (case.d_xb, None, case.d_alpha_bf16) if args.act == "bf16" else (case.d_xp, case.d_xs, case.d_alpha)
+            for out in args.out:
+                if out == "bf16" and not cfg.image:
+                    log(TAG, f"{gemm} mean {mean:g}: --out bf16 skipped: {cfg} is not an image tile")
+                    continue
+                buf = case.out if out == "fp32" else cp.empty(case.out.shape, dtype=cp.uint16)
+                counter = cp.zeros(1, dtype=cp.uint32) if out == "bf16" else None
+
+                def run():
+                    gg.grouped_gemm(prep, xs[0], xs[1], case.d_off, xs[2], buf, cfg, nonfinite=counter)
+
+                row = {"gemm": gemm, "mean_tokens": mean, "out": out, "act": args.act, "rows": case.rows,
+                       "max_count": int(case.counts.max()), "config": cfg.__dict__, "trees": {}}
+                first = None
+                for name in names:
+                    with jit.use_tree(trees[name]):
+                        buf.fill(cp.nan if out == "fp32" else BF16_POISON)
+                        if counter is not None:
+                            counter.fill(0)
+                        run()
+                        cp.cuda.Device().synchronize()
+                    bits = buf.view(cp.uint32) if out == "fp32" else buf
+                    poison = int(cp.isnan(buf).sum()) if out == "fp32" else int((buf == BF16_POISON).sum())
+                    t = {"unwritten": poison, "nonfinite": int(counter.get()[0]) if counter is not None else None}
+                    if first is None:
+                        first = (bits.copy(), t["nonfinite"])
+                        t["equal_base"] = True
+                    else:
+                        t["equal_base"] = bool(cp.array_equal(first[0], bits)) and first[1] == t["nonfinite"]
+                    if out == "fp32" and args.act == "nvfp4":  # (W4A16's float64 check is bench_gemm's)
+                        t["rel_frobenius"] = bench.check(case, np.argsort(case.counts)[-4:])
+                    if poison or not t["equal_base"] or (t.get("rel_frobenius") or 0) > 1e-5:
+                        bad.append(f"{gemm} mean {mean:g} {out} tree {name}: {t}")
+                    row["trees"][name] = t
+                del first
+                ms = {n: [] for n in names}
+                for r in range(args.rounds):
+                    for name in (names if r % 2 == 0 else names[::-1]):
+                        with jit.use_tree(trees[name]):
+                            ms[name].append(time_cuda(run, iterations=args.iterations).median_ms)
+                flops = 2.0 * case.rows * case.n * case.k
+                for name in names:
+                    best = min(ms[name])
+                    row["trees"][name].update({"round_ms": ms[name], "ms": best, "x_base": best / min(ms[base]),
+                                               "tensor_pct": 100 * flops / (best * 1e-3) / 1e12 / tensor["tflops"]})
+                rows.append(row)
+                log(TAG, f"{gemm} mean {mean:g} {out}: " + ", ".join(
+                    f"{n} {row['trees'][n]['ms']:.4f} ms (x{row['trees'][n]['x_base']:.4f})" for n in names))
+    print(f"tensor peak: {tensor['tflops']:.0f} TFLOP/s (dense fp16 x fp16 -> fp32, cuBLAS); trees: "
+          + ", ".join(f"{n} = {p}" for n, p in trees.items()))
+    table = [[r["gemm"], r["mean_tokens"], r["out"], f"{r['config']['max_frags'] * 8}"]
+             + [f"{r['trees'][n]['ms']:.4f} ({r['trees'][n]['tensor_pct']:.1f}%) x{r['trees'][n]['x_base']:.4f}"
+                for n in names]
+             + [format_rel(r["trees"][base]["rel_frobenius"]) if "rel_frobenius" in r["trees"][base] else "-"]
+             for r in rows]
+    print(tabulate(table, headers=["gemm", "tokens/expert", "out", "token tile"]
+                   + [f"{n} ms (% tensor) x base" for n in names] + ["rel vs float64"]))
+    for b in bad:
+        print(f"FAILED: {b}")
+    write_json(args.json, "scripts/ab_kernels.py", setup=setup, tensor_peak=tensor,
+               trees={n: str(p) for n, p in trees.items()}, rows=rows, failed=bad)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_script(main, TAG))

@@ -1,0 +1,80 @@
+"""The same-process A/B's parts that need no GPU: another kernel tree's source, the tree switch,
+and scripts/ab_kernels.py's arguments."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lab.kernels import jit
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "ab_kernels.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("ab_kernels", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def edited_tree(tmp_path: Path, marker: str) -> Path:
+    """A copy of lab/kernels whose innermost header carries `marker`."""
+    tree = tmp_path / "kernels"
+    shutil.copytree(jit.KERNEL_DIR, tree, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    ptx = tree / "gemm" / "ptx.cuh"
+    ptx.write_text(ptx.read_text() + f"\n// {marker}\n")
+    return tree
+
+
+def test_source_reads_another_tree_with_its_headers(tmp_path):
+    tree = edited_tree(tmp_path, "lab-ab-marker-1")
+    text = jit.source("grouped_gemm.cu", tree)
+    assert "lab-ab-marker-1" in text and '#include "' not in text
+    assert "lab-ab-marker-1" not in jit.source("grouped_gemm.cu")
+    # the rest is the working tree's, byte for byte
+    assert text.replace("\n// lab-ab-marker-1\n", "") == jit.source("grouped_gemm.cu")
+
+
+def test_use_tree_switches_and_restores(tmp_path):
+    tree = edited_tree(tmp_path, "m")
+    assert jit._TREES[-1] == jit.KERNEL_DIR
+    with pytest.raises(RuntimeError, match="inside"):
+        with jit.use_tree(tree) as t:
+            assert t == tree.resolve() and jit._TREES[-1] == t
+            raise RuntimeError("inside")
+    assert jit._TREES == [jit.KERNEL_DIR]
+    with pytest.raises(ValueError, match="laid out as lab/kernels"):
+        with jit.use_tree(tmp_path):
+            pass
+    assert jit._TREES == [jit.KERNEL_DIR]
+
+
+def test_tree_arguments(tmp_path):
+    ab = load_script()
+    tree = edited_tree(tmp_path, "m")
+    assert ab.parse_tree(f"base={tree}") == ("base", tree.resolve())
+    for bad in ("base", f"={tree}", "base=", f"b a={tree}", f"base={tmp_path}"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--tree"):
+            ab.parse_tree(bad)
+    assert ab.trees_of([]) == {"work": jit.KERNEL_DIR, "work-again": jit.KERNEL_DIR}  # the noise floor
+    with pytest.raises(ValueError, match="two or more"):
+        ab.trees_of([("a", tree)])
+    with pytest.raises(ValueError, match="must differ"):
+        ab.trees_of([("a", tree), ("a", jit.KERNEL_DIR)])
+    assert list(ab.trees_of([("b", tree), ("a", jit.KERNEL_DIR)])) == ["b", "a"]  # the base first
+
+
+def test_script_refuses_one_tree_before_the_gpu(tmp_path, capsys):
+    ab = load_script()
+    tree = edited_tree(tmp_path, "m")
+    with pytest.raises(SystemExit) as e:
+        ab.main(["--tree", f"base={tree}"])
+    assert e.value.code == 2 and "two or more" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ab.main(["--out", "bf16", "--act", "bf16"])
+    assert "--out bf16" in capsys.readouterr().err
