@@ -13,6 +13,11 @@ the base: the table gives each tree's time as a ratio to it, and the script exit
 output differs from the base's (kernel edits here keep the bits) or leaves a poisoned element.
 --out bf16 asks for the image tiles' bf16 output (fused-out's w2), fp32 the plain one; fp32 rows
 are also checked against float64 on the busiest experts.
+
+Only the kernels come from the trees: launches are sized by this checkout's Python (GemmConfig:
+shared memory, threads, grid). A tree whose Config<> lays out more shared memory than this
+checkout's GemmConfig.smem_bytes says would run past its allocation, so run the script from the
+checkout whose layout is the largest (a kernel given more than it uses runs as it would).
 """
 
 from __future__ import annotations
