@@ -11,8 +11,8 @@ one process to the next; only a comparison inside one process counts (notes/gemm
 With no --tree the working tree runs against itself: the method's noise floor. The first tree is
 the base: the table gives each tree's time as a ratio to it, and the script exits 1 when a tree's
 output differs from the base's (kernel edits here keep the bits) or leaves a poisoned element.
---out bf16 asks for the image tiles' bf16 output (fused-out's w2), fp32 the plain one; fp32 rows
-are also checked against float64 on the busiest experts.
+--out bf16 asks for the image tiles' bf16 output (fused-out's w2), fp32 the plain one; the base's fp32
+rows are also checked against float64 on the busiest experts.
 
 Only the kernels come from the trees: launches are sized by this checkout's Python (GemmConfig:
 shared memory, threads, grid). A tree whose Config<> lays out more shared memory than this
@@ -133,9 +133,11 @@ def main(argv=None) -> int:
                         t["equal_base"] = True
                     else:
                         t["equal_base"] = bool(cp.array_equal(first[0], bits)) and first[1] == t["nonfinite"]
-                    if out == "fp32" and args.act == "nvfp4":  # (W4A16's float64 check is bench_gemm's)
+                    if name == base and out == "fp32" and args.act == "nvfp4":
+                        # (the other trees are held to the base's bits; W4A16's float64 check is bench_gemm's)
                         t["rel_frobenius"] = bench.check(case, np.argsort(case.counts)[-4:])
-                    if poison or not t["equal_base"] or (t.get("rel_frobenius") or 0) > 1e-5:
+                    rel = t.get("rel_frobenius", 0.0)  # (None: undefined, a zero reference: a failed check too)
+                    if poison or not t["equal_base"] or rel is None or rel > 1e-5:
                         bad.append(f"{gemm} mean {mean:g} {out} tree {name}: {t}")
                     row["trees"][name] = t
                 del first
