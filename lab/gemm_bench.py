@@ -184,6 +184,34 @@ class GemmBench:
         xbytes = case.xq.packed.nbytes + case.xq.scales.nbytes if act == "nvfp4" else case.x_bf16.nbytes
         return wbytes + xbytes + case.rows * case.n * 4
 
+    def measure_split(self, case: GemmCase, hot_from: int, roofline_gbps: float, iterations: int,
+                      act: str = "nvfp4") -> dict:
+        """Time the GEMM as split_configs' two launches by expert size (after one poisoned run
+        whose unwritten elements are counted); the row's "config" is the first launch's, "plan"
+        every launch's."""
+        plan = gg.split_configs(case.n, case.k, case.counts, hot_from, act=act)
+        layouts = {(c.block_rows, c.k_step) for c, _ in plan}
+        assert len(layouts) == 1, plan  # (one prepared layout: the heuristic's for this N and K)
+        prep = self.prepared(case.gemm, layouts.pop())
+        xs = (case.d_xb, None, case.d_alpha_bf16) if act == "bf16" else (case.d_xp, case.d_xs, case.d_alpha)
+
+        def run():
+            for cfg, counts_in in plan:
+                gg.grouped_gemm(prep, xs[0], xs[1], case.d_off, xs[2], case.out, cfg, counts_in=counts_in)
+
+        case.out.fill(self.cp.nan)
+        run()
+        self.cp.cuda.Device().synchronize()
+        unwritten = int(self.cp.isnan(case.out).sum())
+        t = time_cuda(run, iterations=iterations)
+        nbytes = self.required_bytes(case, act)
+        t_roof = nbytes / (roofline_gbps * 1e9) * 1e3
+        return {"gemm": case.gemm, "act": act, "mean_tokens": case.mean_tokens, "rows": case.rows,
+                "max_count": int(case.counts.max()), "config": plan[0][0].__dict__, "split": int(hot_from),
+                "plan": [{"config": c.__dict__, "counts_in": list(r)} for c, r in plan], "bytes": nbytes,
+                "ms": t.median_ms, "ms_min": t.min_ms, "ms_max": t.max_ms, "gbps": nbytes / t.median_ms / 1e6,
+                "roof_pct": 100 * t_roof / t.median_ms, "unwritten": unwritten}
+
     def measure(self, case: GemmCase, cfg: gg.GemmConfig, roofline_gbps: float, iterations: int,
                 read_pattern: bool = True) -> dict:
         """Time `cfg` on `case` (after one poisoned run whose unwritten elements are counted)."""

@@ -50,11 +50,16 @@ def main(argv=None) -> int:
                     help=CONFIG_HELP + "; repeat to time several tiles in one run")
     ap.add_argument("--act", nargs="+", choices=["nvfp4", "bf16"], default=["nvfp4", "bf16"],
                     help="activations: nvfp4 (W4A4) and/or bf16 (W4A16, the same weights and kernel); default both")
+    ap.add_argument("--split", type=int, nargs="+", default=[],
+                    help="also time each GEMM as two launches by expert size: experts of at most this many tokens "
+                         "on their tile, the rest on theirs (gemm_config.split_configs); one row per value")
     ap.add_argument("--sustain-ms", type=float, default=0.0,
                     help="also time the flat read and each GEMM after this many ms of back-to-back runs (0: off)")
     args = ap.parse_args(argv)
     if not (np.isfinite(args.sustain_ms) and 0 <= args.sustain_ms <= 60_000):
         ap.error(f"--sustain-ms: must be in 0..60000, got {args.sustain_ms}")
+    if any(v < 1 for v in args.split):
+        ap.error(f"--split: every value must be >= 1 token, got {args.split}")
     resolve_shape(args, ap)
     require_gpu(TAG)  # before any output: without a GPU the script says so in one line
 
@@ -114,12 +119,41 @@ def main(argv=None) -> int:
                 log(TAG, f"  gemm {row['ms']:.3f} ms ({row['roof_pct']:.1f}% of roofline), read pattern "
                          f"{row['read_pattern_ms']:.3f} ms")
 
-    table = [[r["gemm"], r["act"], r["mean_tokens"], "{warps},{row_tiles},{k_step},{stages},{max_frags},{mma},{ctas_per_sm}".format(**r["config"])
-              + (",image" if r["config"].get("image") else ""),
+        for hot_from in args.split:
+            for gemm, act in [(g, a) for g in ("w13", "w2") for a in args.act]:
+                case = cases[gemm]
+                row = bench.measure_split(case, hot_from, bw, args.iterations, act)
+                row["tflops"] = 2.0 * case.rows * case.n * case.k / (row["ms"] * 1e-3) / 1e12
+                row["tensor_pct"] = 100 * row["tflops"] / tensor["tflops"]
+                row.update({"read_pattern_ms": None, "pattern_pct": None})  # (two grids: no one pattern)
+                log(TAG, f"{gemm} mean {mean} ({act}) split at {hot_from}: {row['ms']:.3f} ms "
+                         f"({row['roof_pct']:.1f}% of roofline), " + " + ".join(
+                             f"{p['config']['max_frags'] * 8}-token tile on {p['counts_in']}" for p in row["plan"]))
+                if args.check_experts:
+                    pool = np.flatnonzero(case.counts)
+                    sample = np.unique(np.r_[rng.choice(pool, size=min(args.check_experts, pool.size), replace=False),
+                                             np.argsort(case.counts)[-2:]])  # (the hottest two: the second launch)
+                    err = bench.check(case, sample, act)
+                    checks.append({"gemm": gemm, "act": act, "mean": mean, "config": row["config"], "split": hot_from,
+                                   "experts": sample.tolist(), "rel_frobenius": err})
+                    log(TAG, f"  check vs float64 on {sample.size} experts: rel Frobenius {format_rel(err)}")
+                if row["unwritten"]:
+                    log(TAG, f"  ERROR: {row['unwritten']} output elements not written")
+                rows_out.append(row)
+
+    def tile(c: dict) -> str:
+        return ("{warps},{row_tiles},{k_step},{stages},{max_frags},{mma},{ctas_per_sm}".format(**c)
+                + (",image" if c.get("image") else ""))
+
+    def fmt(v, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    table = [[r["gemm"], r["act"], r["mean_tokens"],
+              tile(r["config"]) if "plan" not in r else f"split at {r['split']}: " + " + ".join(
+                  f"{tile(p['config'])} on {p['counts_in'][0]}..{p['counts_in'][1]}" for p in r["plan"]),
               f"{r['ms']:.3f}", f"{r['gbps']:.0f}", f"{r['roof_pct']:.1f}", f"{r['tflops']:.0f}",
-              f"{r['tensor_pct']:.1f}", f"{r['pattern_pct']:.1f}",
-              f"{r['read_pattern_ms']:.3f}"]
-             + ([f"{r['sustained_ms']:.3f}", f"{r['sustained_roof_pct']:.1f}"] if args.sustain_ms else [])
+              f"{r['tensor_pct']:.1f}", fmt(r["pattern_pct"], ".1f"), fmt(r["read_pattern_ms"], ".3f")]
+             + ([fmt(r.get("sustained_ms"), ".3f"), fmt(r.get("sustained_roof_pct"), ".1f")] if args.sustain_ms else [])
              for r in rows_out]
     print(f"tensor peak: {tensor['tflops']:.0f} TFLOP/s (dense fp16 x fp16 -> fp32, cuBLAS)")
     print(f"read roofline: {bw:.0f} GB/s (flat streaming read, {roof['bytes'] / 1e9:.3f} GB)"

@@ -129,6 +129,15 @@ def test_image_layout_holds_each_token_in_its_expert_groups(act):
             want[:, grp, :, row, :] = v.reshape(k // 16, 2, 8)
     want = want.astype(np.float16).astype(np.float64)  # bf16 -> fp16 rounds; NVFP4 is exact
     assert np.array_equal(img, want), f"seed {seed}"
+    # with counts_in (a launch over one size class) only those experts' groups are written
+    space.fill(0xFF)
+    part = gg.activation_image(prep, xq_d, xs_d, off_d, act, space[256:], counts_in=(5, 17)).get()
+    part = part.view(np.uint16).reshape(k // 16, groups, 2, 8, 8)
+    g0 = offsets[:-1] // 8 + np.arange(e)  # each expert's first group; it owns those up to the next one's
+    owner = np.searchsorted(g0, np.arange(groups), side="right") - 1
+    mine = ((counts >= 5) & (counts <= 17))[owner]
+    assert np.array_equal(part[:, mine].view(np.float16).astype(np.float64), want[:, mine]), f"seed {seed}"
+    assert (part[:, ~mine] == 0xFFFF).all(), f"seed {seed}: groups of other experts written"
 
 
 def test_image_workspace_grows_per_stream_and_keeps_what_graphs_may_hold():

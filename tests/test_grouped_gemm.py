@@ -581,3 +581,64 @@ def test_two_problems_in_one_launch_equal_two_launches():
         assert np.isfinite(got).all()
         bad = np.argwhere(got.view(np.uint32) != single.view(np.uint32))
         assert bad.size == 0, f"first mismatch at {bad[0].tolist()}"
+
+
+def test_split_configs_take_each_size_class_on_its_tile():
+    """Two launches by expert size: the cold class on the heuristic's tile for its counts, the hot
+    one past hot_from on the tile for theirs (an image tile past 64 tokens), one prepared layout;
+    one launch where a class is empty; a clear error for a bad threshold or count range."""
+    counts = np.array([0, 3, 9, 12, 300, 5, 0, 140, 7])
+    plan = gg.split_configs(4096, 4096, counts, 32)
+    assert [r for _, r in plan] == [(1, 32), (33, gg.ALL_COUNTS[1])]
+    cold, hot = plan[0][0], plan[1][0]
+    assert cold == gg.heuristic(4096, 4096, np.where(counts <= 32, counts, 0)) and not cold.image
+    assert hot == gg.heuristic(4096, 4096, np.where(counts > 32, counts, 0)) and hot.image and hot.max_frags == 20
+    assert (cold.block_rows, cold.k_step) == (hot.block_rows, hot.k_step)
+    assert [r for _, r in gg.split_configs(4096, 4096, np.array([0, 3, 9]), 32)] == [(1, 32)]
+    assert [r for _, r in gg.split_configs(4096, 4096, np.array([0, 300]), 32)] == [(33, gg.ALL_COUNTS[1])]
+    for bad in (0, 2.5):
+        with pytest.raises(ValueError, match="hot_from"):
+            gg.split_configs(4096, 4096, counts, bad)
+    assert gg._counts_range(None) == gg.ALL_COUNTS and gg._counts_range((3, 5)) == (3, 5)
+    for bad in ((0, 5), (5, 3), (1.5, 3), "ab", (1, 2**31)):
+        with pytest.raises(ValueError, match="counts_in"):
+            gg._counts_range(bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hot_from", [1, 16, 64, 200])
+def test_split_launches_write_their_experts_as_their_tiles_do(hot_from):
+    """Each launch of split_configs writes exactly its experts' rows (the rest keep the poison),
+    bit for bit what the same tile writes for them unfiltered (mma.sync and wgmma tiles may round
+    a k16 step's sum differently, so the reference for each class is its own tile); both
+    together within 1e-5 of float64."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    counts = np.array([0, 1, 7, 16, 17, 40, 0, 64, 65, 100, 161, 3, 330])
+    e, n, k = len(counts), 512, 256
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    rows = int(offsets[-1])
+    packed, scales = random_nvfp4(rng, (e, n, k))
+    xq, xs = random_nvfp4(rng, (rows, k))
+    alpha = rng.uniform(0.5, 2, e).astype(np.float32)
+    plan = gg.split_configs(n, k, counts, hot_from)
+    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(plan[0][0].block_rows, plan[0][0].k_step))
+    args = (cp.asarray(xq), cp.asarray(xs), cp.asarray(offsets), cp.asarray(alpha))
+    both = cp.full((rows, n), cp.nan, cp.float32)
+    for cfg, counts_in in plan:
+        alone, whole = cp.full((rows, n), cp.nan, cp.float32), cp.full((rows, n), cp.nan, cp.float32)
+        gg.grouped_gemm(prep, *args, alone, cfg, counts_in=counts_in)
+        gg.grouped_gemm(prep, *args, whole, cfg)
+        gg.grouped_gemm(prep, *args, both, cfg, counts_in=counts_in)
+        mine = np.repeat((counts >= counts_in[0]) & (counts <= counts_in[1]), counts)
+        a = alone.get()
+        assert np.isnan(a[~mine]).all(), f"seed {seed}, {cfg}, {counts_in}: rows of other experts written"
+        ok, msg = checks.compare_bits(a[mine].view(np.uint32), whole.get()[mine].view(np.uint32))
+        assert ok, f"seed {seed}, {cfg}, {counts_in}: {msg}"
+    got = both.get()
+    assert np.isfinite(got).all(), f"seed {seed}: rows no launch wrote"
+    ref = reference.grouped_gemm(xq, xs, offsets, packed, scales, alpha)
+    assert checks.rel_error(got, ref) <= 1e-5, f"seed {seed}"

@@ -303,6 +303,25 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None, act
     return cfg.validate(n, k)
 
 
+def split_configs(n: int, k: int, counts, hot_from: int, layout: tuple[int, int] | None = None,
+                  act: str = "nvfp4") -> list[tuple[GemmConfig, tuple[int, int]]]:
+    """One grouped GEMM as two launches by expert size (skewed routing): the experts of 1..hot_from
+    tokens on the heuristic's tile for their counts, those past hot_from on the tile for theirs
+    (an image tile once they pass 64), each as (config, grouped_gemm's counts_in). One launch
+    where either class is empty. Not picked by the heuristic: bench_gemm --split times it."""
+    counts = np.asarray(counts)
+    if int(hot_from) != hot_from or hot_from < 1:
+        raise ValueError(f"hot_from: expected an integer >= 1, got {hot_from!r}")
+    cold = np.where(counts <= hot_from, counts, 0)
+    hot = np.where(counts > hot_from, counts, 0)
+    plan = []
+    if cold.any():
+        plan.append((heuristic(n, k, cold, layout, act), (1, int(hot_from))))
+    if hot.any():
+        plan.append((heuristic(n, k, hot, layout, act), (int(hot_from) + 1, 2**31 - 1)))
+    return plan
+
+
 SHIPPED_CONFIGS = tuple(
     GemmConfig(w, r, ks, st, f, mma)
     for (w, r, ks, st, mma) in ((4, 4, 128, 3, 0), (4, 4, 128, 4, 0), (8, 2, 128, 4, 0), (8, 2, 128, 3, 0),

@@ -149,7 +149,10 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
     // bits instead of out0 (the consumers round as the separate conversion does, and count the
     // outputs that are not finite in *nonfinite).
     int* __restrict__ ready, unsigned short* __restrict__ out_bf16,
-    unsigned int* __restrict__ nonfinite) {  // SwiGLU values or bf16 outputs that are not finite
+    unsigned int* __restrict__ nonfinite,  // SwiGLU values or bf16 outputs that are not finite
+    // The experts this launch computes: those of count_lo..count_hi tokens (count_lo >= 1; both
+    // problems). The rest keep their output as it was.
+    int count_lo, int count_hi) {
   using C = Config<WARPS, ROW_TILES, K_STEP, STAGES, MAX_FRAGS, MMA, DECODER_WARPS, EPILOGUE_WARPS, MODE, ACT>;
   // The SwiGLU epilogue in the consumers' registers (gemm/epilogue.cuh, swiglu_regs) on the
   // producer-warpgroup tiles; every other fused tile hands its h tile to epilogue warps.
@@ -203,7 +206,8 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
     n_active_s = 0;
   }
   __shared__ int n_active0_s;
-  compact_experts<C::THREADS>(offsets0, offsets1, num_experts0, num_experts1, active, warp_count, n_active_s, n_active0_s, warp, lane);
+  compact_experts<C::THREADS>(offsets0, offsets1, num_experts0, num_experts1, count_lo, count_hi, active, warp_count,
+                              n_active_s, n_active0_s, warp, lane);
   const int n_active0 = n_active0_s;
   const int n_units0 = n_active0 * NB0;
   const int n_units = n_units0 + (n_active_s - n_active0) * NB1;

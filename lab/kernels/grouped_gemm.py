@@ -30,7 +30,7 @@ from lab.kernels.gemm_config import (ACTS, FUSED_SMALL_STAGES, IMAGE_FRAGS, MAX_
                                      SHIPPED_CONFIGS, modelled_time,
                                      SHIPPED_FUSED, SHIPPED_FUSED_W4A16, SHIPPED_IMAGE, SHIPPED_LARGE, SHIPPED_W4A16,
                                      LARGE_FRAGS, SMEM_LIMIT, GemmConfig, frags_for, fused_config, heuristic,
-                                     resident_ctas)
+                                     resident_ctas, split_configs)
 from lab.kernels.gemm_weights import (ATOM_BYTES, ATOM_CODE_BYTES, ATOM_K, ATOM_ROWS, DECODE_MASK,  # noqa: F401
                                       ENCODE_TABLES, K_SLOTS, PreparedWeights, check_weight_shapes,
                                       decode_words, decode_x_words, default_layout, pair_gate_up_rows, permute_k, shared_layout,
@@ -42,7 +42,7 @@ __all__ = [  # the launchers, and what gemm_weights and gemm_config define, unde
     "SOURCE", "Fusion", "grouped_gemm", "grouped_gemm_pair", "swiglu_gemm", "fused_layer",
     "ACTS", "FUSED_SMALL_STAGES", "IMAGE_FRAGS", "MAX_FRAGS_CHOICES", "MODEL_MARGIN", "MODES", "SKEWED_DISPERSION", "modelled_time", "SHIPPED_CONFIGS", "SHIPPED_FUSED", "SHIPPED_W4A16",
     "SHIPPED_FUSED_W4A16", "SHIPPED_IMAGE", "SHIPPED_LARGE", "activation_image", "image_bytes", "image_groups", "image_workspace", "LARGE_FRAGS", "SMEM_LIMIT",
-    "GemmConfig", "frags_for", "fused_config", "heuristic", "resident_ctas",
+    "GemmConfig", "frags_for", "fused_config", "heuristic", "resident_ctas", "split_configs", "ALL_COUNTS",
     "ATOM_BYTES", "ATOM_CODE_BYTES", "ATOM_K", "ATOM_ROWS", "DECODE_MASK", "ENCODE_TABLES", "K_SLOTS",
     "PreparedWeights", "check_weight_shapes", "decode_words", "decode_x_words", "default_layout",
     "pair_gate_up_rows", "permute_k", "prepare_weights", "shared_layout", "unpair_gate_up_rows", "unprepare_weights",
@@ -81,7 +81,8 @@ def _check_activation(x_packed, x_scales, offsets, alpha, out, prep: PreparedWei
 
 
 def grouped_gemm(prep: PreparedWeights, x_packed, x_scales, offsets, alpha, out,
-                 cfg: GemmConfig, stream=None, read_only: bool = False, nonfinite=None) -> None:
+                 cfg: GemmConfig, stream=None, read_only: bool = False, nonfinite=None,
+                 counts_in: tuple[int, int] | None = None) -> None:
     """Launch the grouped GEMM on `stream` (CuPy stream or None for the current one).
 
     `cfg` comes from `heuristic` (it needs the host-side token counts, which the caller has when
@@ -97,6 +98,10 @@ def grouped_gemm(prep: PreparedWeights, x_packed, x_scales, offsets, alpha, out,
     On an image tile (``cfg.image``) `out` may be (T, N) uint16 instead: the same values as bf16
     bits, rounded as `swiglu_quant.to_bf16` rounds the fp32 ones (bit for bit), and `nonfinite`,
     a (1,) uint32 counter, counts the outputs that are not finite (as to_bf16's counter does).
+
+    `counts_in` = (lo, hi), 1 <= lo <= hi: only the experts with lo..hi tokens are computed (their
+    rows of `out`; the others' rows keep what they hold), so that the experts of another size class
+    can run another tile in a second launch (split_configs).
     """
     import cupy as cp
 
@@ -110,7 +115,24 @@ def grouped_gemm(prep: PreparedWeights, x_packed, x_scales, offsets, alpha, out,
                          f"got out {getattr(out, 'dtype', None)} and nonfinite {nonfinite!r:.40}")
     if bf16_out and (nonfinite.shape != (1,) or nonfinite.dtype != cp.uint32):
         raise ValueError(f"nonfinite: expected (1,) uint32, got {nonfinite.shape} {nonfinite.dtype}")
-    _launch([(prep, x_packed, x_scales, offsets, alpha, out)], cfg, stream, read_only, nonfinite=nonfinite)
+    _launch([(prep, x_packed, x_scales, offsets, alpha, out)], cfg, stream, read_only, nonfinite=nonfinite,
+            counts_in=_counts_range(counts_in))
+
+
+ALL_COUNTS = (1, 2**31 - 1)  # every expert with tokens
+
+
+def _counts_range(counts_in) -> tuple[int, int]:
+    if counts_in is None:
+        return ALL_COUNTS
+    try:
+        lo, hi = (int(v) for v in counts_in)
+        ok = all(float(v) == int(v) for v in counts_in)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok or not 1 <= lo <= hi <= ALL_COUNTS[1]:
+        raise ValueError(f"counts_in: expected (lo, hi), integers with 1 <= lo <= hi < 2**31, got {counts_in!r}")
+    return lo, hi
 
 
 def grouped_gemm_pair(first: tuple, second: tuple, cfg: GemmConfig, stream=None) -> None:
@@ -209,7 +231,7 @@ def fused_layer(w13: PreparedWeights, x_packed, x_scales, offsets, w13_alpha, w2
 
 
 def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fusion | None = None,
-            nonfinite=None) -> None:
+            nonfinite=None, counts_in: tuple[int, int] = ALL_COUNTS) -> None:
     import cupy as cp
 
     if fusion is not None:
@@ -242,8 +264,8 @@ def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fu
         with stream:
             space = image_workspace(sum(sizes), stream)  # (both problems' images live at once)
             at = np.cumsum([0] + sizes)
-            problems = [(prep, activation_image(prep, x_packed, x_scales, offsets, cfg.act, space[at[i]:]), None, offsets,
-                         alpha, out) if prep.experts else (prep, x_packed, x_scales, offsets, alpha, out)
+            problems = [(prep, activation_image(prep, x_packed, x_scales, offsets, cfg.act, space[at[i]:], counts_in),
+                         None, offsets, alpha, out) if prep.experts else (prep, x_packed, x_scales, offsets, alpha, out)
                         for i, (prep, x_packed, x_scales, offsets, alpha, out) in enumerate(problems)]
     experts = sum(pr[0].experts for pr in problems)
     smem = cfg.launch_smem(experts)
@@ -271,6 +293,7 @@ def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fu
             args += [fusion.gate_global, fusion.up_global, np.float32(fusion.act_global), fusion.a_packed,
                      _NULL if fusion.a_scales is None else fusion.a_scales, ready if cfg.mode == "layer" else _NULL,
                      _NULL if fusion.out_bf16 is None else fusion.out_bf16, fusion.counter]
+        args += [np.int32(counts_in[0]), np.int32(counts_in[1])]
         fn(grid, (cfg.threads,), tuple(args), shared_mem=smem)
 
 
@@ -308,11 +331,13 @@ def image_workspace(nbytes: int, stream=None):
     return kept[-1]
 
 
-def activation_image(prep: PreparedWeights, x_packed, x_scales, offsets, act: str = "nvfp4", out=None):
+def activation_image(prep: PreparedWeights, x_packed, x_scales, offsets, act: str = "nvfp4", out=None,
+                     counts_in: tuple[int, int] = ALL_COUNTS):
     """The GEMM's B operand as fp16 core matrices (gemm/act_image.cuh), written on the current
     stream into `out` (uint8, at least image_bytes(rows, E, K); default the stream's workspace):
     (K/16, groups, 2, 8, 8) fp16 as bytes; returns that many bytes of `out`. The kernel reads the
-    counts from offsets on the device, so the launch can be graph-captured."""
+    counts from offsets on the device, so the launch can be graph-captured. Only the experts of
+    `counts_in` tokens are written (the groups of the others keep what they hold)."""
     import cupy as cp
 
     rows, k = x_packed.shape[0], prep.k
@@ -326,7 +351,8 @@ def activation_image(prep: PreparedWeights, x_packed, x_scales, offsets, act: st
     fn = jit.kernel(SOURCE, f"lab_gemm::act_image<lab_gemm::Act::{act}>")
     grid = (-(-groups * 8 // IMAGE_THREADS), k // (16 * IMAGE_QB))
     fn(grid, (IMAGE_THREADS,), (x_packed, _NULL if x_scales is None else x_scales, offsets,
-                                np.int32(prep.experts), np.int32(k), image))
+                                np.int32(prep.experts), np.int32(k), image, np.int32(counts_in[0]),
+                                np.int32(counts_in[1])))
     return image
 
 

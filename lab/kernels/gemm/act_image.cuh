@@ -29,7 +29,8 @@ __device__ __forceinline__ int image_groups(const int* offsets, int num_experts)
 // Threads: one token slot (group, row) each, QB consecutive k16 blocks (a 32-byte read of NVFP4
 // codes, 128 bytes of bf16); blockIdx.y picks the k16 blocks. Eight consecutive threads write one
 // whole 256-byte (q, grp) piece. Slots past an expert's tokens (and the groups between experts)
-// are written as zeros.
+// are written as zeros. Experts outside count_lo..count_hi tokens are not written at all (a GEMM
+// launch over the others does not read them: grouped_gemm's counts_in).
 constexpr int IMAGE_QB = 4;
 constexpr int IMAGE_THREADS = 128;
 
@@ -37,7 +38,7 @@ template <Act ACT>
 __global__ void __launch_bounds__(IMAGE_THREADS) act_image(const uint8_t* __restrict__ xq,
                                                            const uint8_t* __restrict__ xs,
                                                            const int* __restrict__ offsets, int num_experts, int K,
-                                                           uint8_t* __restrict__ image) {
+                                                           uint8_t* __restrict__ image, int count_lo, int count_hi) {
   const int groups = image_groups(offsets, num_experts);
   const int slot = blockIdx.x * IMAGE_THREADS + threadIdx.x;
   if (slot >= groups * 8) return;
@@ -48,8 +49,10 @@ __global__ void __launch_bounds__(IMAGE_THREADS) act_image(const uint8_t* __rest
     if (image_group0(offsets, mid) <= grp) lo = mid;
     else hi = mid - 1;
   }
+  const int count = offsets[lo + 1] - offsets[lo];
+  if (count < count_lo || count > count_hi) return;
   const int local = (grp - image_group0(offsets, lo)) * 8 + row;
-  const bool valid = local < offsets[lo + 1] - offsets[lo];
+  const bool valid = local < count;
   const size_t r = (size_t)offsets[lo] + local;
 #pragma unroll
   for (int i = 0; i < IMAGE_QB; ++i) {
