@@ -185,11 +185,11 @@ class GemmBench:
         return wbytes + xbytes + case.rows * case.n * 4
 
     def measure_split(self, case: GemmCase, hot_from: int, roofline_gbps: float, iterations: int,
-                      act: str = "nvfp4") -> dict:
+                      act: str = "nvfp4", wgmma: bool = True) -> dict:
         """Time the GEMM as split_configs' two launches by expert size (after one poisoned run
         whose unwritten elements are counted); the row's "config" is the first launch's, "plan"
-        every launch's."""
-        plan = gg.split_configs(case.n, case.k, case.counts, hot_from, act=act)
+        every launch's; `wgmma=False` keeps both on mma.sync tiles (gemm_plan's split)."""
+        plan = gg.split_configs(case.n, case.k, case.counts, hot_from, act=act, wgmma=wgmma)
         layouts = {(c.block_rows, c.k_step) for c, _ in plan}
         assert len(layouts) == 1, plan  # (one prepared layout: the heuristic's for this N and K)
         prep = self.prepared(case.gemm, layouts.pop())
@@ -207,7 +207,7 @@ class GemmBench:
         nbytes = self.required_bytes(case, act)
         t_roof = nbytes / (roofline_gbps * 1e9) * 1e3
         return {"gemm": case.gemm, "act": act, "mean_tokens": case.mean_tokens, "rows": case.rows,
-                "max_count": int(case.counts.max()), "config": plan[0][0].__dict__, "split": int(hot_from),
+                "max_count": int(case.counts.max()), "config": plan[0][0].__dict__, "split": int(hot_from), "wgmma": wgmma,
                 "plan": [{"config": c.__dict__, "counts_in": list(r)} for c, r in plan], "bytes": nbytes,
                 "ms": t.median_ms, "ms_min": t.min_ms, "ms_max": t.max_ms, "gbps": nbytes / t.median_ms / 1e6,
                 "roof_pct": 100 * t_roof / t.median_ms, "unwritten": unwritten}

@@ -206,9 +206,13 @@ class Layer:
     a_scales: object
     out: object
     out_bf16: object
-    w13_cfg: gg.GemmConfig
+    w13_cfg: gg.GemmConfig  # the heuristic's tile for one launch over every expert (fused kernels)
     w2_cfg: gg.GemmConfig
     full: Part = None
+    # The launches of each unfused GEMM (gg.gemm_plan): w13_cfg's alone, or, under skewed routing,
+    # two by expert size on tiles whose bits equal its own
+    w13_plan: tuple = ()
+    w2_plan: tuple = ()
 
     @property
     def problem(self) -> MoEProblem:
@@ -271,7 +275,8 @@ def load_layer(runner, weights: DeviceWeights, routing: Routing, x) -> Layer:
             buf("h", (rows, 2 * I), np.float32),
             buf("a_packed", (rows, I // 2), np.uint8), buf("a_scales", (rows, I // 16), np.uint8),
             buf("out", (rows, H), np.float32), buf("out_bf16", (rows, H), np.uint16),
-            gg.heuristic(2 * I, H, counts), gg.heuristic(H, I, counts))
+            gg.heuristic(2 * I, H, counts), gg.heuristic(H, I, counts),
+            w13_plan=gg.gemm_plan(2 * I, H, counts), w2_plan=gg.gemm_plan(H, I, counts))
         layer.full = layer.part(runner, 0, E, "offsets/full")
         runner.counter.fill(0)
         sq.quantize_input(xd, weights.w13_input_scale, layer.x_packed, layer.x_scales, runner.counter,

@@ -52,7 +52,8 @@ def main(argv=None) -> int:
                     help="activations: nvfp4 (W4A4) and/or bf16 (W4A16, the same weights and kernel); default both")
     ap.add_argument("--split", type=int, nargs="+", default=[],
                     help="also time each GEMM as two launches by expert size: experts of at most this many tokens "
-                         "on their tile, the rest on theirs (gemm_config.split_configs); one row per value")
+                         "on their tile, the rest on theirs (gemm_config.split_configs); one row per value, and "
+                         "one more with both on mma.sync tiles (as gemm_plan splits) where they differ")
     ap.add_argument("--sustain-ms", type=float, default=0.0,
                     help="also time the flat read and each GEMM after this many ms of back-to-back runs (0: off)")
     args = ap.parse_args(argv)
@@ -119,14 +120,17 @@ def main(argv=None) -> int:
                 log(TAG, f"  gemm {row['ms']:.3f} ms ({row['roof_pct']:.1f}% of roofline), read pattern "
                          f"{row['read_pattern_ms']:.3f} ms")
 
-        for hot_from in args.split:
+        for hot_from, wgmma in [(t, w) for t in args.split for w in (True, False)]:
             for gemm, act in [(g, a) for g in ("w13", "w2") for a in args.act]:
                 case = cases[gemm]
-                row = bench.measure_split(case, hot_from, bw, args.iterations, act)
+                if not wgmma and (gg.split_configs(case.n, case.k, case.counts, hot_from, act=act)
+                                  == gg.split_configs(case.n, case.k, case.counts, hot_from, act=act, wgmma=False)):
+                    continue  # (no wgmma tile in the split: the row above is the mma.sync one)
+                row = bench.measure_split(case, hot_from, bw, args.iterations, act, wgmma)
                 row["tflops"] = 2.0 * case.rows * case.n * case.k / (row["ms"] * 1e-3) / 1e12
                 row["tensor_pct"] = 100 * row["tflops"] / tensor["tflops"]
                 row.update({"read_pattern_ms": None, "pattern_pct": None})  # (two grids: no one pattern)
-                log(TAG, f"{gemm} mean {mean} ({act}) split at {hot_from}: {row['ms']:.3f} ms "
+                log(TAG, f"{gemm} mean {mean} ({act}) split at {hot_from}{'' if wgmma else ', mma.sync'}: {row['ms']:.3f} ms "
                          f"({row['roof_pct']:.1f}% of roofline), " + " + ".join(
                              f"{p['config']['max_frags'] * 8}-token tile on {p['counts_in']}" for p in row["plan"]))
                 if args.check_experts:
@@ -149,7 +153,7 @@ def main(argv=None) -> int:
         return "-" if v is None else format(v, spec)
 
     table = [[r["gemm"], r["act"], r["mean_tokens"],
-              tile(r["config"]) if "plan" not in r else f"split at {r['split']}: " + " + ".join(
+              tile(r["config"]) if "plan" not in r else f"split at {r['split']}{'' if r['wgmma'] else ', mma.sync'}: " + " + ".join(
                   f"{tile(p['config'])} on {p['counts_in'][0]}..{p['counts_in'][1]}" for p in r["plan"]),
               f"{r['ms']:.3f}", f"{r['gbps']:.0f}", f"{r['roof_pct']:.1f}", f"{r['tflops']:.0f}",
               f"{r['tensor_pct']:.1f}", fmt(r["pattern_pct"], ".1f"), fmt(r["read_pattern_ms"], ".3f")]

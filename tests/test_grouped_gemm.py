@@ -345,6 +345,50 @@ def test_shipped_configs_compile_without_spills(cfg):
         assert not info.wgmma_serialized, info
 
 
+def _split_tiles():
+    """The tiles gemm_plan splits into (both mma.sync) and split_configs' wgmma tiles, as their
+    counts_in instantiations take them."""
+    counts = np.array([0, 1, 3, 9, 12, 16, 5, 2, 40, 150, 270, 7] * 8)
+    plans = [gg.gemm_plan(n, k, counts) for n, k in ((4096, 4096), (4096, 2048))]
+    plans += [gg.split_configs(4096, 4096, counts, 16)]
+    return sorted({cfg for plan in plans for cfg, _ in plan}, key=lambda c: c.expression)
+
+
+@pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
+@pytest.mark.parametrize("cfg", _split_tiles(), ids=lambda c: c.expression.split("<")[1][:-1])
+def test_split_tiles_compile_without_spills(cfg):
+    """The instantiation that takes one size class (COUNTS_IN) of every tile a split launches."""
+    info = jit.ptxas_report(gg.SOURCE, cfg.expression_for(False, counts_in=True))
+    assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
+    assert info.registers <= 65536 // cfg.threads, info
+    assert not info.wgmma_serialized, info
+
+
+def test_gemm_plan_splits_skewed_routing_on_mma_sync_tiles_only():
+    """One launch for uniform routing (and wherever the heuristic keeps the 16-token tile); two by
+    expert size at SPLIT_AT for skewed routing whose one launch runs a larger tile, both mma.sync
+    (the family of that launch: the same bits); each plan covers every count exactly once."""
+    from lab.problem import make_routing
+
+    assert gg.split_configs(4096, 4096, [3, 300], 16, wgmma=False)[1][0].mma == 0
+    for mean, skew, split in ((8, 0.0, False), (8, 0.4, False), (8, 0.8, True), (8, 1.2, True),
+                              (32, 0.0, False), (32, 1.2, False), (512, 0.0, False)):
+        counts = make_routing(int(mean * 288 / 8), 288, 8, skew=skew, seed=3).counts
+        for n, k in ((4096, 4096), (4096, 2048)):
+            plan = gg.gemm_plan(n, k, counts)
+            one = gg.heuristic(n, k, counts)
+            assert (len(plan) == 2) == split, (mean, skew, plan)
+            if not split:
+                assert plan == ((one, gg.ALL_COUNTS),)
+                continue
+            assert [r for _, r in plan] == [(1, gg.SPLIT_AT), (gg.SPLIT_AT + 1, gg.ALL_COUNTS[1])]
+            assert one.mma == 0 and all(c.mma == 0 and not c.image for c, _ in plan), plan
+            assert {(c.block_rows, c.k_step) for c, _ in plan} == {(one.block_rows, one.k_step)}
+            active = counts[counts > 0]
+            covered = sum(((active >= lo) & (active <= hi)).astype(int) for _, (lo, hi) in plan)
+            assert (covered == 1).all()
+
+
 # ---------------------------------------------------------------------------------- GPU
 
 

@@ -216,9 +216,23 @@ GPU_CASES = [
     (MoEProblem(16, 512, 256, 4), dict(tokens=8, skew=0.0)),
     # E=12, H=256, I=512, skewed routing: a few experts own most rows (multi-pass GEMM tiles)
     (MoEProblem(12, 256, 512, 4), dict(tokens=40, skew=2.0)),
+    # E=128, H=1024, I=512, mean 4, skew 0.8: gemm_plan splits both GEMMs by expert size (two
+    # launches each; 100 of 100 drawn seeds)
+    (MoEProblem(128, 1024, 512, 4), dict(tokens=128, skew=0.8)),
     # E=8, H=I=256, top_k=1 and every token to expert 5 (built by hand below)
     (MoEProblem(8, 256, 256, 1), dict(tokens=19, one_expert=5)),
 ]
+
+
+def test_the_skewed_gpu_case_runs_split_gemms():
+    """The skewed GPU case exercises gemm_plan's two launches for both GEMMs."""
+    from lab.kernels import grouped_gemm as gg
+
+    problem, spec = next((p, s) for p, s in GPU_CASES if s.get("skew") == 0.8)
+    for seed in range(8):
+        counts = _case_routing(problem, spec, seed).counts
+        for n, k in ((2 * problem.intermediate, problem.hidden), (problem.hidden, problem.intermediate)):
+            assert len(gg.gemm_plan(n, k, counts)) == 2, (seed, n, k)
 
 
 def _case_routing(problem, spec, seed=0):

@@ -110,10 +110,13 @@ class GemmConfig:
     def expression(self) -> str:
         return self.expression_for(read_only=False)
 
-    def expression_for(self, read_only: bool) -> str:
+    def expression_for(self, read_only: bool, counts_in: bool = False) -> str:
+        """The kernel's instantiation; `counts_in`: the one that takes a size class of experts
+        (grouped_gemm's counts_in), a separate compile so the others keep their code."""
+        b = {True: "true", False: "false"}
         return (f"lab_gemm::grouped_gemm_nvfp4<{self.warps}, {self.row_tiles}, {self.k_step}, {self.stages}, "
                 f"{self.max_frags}, {self.mma}, {self.decoder_warps}, {self.epilogue_warps}, "
-                f"lab_gemm::Mode::{self.mode}, lab_gemm::Act::{self.act}, {'true' if read_only else 'false'}>")
+                f"lab_gemm::Mode::{self.mode}, lab_gemm::Act::{self.act}, {b[bool(read_only)]}, {b[bool(counts_in)]}>")
 
 
     @property
@@ -248,11 +251,13 @@ def modelled_time(counts, max_frags: int, row_blocks: int, ctas_per_sm: int) -> 
     return (max(unit.sum(), tail) + TAIL_SHARE * tail) / active.size
 
 
-def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None, act: str = "nvfp4") -> GemmConfig:
+def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None, act: str = "nvfp4",
+              wgmma: bool = True) -> GemmConfig:
     """Default tile for a problem whose weights were prepared with `layout` (default
     `default_layout`): a token tile that holds the routine expert in one pass (or, where the
     token-tile model predicts a clear gain under skewed routing, the tile it prefers), four (or
-    two) 16-row tiles per warp, and stages for ~80 KB of weights in flight per CTA."""
+    two) 16-row tiles per warp, and stages for ~80 KB of weights in flight per CTA. `wgmma=False`
+    keeps to mma.sync tiles (64 tokens at most), whose bits every mma.sync tile shares."""
     block_rows, k_step = layout or default_layout(n, k)
     counts = np.asarray(counts)
     active = counts[counts > 0]
@@ -288,7 +293,7 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None, act
         stages, cap = max(3, min(8, (80 * 1024) // stage_w)), 0
     # 64-token tiles: wgmma, one commit group per k atom; smaller tiles stay on mma.sync, which
     # wgmma did not beat there (notes/gemm.md v9-v12).
-    mma = 1 if frags >= 8 and warps % 4 == 0 else 0
+    mma = 1 if frags >= 8 and warps % 4 == 0 and wgmma else 0
     image = mma == 1
     if frags > 8 and (not image or warps != 8 or row_tiles != 2):
         frags = 8
@@ -303,12 +308,20 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None, act
     return cfg.validate(n, k)
 
 
+ALL_COUNTS = (1, 2**31 - 1)  # grouped_gemm's counts_in for every expert with tokens
+# Skewed routing whose launch the model moved to a tile past 16 tokens runs as two launches: the
+# experts of up to SPLIT_AT tokens on the 16-token tile, the others on theirs (bench_gemm --split
+# at mean 8, 2eab60f: the split at 16 beat the one launch by 1.13-1.16x at skew 1.2 and
+# 1.08-1.10x at 0.8; at 32 and 64 by less).
+SPLIT_AT = 16
+
+
 def split_configs(n: int, k: int, counts, hot_from: int, layout: tuple[int, int] | None = None,
-                  act: str = "nvfp4") -> list[tuple[GemmConfig, tuple[int, int]]]:
+                  act: str = "nvfp4", wgmma: bool = True) -> list[tuple[GemmConfig, tuple[int, int]]]:
     """One grouped GEMM as two launches by expert size (skewed routing): the experts of 1..hot_from
     tokens on the heuristic's tile for their counts, those past hot_from on the tile for theirs
-    (an image tile once they pass 64), each as (config, grouped_gemm's counts_in). One launch
-    where either class is empty. Not picked by the heuristic: bench_gemm --split times it."""
+    (an image tile once they pass 64, unless `wgmma` is False), each as (config, grouped_gemm's
+    counts_in). One launch where either class is empty."""
     counts = np.asarray(counts)
     if int(hot_from) != hot_from or hot_from < 1:
         raise ValueError(f"hot_from: expected an integer >= 1, got {hot_from!r}")
@@ -316,10 +329,26 @@ def split_configs(n: int, k: int, counts, hot_from: int, layout: tuple[int, int]
     hot = np.where(counts > hot_from, counts, 0)
     plan = []
     if cold.any():
-        plan.append((heuristic(n, k, cold, layout, act), (1, int(hot_from))))
+        plan.append((heuristic(n, k, cold, layout, act, wgmma), (1, int(hot_from))))
     if hot.any():
-        plan.append((heuristic(n, k, hot, layout, act), (int(hot_from) + 1, 2**31 - 1)))
+        plan.append((heuristic(n, k, hot, layout, act, wgmma), (int(hot_from) + 1, ALL_COUNTS[1])))
     return plan
+
+
+def gemm_plan(n: int, k: int, counts, layout: tuple[int, int] | None = None,
+              act: str = "nvfp4") -> tuple[tuple[GemmConfig, tuple[int, int]], ...]:
+    """The launches of one grouped GEMM, as (config, counts_in): the heuristic's tile over every
+    expert, or, for skewed routing where the model moved that launch to a tile past 16 tokens with
+    experts on both sides of SPLIT_AT, split_configs' two launches at SPLIT_AT. The split keeps to
+    mma.sync tiles, the family of the one launch and of the fused kernels built on it, so every
+    variant keeps separate's bits (mma.sync and wgmma may round a k16 step's sum differently)."""
+    cfg = heuristic(n, k, counts, layout, act)
+    active = np.asarray(counts)
+    active = active[active > 0]
+    if (cfg.mma == 0 and cfg.max_frags > 2 and active.size and active.var() > SKEWED_DISPERSION * active.mean()
+            and (active <= SPLIT_AT).any() and (active > SPLIT_AT).any()):
+        return tuple(split_configs(n, k, counts, SPLIT_AT, layout, act, wgmma=False))
+    return ((cfg, ALL_COUNTS),)
 
 
 SHIPPED_CONFIGS = tuple(

@@ -124,9 +124,11 @@ struct Config {
 };
 
 // READ_ONLY = true runs the same grid, pipeline and copies but skips decode, MMA and stores:
-// the achievable read rate of exactly this access pattern.
+// the achievable read rate of exactly this access pattern. COUNTS_IN = true takes only the experts
+// of count_lo..count_hi tokens (a launch over one size class: grouped_gemm's counts_in); false
+// ignores both arguments and compiles to the same code as a kernel without them.
 template <int WARPS, int ROW_TILES, int K_STEP, int STAGES, int MAX_FRAGS, int MMA, int DECODER_WARPS,
-          int EPILOGUE_WARPS, Mode MODE, Act ACT, bool READ_ONLY>
+          int EPILOGUE_WARPS, Mode MODE, Act ACT, bool READ_ONLY, bool COUNTS_IN>
 __global__ void __launch_bounds__(
     Config<WARPS, ROW_TILES, K_STEP, STAGES, MAX_FRAGS, MMA, DECODER_WARPS, EPILOGUE_WARPS, MODE, ACT>::THREADS, 1)
 grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single problem) the same
@@ -150,8 +152,8 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
     // outputs that are not finite in *nonfinite).
     int* __restrict__ ready, unsigned short* __restrict__ out_bf16,
     unsigned int* __restrict__ nonfinite,  // SwiGLU values or bf16 outputs that are not finite
-    // The experts this launch computes: those of count_lo..count_hi tokens (count_lo >= 1; both
-    // problems). The rest keep their output as it was.
+    // COUNTS_IN: the experts this launch computes are those of count_lo..count_hi tokens
+    // (count_lo >= 1; both problems). The rest keep their output as it was.
     int count_lo, int count_hi) {
   using C = Config<WARPS, ROW_TILES, K_STEP, STAGES, MAX_FRAGS, MMA, DECODER_WARPS, EPILOGUE_WARPS, MODE, ACT>;
   // The SwiGLU epilogue in the consumers' registers (gemm/epilogue.cuh, swiglu_regs) on the
@@ -206,7 +208,7 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
     n_active_s = 0;
   }
   __shared__ int n_active0_s;
-  compact_experts<C::THREADS>(offsets0, offsets1, num_experts0, num_experts1, count_lo, count_hi, active, warp_count,
+  compact_experts<C::THREADS, COUNTS_IN>(offsets0, offsets1, num_experts0, num_experts1, count_lo, count_hi, active, warp_count,
                               n_active_s, n_active0_s, warp, lane);
   const int n_active0 = n_active0_s;
   const int n_units0 = n_active0 * NB0;

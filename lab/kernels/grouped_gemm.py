@@ -30,7 +30,7 @@ from lab.kernels.gemm_config import (ACTS, FUSED_SMALL_STAGES, IMAGE_FRAGS, MAX_
                                      SHIPPED_CONFIGS, modelled_time,
                                      SHIPPED_FUSED, SHIPPED_FUSED_W4A16, SHIPPED_IMAGE, SHIPPED_LARGE, SHIPPED_W4A16,
                                      LARGE_FRAGS, SMEM_LIMIT, GemmConfig, frags_for, fused_config, heuristic,
-                                     resident_ctas, split_configs)
+                                     resident_ctas, split_configs, gemm_plan, ALL_COUNTS, SPLIT_AT)
 from lab.kernels.gemm_weights import (ATOM_BYTES, ATOM_CODE_BYTES, ATOM_K, ATOM_ROWS, DECODE_MASK,  # noqa: F401
                                       ENCODE_TABLES, K_SLOTS, PreparedWeights, check_weight_shapes,
                                       decode_words, decode_x_words, default_layout, pair_gate_up_rows, permute_k, shared_layout,
@@ -42,7 +42,8 @@ __all__ = [  # the launchers, and what gemm_weights and gemm_config define, unde
     "SOURCE", "Fusion", "grouped_gemm", "grouped_gemm_pair", "swiglu_gemm", "fused_layer",
     "ACTS", "FUSED_SMALL_STAGES", "IMAGE_FRAGS", "MAX_FRAGS_CHOICES", "MODEL_MARGIN", "MODES", "SKEWED_DISPERSION", "modelled_time", "SHIPPED_CONFIGS", "SHIPPED_FUSED", "SHIPPED_W4A16",
     "SHIPPED_FUSED_W4A16", "SHIPPED_IMAGE", "SHIPPED_LARGE", "activation_image", "image_bytes", "image_groups", "image_workspace", "LARGE_FRAGS", "SMEM_LIMIT",
-    "GemmConfig", "frags_for", "fused_config", "heuristic", "resident_ctas", "split_configs", "ALL_COUNTS",
+    "GemmConfig", "frags_for", "fused_config", "heuristic", "resident_ctas", "split_configs", "gemm_plan", "ALL_COUNTS", "SPLIT_AT",
+    "grouped_gemm_plan",
     "ATOM_BYTES", "ATOM_CODE_BYTES", "ATOM_K", "ATOM_ROWS", "DECODE_MASK", "ENCODE_TABLES", "K_SLOTS",
     "PreparedWeights", "check_weight_shapes", "decode_words", "decode_x_words", "default_layout",
     "pair_gate_up_rows", "permute_k", "prepare_weights", "shared_layout", "unpair_gate_up_rows", "unprepare_weights",
@@ -119,9 +120,6 @@ def grouped_gemm(prep: PreparedWeights, x_packed, x_scales, offsets, alpha, out,
             counts_in=_counts_range(counts_in))
 
 
-ALL_COUNTS = (1, 2**31 - 1)  # every expert with tokens
-
-
 def _counts_range(counts_in) -> tuple[int, int]:
     if counts_in is None:
         return ALL_COUNTS
@@ -133,6 +131,16 @@ def _counts_range(counts_in) -> tuple[int, int]:
     if not ok or not 1 <= lo <= hi <= ALL_COUNTS[1]:
         raise ValueError(f"counts_in: expected (lo, hi), integers with 1 <= lo <= hi < 2**31, got {counts_in!r}")
     return lo, hi
+
+
+def grouped_gemm_plan(prep: PreparedWeights, x_packed, x_scales, offsets, alpha, out, plan,
+                      stream=None) -> None:
+    """The launches of `plan` (gemm_plan's (config, counts_in) pairs) on `stream`: one grouped GEMM
+    whose experts are split by size between tiles; each launch writes its experts' rows."""
+    if not plan:
+        raise ValueError("plan: expected one or more (config, counts_in) pairs, got none")
+    for cfg, counts_in in plan:
+        grouped_gemm(prep, x_packed, x_scales, offsets, alpha, out, cfg, stream=stream, counts_in=counts_in)
 
 
 def grouped_gemm_pair(first: tuple, second: tuple, cfg: GemmConfig, stream=None) -> None:
@@ -269,7 +277,7 @@ def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fu
                         for i, (prep, x_packed, x_scales, offsets, alpha, out) in enumerate(problems)]
     experts = sum(pr[0].experts for pr in problems)
     smem = cfg.launch_smem(experts)
-    fn = jit.kernel(SOURCE, cfg.expression_for(read_only), smem)
+    fn = jit.kernel(SOURCE, cfg.expression_for(read_only, counts_in != ALL_COUNTS), smem)
     units = sum(pr[0].experts * (pr[0].n // cfg.block_rows) for pr in problems)
     grid = (min(units, jit.sm_count() * resident_ctas(cfg, experts, fn.num_regs)),)
     args = []

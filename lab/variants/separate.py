@@ -19,8 +19,8 @@ def launch_stages(runner, layer, part, stream, after_w13=None, fuse_out: bool = 
     recorded on `stream` once the w13 GEMM is enqueued, for pipelines that order on it;
     `fuse_out` as for launch_w2_out."""
     with runner.stage("w13", stream):
-        gg.grouped_gemm(part.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, part.h,
-                        layer.w13_cfg, stream=stream)
+        gg.grouped_gemm_plan(part.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, part.h,
+                             layer.w13_plan, stream=stream)
     if after_w13 is not None:
         after_w13.record(stream)
     with runner.stage("act", stream):
@@ -32,15 +32,17 @@ def launch_stages(runner, layer, part, stream, after_w13=None, fuse_out: bool = 
 def launch_w2_out(runner, layer, part, stream, fuse_out: bool = False) -> None:
     """The w2 GEMM on a_q and the bf16 conversion: the stages every unfused-w2 variant ends with.
     `fuse_out`: where w2 runs an image tile, its epilogue writes the bf16 output itself (one
-    stage, "w2+out"; the same bits, grouped_gemm's bf16 out)."""
+    stage, "w2+out"; the same bits, grouped_gemm's bf16 out). Each GEMM runs its plan's launches
+    (gg.gemm_plan: one, or two by expert size under skewed routing, never on an image tile)."""
     if fuse_out and layer.w2_cfg.image:
+        assert len(layer.w2_plan) == 1, layer.w2_plan  # (gemm_plan splits mma.sync launches only)
         with runner.stage("w2+out", stream):
             gg.grouped_gemm(part.w2, part.a_packed, part.a_scales, part.offsets, part.w2_alpha, part.out_bf16,
                             layer.w2_cfg, stream=stream, nonfinite=runner.counter)
         return
     with runner.stage("w2", stream):
-        gg.grouped_gemm(part.w2, part.a_packed, part.a_scales, part.offsets, part.w2_alpha, part.out,
-                        layer.w2_cfg, stream=stream)
+        gg.grouped_gemm_plan(part.w2, part.a_packed, part.a_scales, part.offsets, part.w2_alpha, part.out,
+                             layer.w2_plan, stream=stream)
     with runner.stage("out", stream):
         sq.to_bf16(part.out, part.out_bf16, runner.counter, stream=stream)
 

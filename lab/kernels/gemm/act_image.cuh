@@ -29,8 +29,9 @@ __device__ __forceinline__ int image_groups(const int* offsets, int num_experts)
 // Threads: one token slot (group, row) each, QB consecutive k16 blocks (a 32-byte read of NVFP4
 // codes, 128 bytes of bf16); blockIdx.y picks the k16 blocks. Eight consecutive threads write one
 // whole 256-byte (q, grp) piece. Slots past an expert's tokens (and the groups between experts)
-// are written as zeros. Experts outside count_lo..count_hi tokens are not written at all (a GEMM
-// launch over the others does not read them: grouped_gemm's counts_in).
+// are written as zeros. Experts with tokens outside count_lo..count_hi are not written at all (a
+// GEMM launch over the others does not read them: grouped_gemm's counts_in); the groups of empty
+// experts are zeros whatever the range.
 constexpr int IMAGE_QB = 4;
 constexpr int IMAGE_THREADS = 128;
 
@@ -50,7 +51,7 @@ __global__ void __launch_bounds__(IMAGE_THREADS) act_image(const uint8_t* __rest
     else hi = mid - 1;
   }
   const int count = offsets[lo + 1] - offsets[lo];
-  if (count < count_lo || count > count_hi) return;
+  if (count > 0 && (count < count_lo || count > count_hi)) return;
   const int local = (grp - image_group0(offsets, lo)) * 8 + row;
   const bool valid = local < count;
   const size_t r = (size_t)offsets[lo] + local;

@@ -7,11 +7,11 @@
 namespace lab_gemm {
 
 // Compact the experts that have tokens (block-wide ballot scan) into active[], problem 0's then
-// problem 1's: units are (active expert, row block), so empty experts cost nothing. Only experts
-// of count_lo..count_hi tokens (count_lo >= 1) count as active: a launch can take the experts of
-// one size class, another launch with another tile the rest.
+// problem 1's: units are (active expert, row block), so empty experts cost nothing. With
+// COUNTS_IN only experts of count_lo..count_hi tokens (count_lo >= 1) count as active: a launch
+// can take the experts of one size class, another launch with another tile the rest.
 // n_active: both problems' active experts; n_active0: problem 0's. Ends with the CTA in step.
-template <int THREADS>
+template <int THREADS, bool COUNTS_IN>
 __device__ __forceinline__ void compact_experts(const int* offsets0, const int* offsets1, int num_experts0,
                                                 int num_experts1, int count_lo, int count_hi, int* active,
                                                 int* warp_count, int& n_active, int& n_active0, int warp, int lane) {
@@ -21,8 +21,13 @@ __device__ __forceinline__ void compact_experts(const int* offsets0, const int* 
     for (int base = 0; base < num_experts; base += THREADS) {
       __syncthreads();
       const int ex = base + (int)threadIdx.x;
-      const int count = ex < num_experts ? offsets[ex + 1] - offsets[ex] : 0;
-      const bool has = count >= count_lo && count <= count_hi;
+      bool has;
+      if constexpr (COUNTS_IN) {
+        const int count = ex < num_experts ? offsets[ex + 1] - offsets[ex] : 0;
+        has = count >= count_lo && count <= count_hi;
+      } else {
+        has = ex < num_experts && offsets[ex + 1] > offsets[ex];
+      }
       const uint32_t ballot = __ballot_sync(0xffffffffu, has);
       if (lane == 0) warp_count[warp] = __popc(ballot);
       __syncthreads();
