@@ -364,25 +364,28 @@ def test_split_tiles_compile_without_spills(cfg):
     assert not info.wgmma_serialized, info
 
 
-def test_gemm_plan_splits_skewed_routing_on_mma_sync_tiles_only():
+def test_gemm_plan_splits_skewed_routing_by_expert_size():
     """One launch for uniform routing (and wherever the heuristic keeps the 16-token tile); two by
-    expert size at SPLIT_AT for skewed routing whose one launch runs a larger tile, both mma.sync
-    (the family of that launch: the same bits); each plan covers every count exactly once."""
+    expert size at SPLIT_AT for skewed routing whose one launch runs a larger mma.sync tile: the
+    hot experts on an image tile with NVFP4 activations, on mma.sync with bf16 ones (whose k16
+    sums round); one prepared layout; each plan covers every count exactly once."""
     from lab.problem import make_routing
 
     assert gg.split_configs(4096, 4096, [3, 300], 16, wgmma=False)[1][0].mma == 0
     for mean, skew, split in ((8, 0.0, False), (8, 0.4, False), (8, 0.8, True), (8, 1.2, True),
                               (32, 0.0, False), (32, 1.2, False), (512, 0.0, False)):
         counts = make_routing(int(mean * 288 / 8), 288, 8, skew=skew, seed=3).counts
-        for n, k in ((4096, 4096), (4096, 2048)):
-            plan = gg.gemm_plan(n, k, counts)
-            one = gg.heuristic(n, k, counts)
-            assert (len(plan) == 2) == split, (mean, skew, plan)
+        for (n, k), act in [(nk, a) for nk in ((4096, 4096), (4096, 2048)) for a in gg.ACTS]:
+            plan = gg.gemm_plan(n, k, counts, act=act)
+            one = gg.heuristic(n, k, counts, act=act)
+            assert (len(plan) == 2) == split, (mean, skew, act, plan)
             if not split:
                 assert plan == ((one, gg.ALL_COUNTS),)
                 continue
             assert [r for _, r in plan] == [(1, gg.SPLIT_AT), (gg.SPLIT_AT + 1, gg.ALL_COUNTS[1])]
-            assert one.mma == 0 and all(c.mma == 0 and not c.image for c, _ in plan), plan
+            (cold, _), (hot, _) = plan
+            assert one.mma == 0 and cold.mma == 0 and not cold.image, plan
+            assert hot.image if act == "nvfp4" else (hot.mma == 0 and not hot.image), plan
             assert {(c.block_rows, c.k_step) for c, _ in plan} == {(one.block_rows, one.k_step)}
             active = counts[counts > 0]
             covered = sum(((active >= lo) & (active <= hi)).astype(int) for _, (lo, hi) in plan)
@@ -532,7 +535,7 @@ def test_decode_words_is_what_the_kernel_decodes():
 
 @pytest.mark.gpu
 def test_all_configs_bitwise_equal_and_deterministic():
-    """Every shipped configuration accumulates in the same K order: identical bits."""
+    """Every shipped configuration, mma.sync or wgmma, writes identical bits, run after run."""
     from lab.gpu import require_gpu
 
     cp = require_gpu("test")
@@ -544,15 +547,17 @@ def test_all_configs_bitwise_equal_and_deterministic():
     xq, xs = random_nvfp4(rng, (int(offsets[-1]), k))
     alpha = rng.uniform(0.5, 2, e).astype(np.float32)
     ref = reference.grouped_gemm(xq, xs, offsets, packed, scales, alpha)
-    # mma.sync and wgmma may add the 16 products of a k16 step in different orders: bitwise
-    # equality holds within each instruction family, closeness to float64 for both.
+    # mma.sync and wgmma may add the 16 products of a k16 step in different orders, but with
+    # NVFP4 on both sides those sums are exact (gemm_config.gemm_plan): the families agree too.
+    first = None
     for mma in (0, 1):
         cfgs = [c for c in gg.SHIPPED_CONFIGS if c.mma == mma]
         outs = [run_gemm(cp, packed, scales, xq, xs, offsets, alpha, cfg) for cfg in cfgs]
         outs.append(run_gemm(cp, packed, scales, xq, xs, offsets, alpha, cfgs[0], poison=7.0))
         assert checks.rel_error(outs[0], ref) <= 1e-5, f"mma={mma}"
+        first = outs[0] if first is None else first
         for cfg, o in zip(cfgs + ["rerun"], outs):
-            bad = np.argwhere(o.view(np.uint32) != outs[0].view(np.uint32))
+            bad = np.argwhere(o.view(np.uint32) != first.view(np.uint32))
             assert bad.size == 0, f"{cfg}: first mismatch at {bad[0].tolist()}"
 
 
@@ -653,9 +658,8 @@ def test_split_configs_take_each_size_class_on_its_tile():
 @pytest.mark.parametrize("hot_from", [1, 16, 64, 200])
 def test_split_launches_write_their_experts_as_their_tiles_do(hot_from):
     """Each launch of split_configs writes exactly its experts' rows (the rest keep the poison),
-    bit for bit what the same tile writes for them unfiltered (mma.sync and wgmma tiles may round
-    a k16 step's sum differently, so the reference for each class is its own tile); both
-    together within 1e-5 of float64."""
+    bit for bit what the same tile writes for them unfiltered; both together within 1e-5 of
+    float64 and bit for bit one launch of a mma.sync tile over every expert."""
     from lab.gpu import require_gpu
 
     cp = require_gpu("test")
@@ -684,5 +688,12 @@ def test_split_launches_write_their_experts_as_their_tiles_do(hot_from):
         assert ok, f"seed {seed}, {cfg}, {counts_in}: {msg}"
     got = both.get()
     assert np.isfinite(got).all(), f"seed {seed}: rows no launch wrote"
+    # and bit for bit what one launch of the heuristic's mma.sync tile writes: NVFP4 products of a
+    # k16 step sum exactly, so the families agree (gemm_plan relies on it)
+    one = gg.heuristic(n, k, counts, wgmma=False)
+    whole = cp.full((rows, n), cp.nan, cp.float32)
+    gg.grouped_gemm(prep, *args, whole, one)
+    ok, msg = checks.compare_bits(got.view(np.uint32), whole.get().view(np.uint32))
+    assert ok, f"seed {seed}, split at {hot_from} against one launch of {one}: {msg}"
     ref = reference.grouped_gemm(xq, xs, offsets, packed, scales, alpha)
     assert checks.rel_error(got, ref) <= 1e-5, f"seed {seed}"

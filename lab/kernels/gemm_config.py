@@ -311,8 +311,9 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None, act
 ALL_COUNTS = (1, 2**31 - 1)  # grouped_gemm's counts_in for every expert with tokens
 # Skewed routing whose launch the model moved to a tile past 16 tokens runs as two launches: the
 # experts of up to SPLIT_AT tokens on the 16-token tile, the others on theirs (bench_gemm --split
-# at mean 8, 2eab60f: the split at 16 beat the one launch by 1.13-1.16x at skew 1.2 and
-# 1.08-1.10x at 0.8; at 32 and 64 by less).
+# at mean 8, 2eab60f and 9d76701: the split at 16 beat the one launch by 1.13-1.18x at skew 1.2 and
+# 1.08-1.12x at 0.8; at 32 and 64 by less; with the hot experts on the 64-token mma.sync tile
+# instead of the 160-token image tile only 1.04-1.10x).
 SPLIT_AT = 16
 
 
@@ -338,16 +339,19 @@ def split_configs(n: int, k: int, counts, hot_from: int, layout: tuple[int, int]
 def gemm_plan(n: int, k: int, counts, layout: tuple[int, int] | None = None,
               act: str = "nvfp4") -> tuple[tuple[GemmConfig, tuple[int, int]], ...]:
     """The launches of one grouped GEMM, as (config, counts_in): the heuristic's tile over every
-    expert, or, for skewed routing where the model moved that launch to a tile past 16 tokens with
-    experts on both sides of SPLIT_AT, split_configs' two launches at SPLIT_AT. The split keeps to
-    mma.sync tiles, the family of the one launch and of the fused kernels built on it, so every
-    variant keeps separate's bits (mma.sync and wgmma may round a k16 step's sum differently)."""
+    expert, or, for skewed routing where the model moved that launch to a mma.sync tile past 16
+    tokens with experts on both sides of SPLIT_AT, split_configs' two launches at SPLIT_AT.
+    Every tile writes the same bits: the 16 products of a k16 step share one pair of block scales
+    and are multiples of 2^-2 * 2^-28 * scales up to 36 each, so their sum is exact in fp32 and
+    mma.sync and wgmma differ in nothing but the order of exact adds (W4A4; checked on the H200 by
+    test_split_launches_write_their_experts_as_their_tiles_do). With bf16 activations (W4A16) the
+    sums round, so there the split keeps to mma.sync tiles, the one launch's family."""
     cfg = heuristic(n, k, counts, layout, act)
     active = np.asarray(counts)
     active = active[active > 0]
     if (cfg.mma == 0 and cfg.max_frags > 2 and active.size and active.var() > SKEWED_DISPERSION * active.mean()
             and (active <= SPLIT_AT).any() and (active > SPLIT_AT).any()):
-        return tuple(split_configs(n, k, counts, SPLIT_AT, layout, act, wgmma=False))
+        return tuple(split_configs(n, k, counts, SPLIT_AT, layout, act, wgmma=act == "nvfp4"))
     return ((cfg, ALL_COUNTS),)
 
 

@@ -33,9 +33,9 @@ def launch_w2_out(runner, layer, part, stream, fuse_out: bool = False) -> None:
     """The w2 GEMM on a_q and the bf16 conversion: the stages every unfused-w2 variant ends with.
     `fuse_out`: where w2 runs an image tile, its epilogue writes the bf16 output itself (one
     stage, "w2+out"; the same bits, grouped_gemm's bf16 out). Each GEMM runs its plan's launches
-    (gg.gemm_plan: one, or two by expert size under skewed routing, never on an image tile)."""
+    (gg.gemm_plan: one, or two by expert size under skewed routing)."""
     if fuse_out and layer.w2_cfg.image:
-        assert len(layer.w2_plan) == 1, layer.w2_plan  # (gemm_plan splits mma.sync launches only)
+        assert len(layer.w2_plan) == 1, layer.w2_plan  # (gemm_plan splits only launches on mma.sync tiles)
         with runner.stage("w2+out", stream):
             gg.grouped_gemm(part.w2, part.a_packed, part.a_scales, part.offsets, part.w2_alpha, part.out_bf16,
                             layer.w2_cfg, stream=stream, nonfinite=runner.counter)
