@@ -323,6 +323,20 @@ def _stage_mean(run: dict) -> str | None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _config_tile(c: dict) -> str:
+    return (f"{c['warps']},{c['row_tiles']},{c['k_step']},{c['stages']},{c['max_frags']},{c.get('mma', 0)}"
+            + (",image" if c.get("image") else ""))
+
+
+def gemm_tile(r: dict) -> str:
+    """A GEMM row's tile; a split row (bench_gemm --split) names each launch's tile and experts."""
+    if "plan" not in r:
+        return _config_tile(r["config"])
+    hi = lambda v: "" if v >= 2**31 - 1 else str(v)  # noqa: E731
+    return f"split at {r['split']}: " + " + ".join(f"{_config_tile(p['config'])} on {p['counts_in'][0]}..{hi(p['counts_in'][1])}"
+                                                  for p in r["plan"])
+
+
 def gemm_table(rows: list[dict]) -> str:
     held = any(r.get("sustained_ms") is not None for r in rows)
     acts = any("act" in r for r in rows)  # W4A4 and W4A16 rows side by side (runs since the act flag)
@@ -333,9 +347,7 @@ def gemm_table(rows: list[dict]) -> str:
             (["held ms", "held % roofline"] if held else []))
     body = []
     for r in rows:
-        c = r["config"]
-        tile = (f"{c['warps']},{c['row_tiles']},{c['k_step']},{c['stages']},{c['max_frags']},{c.get('mma', 0)}"
-                + (",image" if c.get("image") else ""))
+        tile = gemm_tile(r)
         body.append([r["gemm"]] + ([r.get("act", "nvfp4")] if acts else []) +
                     [f"{r['mean_tokens']:g}", str(r.get("max_count", "-")), tile, _fmt(r["ms"]), _fmt(r["roof_pct"], 1),
                      _fmt(r.get("read_pattern_roof_pct"), 1)]
@@ -375,12 +387,11 @@ def gemm_verdicts(gemm_rows: list[dict]) -> list[str]:
         if len(rs) < 2:
             continue
         rs = sorted(rs, key=lambda r: r["ms"])
-        name = (lambda r: "{warps},{row_tiles},{k_step},{stages},{max_frags},{mma}".format(**{"mma": 0, **r["config"]})
-                + (",image" if r["config"].get("image") else ""))
-        out.append(f"{gemm}{' (' + act + ')' if acts else ''} at mean {mean:g}: fastest tile {name(rs[0])}, "
+        name = (lambda r: gemm_tile(r) if "plan" in r else "tile " + gemm_tile(r))  # noqa: E731
+        out.append(f"{gemm}{' (' + act + ')' if acts else ''} at mean {mean:g}: fastest {name(rs[0])}, "
                    f"{rs[0]['ms']:.3f} ms ({rs[0]['roof_pct']:.1f}% of the read roofline); "
                    + ", ".join(f"{name(r)} {r['ms'] / rs[0]['ms']:.2f}x its time" for r in rs[1:]) + ".")
-    tiles = sorted({r["config"]["max_frags"] * 8 for r in gemm_rows})
+    tiles = sorted({p["config"]["max_frags"] * 8 for r in gemm_rows for p in r.get("plan", [r])})
     if tiles:
         out.append(f"Token tiles measured: {', '.join(map(str, tiles))} tokens"
                    + (" (all below CUTLASS's minimum of 128; the tile sweep below says whether one of 128 does "

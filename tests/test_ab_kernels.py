@@ -78,3 +78,13 @@ def test_script_refuses_one_tree_before_the_gpu(tmp_path, capsys):
     with pytest.raises(SystemExit):
         ab.main(["--out", "bf16", "--act", "bf16"])
     assert "--out bf16" in capsys.readouterr().err
+
+
+def test_rounds_compare_fastest_and_median_and_say_when_they_overlap():
+    mod = load_script()
+    got = mod.compare_rounds({"base": [1.0, 1.2, 1.1], "same": [1.05, 1.15, 1.2], "slow": [1.3, 1.4, 1.35]}, "base")
+    assert got["base"]["x_base"] == 1.0 and got["base"]["x_base_median"] == 1.0 and got["base"]["overlaps_base"]
+    assert got["same"]["ms"] == 1.05 and abs(got["same"]["x_base"] - 1.05) < 1e-12
+    assert abs(got["same"]["x_base_median"] - 1.15 / 1.1) < 1e-12 and got["same"]["overlaps_base"]
+    assert not got["slow"]["overlaps_base"] and abs(got["slow"]["median_ms"] - 1.35) < 1e-12
+    assert got["slow"]["round_ms"] == [1.3, 1.4, 1.35]
