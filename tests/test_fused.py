@@ -44,7 +44,7 @@ def test_fused_config_adds_the_epilogue_warps_and_fits_shared_memory():
     for f in gg.MAX_FRAGS_CHOICES:
         plain = gg.GemmConfig(*((4, 4) if f <= 2 else (8, 2)), 128, 4, f)
         fused = gg.fused_config(plain, "layer")
-        assert fused.threads % 128 == 0 and fused.epilogue_warps >= 1 and fused.expression.endswith("lab_gemm::Mode::layer, lab_gemm::Act::nvfp4, false>")
+        assert fused.threads % 128 == 0 and fused.epilogue_warps >= 1 and fused.expression.endswith("lab_gemm::Mode::layer, lab_gemm::Act::nvfp4, false, false>")
         assert fused.smem_bytes > plain.smem_bytes and fused.smem_bytes + 4096 <= gg.SMEM_LIMIT
         assert fused.stages == 4
         if f <= 2:  # the plain heuristic's three stages become four in fused CTAs of 8-16 tokens

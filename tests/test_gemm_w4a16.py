@@ -20,7 +20,7 @@ def test_w4a16_configs_size_bf16_rows_and_name_the_activation():
     b = replace(c, act="bf16")
     # a stage holds 16 tokens x 128 k of bf16 (4 KB) instead of codes and scales (1 KB + 128 B)
     assert b.smem_bytes - c.smem_bytes == 3 * (16 * 128 * 2 - (16 * 64 + 16 * 8))
-    assert b.expression.endswith("lab_gemm::Act::bf16, false>") and c.expression.endswith("Act::nvfp4, false>")
+    assert b.expression.endswith("lab_gemm::Act::bf16, false, false>") and c.expression.endswith("Act::nvfp4, false, false>")
     with pytest.raises(ValueError, match="act must be one of"):
         replace(c, act="fp8").validate()
     assert gg.heuristic(4096, 4096, [9] * 8, act="bf16") == replace(gg.heuristic(4096, 4096, [9] * 8), act="bf16")
