@@ -89,13 +89,17 @@ def main(argv=None) -> int:
     ap.add_argument("--act", choices=["nvfp4", "bf16"], default="nvfp4", help="activations: NVFP4 (W4A4) or bf16 (W4A16)")
     ap.add_argument("--config", type=parse_config, help=CONFIG_HELP)
     ap.add_argument("--rounds", type=int, default=4, help="timing rounds; each times every tree once, order alternating")
+    ap.add_argument("--warmup-rounds", type=int, default=1,
+                    help="rounds run first and not kept (the first timing after the checks runs fast: clocks up "
+                         "after the idle host work)")
     args = ap.parse_args(argv)
     try:
         trees = trees_of(args.tree)
     except ValueError as e:
         ap.error(str(e))
-    if args.rounds < 1 or args.iterations < 1:
-        ap.error(f"--rounds and --iterations must be >= 1, got {args.rounds} and {args.iterations}")
+    if args.rounds < 1 or args.iterations < 1 or args.warmup_rounds < 0:
+        ap.error(f"--rounds and --iterations must be >= 1 and --warmup-rounds >= 0, got {args.rounds}, "
+                 f"{args.iterations} and {args.warmup_rounds}")
     if "bf16" in args.out and args.act == "bf16":
         ap.error("--out bf16: the bf16 output is an NVFP4-activation (W4A4) epilogue here; use --act nvfp4")
     problem = problem_of(args)
@@ -157,10 +161,12 @@ def main(argv=None) -> int:
                     row["trees"][name] = t
                 del first
                 ms = {n: [] for n in names}
-                for r in range(args.rounds):
+                for r in range(-args.warmup_rounds, args.rounds):
                     for name in (names if r % 2 == 0 else names[::-1]):
                         with jit.use_tree(trees[name]):
-                            ms[name].append(time_cuda(run, iterations=args.iterations).median_ms)
+                            round_ms = time_cuda(run, iterations=args.iterations).median_ms
+                        if r >= 0:
+                            ms[name].append(round_ms)
                 flops = 2.0 * case.rows * case.n * case.k
                 for name, c in compare_rounds(ms, base).items():
                     row["trees"][name].update(c, tensor_pct=100 * flops / (c["ms"] * 1e-3) / 1e12 / tensor["tflops"])
