@@ -341,11 +341,13 @@ def gemm_plan(n: int, k: int, counts, layout: tuple[int, int] | None = None,
     """The launches of one grouped GEMM, as (config, counts_in): the heuristic's tile over every
     expert, or, for skewed routing where the model moved that launch to a mma.sync tile past 16
     tokens with experts on both sides of SPLIT_AT, split_configs' two launches at SPLIT_AT.
-    Every tile writes the same bits: the 16 products of a k16 step share one pair of block scales
-    and are multiples of 2^-2 * 2^-28 * scales up to 36 each, so their sum is exact in fp32 and
-    mma.sync and wgmma differ in nothing but the order of exact adds (W4A4; checked on the H200 by
-    test_split_launches_write_their_experts_as_their_tiles_do). With bf16 activations (W4A16) the
-    sums round, so there the split keeps to mma.sync tiles, the one launch's family."""
+    Every tile writes the same bits: the 16 products of a k16 step share one pair of block scales,
+    each being an e2m1 x e2m1 product (a multiple of 1/4, at most 36) times that pair, so their sum
+    has at most ~20 significant bits and is exact in fp32 in any order; mma.sync and wgmma differ
+    only in that order, and both add each step's sum into the accumulator in K order (W4A4; checked
+    on the H200 by test_split_launches_write_their_experts_as_their_tiles_do). With bf16
+    activations (W4A16) the sums round, so there the split keeps to mma.sync tiles, the one
+    launch's family."""
     cfg = heuristic(n, k, counts, layout, act)
     active = np.asarray(counts)
     active = active[active > 0]
