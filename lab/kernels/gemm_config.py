@@ -257,7 +257,8 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None, act
     `default_layout`): a token tile that holds the routine expert in one pass (or, where the
     token-tile model predicts a clear gain under skewed routing, the tile it prefers), four (or
     two) 16-row tiles per warp, and stages for ~80 KB of weights in flight per CTA. `wgmma=False`
-    keeps to mma.sync tiles (64 tokens at most), whose bits every mma.sync tile shares."""
+    keeps to mma.sync tiles (64 tokens at most): gemm_plan's W4A16 splits, whose k16 sums round and
+    so may differ between the two instruction families."""
     block_rows, k_step = layout or default_layout(n, k)
     counts = np.asarray(counts)
     active = counts[counts > 0]
