@@ -1,11 +1,9 @@
-"""Probe: do mma.sync and wgmma tiles write the same bits (NVFP4 activations)?
-
-For skewed routings at mean 8 it runs one grouped GEMM three ways on the same inputs: one launch of
-the heuristic's tile (mma.sync at these skews), the split by expert size at 16 with the hot experts
-on mma.sync tiles, and the same split with them on the wgmma image tile; it counts the output
-elements whose bits differ from the one launch, in the hot and the cold experts' rows. gemm_plan
-relies on the answer (each k16 step's products sum exactly in fp32: gemm_config.gemm_plan).
-"""
+"""Probe: do mma.sync and wgmma tiles write the same bits (NVFP4 activations)?"""
+# For skewed routings at mean 8 it runs one grouped GEMM three ways on the same inputs: one launch
+# of the heuristic's tile (mma.sync at these skews), the split by expert size at 16 with the hot
+# experts on mma.sync tiles, and the same split with them on the wgmma image tile; it counts the
+# output elements whose bits differ from the one launch, in the hot and the cold experts' rows.
+# gemm_plan relies on the answer (each k16 step's products sum exactly in fp32: gemm_config.gemm_plan).
 import argparse
 import sys
 
@@ -28,7 +26,7 @@ def random_nvfp4(rng, shape, scale_codes):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", help="write the counts here")
     args = ap.parse_args(argv)
     cp = require_gpu("tile_families_probe")  # before any output: without a GPU, one line
