@@ -58,6 +58,64 @@ def test_pairing_rejects_halves_that_do_not_split():
         gg.pair_gate_up_rows(np.zeros((1, 192, 8), np.uint8), 256)  # I = 96 is not a multiple of 128
 
 
+def _split_layer(skew: float = 1.2):
+    """The study's problem at mean 8 and `skew`, as much of a Layer as the fused variants' plans read."""
+    from types import SimpleNamespace
+
+    from lab.problem import MoEProblem, make_routing
+
+    p = MoEProblem()
+    counts = make_routing(8 * p.experts // p.top_k, p.experts, p.top_k, skew=skew, seed=0).counts
+    return SimpleNamespace(problem=p, counts=counts, w13_plan=gg.gemm_plan(2 * p.intermediate, p.hidden, counts),
+                           w2_plan=gg.gemm_plan(p.hidden, p.intermediate, counts))
+
+
+def _split_fused_tiles():
+    """The fused instantiations split launches take (COUNTS_IN): fused-swiglu's w13 plan, the
+    fused layer's launches by size class, at skew 0.8 and 1.2."""
+    from lab.variants import fused_layer
+
+    cfgs = set()
+    for skew in (0.8, 1.2):
+        layer = _split_layer(skew)
+        cfgs |= {gg.fused_config(c, "swiglu") for c, _ in layer.w13_plan}
+        cfgs |= {gg.fused_config(c, "layer") for c, _ in fused_layer.launches(layer, _one_tile(layer))}
+    return sorted(cfgs, key=lambda c: c.expression)
+
+
+def _one_tile(layer):
+    """pair_plan's tile for the whole layer (the study's shapes share the heuristic's layout)."""
+    from lab.variants.one_launch_2g import pair_config
+
+    p = layer.problem
+    return pair_config(gg.heuristic(2 * p.intermediate, p.hidden, layer.counts),
+                       gg.heuristic(p.hidden, p.intermediate, layer.counts))
+
+
+def test_fused_layer_runs_one_launch_per_size_class_under_skew():
+    """Where both GEMMs' plans split at the same bounds, the fused layer runs one persistent launch
+    per size class, each on pair_config's tile for that class's counts; else one launch."""
+    from lab.variants import fused_layer
+
+    layer = _split_layer(1.2)
+    one = _one_tile(layer)
+    got = fused_layer.launches(layer, one)
+    assert [r for _, r in got] == [(1, gg.SPLIT_AT), (gg.SPLIT_AT + 1, gg.ALL_COUNTS[1])]
+    assert got[0][0].max_frags <= 2 < got[1][0].max_frags
+    assert {(c.block_rows, c.k_step) for c, _ in got} == {(one.block_rows, one.k_step)}
+    uniform = _split_layer(0.0)
+    assert fused_layer.launches(uniform, _one_tile(uniform)) == [(_one_tile(uniform), gg.ALL_COUNTS)]
+
+
+@pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
+@pytest.mark.parametrize("cfg", _split_fused_tiles(), ids=lambda c: c.expression.split("<")[1][:-1])
+def test_split_fused_instantiations_compile_without_spills(cfg):
+    info = jit.ptxas_report(gg.SOURCE, cfg.expression_for(False, counts_in=True))
+    assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
+    assert info.registers <= 65536 // cfg.threads, info
+    assert not info.wgmma_serialized, info
+
+
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
 @pytest.mark.parametrize("cfg", gg.SHIPPED_FUSED, ids=lambda c: c.expression.split("<")[1][:-1])
 def test_fused_instantiations_compile_without_spills(cfg):

@@ -217,25 +217,29 @@ def _check_fusion(fz: Fusion, w13: PreparedWeights, rows: int, cfg: GemmConfig, 
 
 
 def swiglu_gemm(w13: PreparedWeights, x_packed, x_scales, offsets, alpha, fusion: Fusion, cfg: GemmConfig,
-                stream=None) -> None:
+                stream=None, counts_in: tuple[int, int] | None = None) -> None:
     """The w13 grouped GEMM with SwiGLU + NVFP4 quantize as its epilogue: h never reaches memory;
-    writes fusion.a_packed / a_scales exactly as swiglu_quant.swiglu_quant would from h."""
+    writes fusion.a_packed / a_scales exactly as swiglu_quant.swiglu_quant would from h.
+    `counts_in` as for grouped_gemm: only those experts' rows of a_q are written."""
     _check_fusion(fusion, w13, x_packed.shape[0] if x_packed.ndim == 2 else -1, cfg)
     if fusion.out_bf16 is not None:
         raise ValueError("swiglu_gemm: out_bf16 belongs to fused_layer")
-    _launch([(w13, x_packed, x_scales, offsets, alpha, None)], cfg, stream, False, fusion)
+    _launch([(w13, x_packed, x_scales, offsets, alpha, None)], cfg, stream, False, fusion,
+            counts_in=_counts_range(counts_in))
 
 
 def fused_layer(w13: PreparedWeights, x_packed, x_scales, offsets, w13_alpha, w2: PreparedWeights, w2_alpha,
-                fusion: Fusion, cfg: GemmConfig, stream=None) -> None:
+                fusion: Fusion, cfg: GemmConfig, stream=None, counts_in: tuple[int, int] | None = None) -> None:
     """The whole layer in one persistent launch: w13 units with the SwiGLU epilogue, then w2
     units on its a_q, each w2 expert starting once its w13 units are written (per-expert
     counters, release/acquire). Output: fusion.out_bf16 only (no fp32 copy: the w2 passes go
-    to the epilogue warps, which write bf16)."""
+    to the epilogue warps, which write bf16). `counts_in` as for grouped_gemm, for both GEMMs:
+    the launch is the layer of those experts."""
     rows = x_packed.shape[0] if x_packed.ndim == 2 else -1
     _check_fusion(fusion, w13, rows, cfg, w2)
     _launch([(w13, x_packed, x_scales, offsets, w13_alpha, None),
-             (w2, fusion.a_packed, fusion.a_scales, offsets, w2_alpha, None)], cfg, stream, False, fusion)
+             (w2, fusion.a_packed, fusion.a_scales, offsets, w2_alpha, None)], cfg, stream, False, fusion,
+            counts_in=_counts_range(counts_in))
 
 
 def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fusion | None = None,

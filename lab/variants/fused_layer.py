@@ -13,13 +13,31 @@ host work. Output: bf16 bits straight from the w2 epilogue (the fp32 `out` is no
 
 from __future__ import annotations
 
+import numpy as np
+
 from lab.kernels import grouped_gemm as gg
 
 from .fused_swiglu import fusion_for
-from .one_launch_2g import pair_plan
+from .one_launch_2g import pair_config, pair_plan
 
 name = "fused-layer"
 expect = "match"
+
+
+def launches(layer, cfg: gg.GemmConfig) -> list[tuple[gg.GemmConfig, tuple[int, int]]]:
+    """(config, counts_in) of each launch: `cfg` (pair_plan's) over every expert, or, where both
+    GEMMs' plans split by expert size at the same bounds, one fused layer per size class, on the
+    tile pair_config gives that class's counts (in cfg's layout)."""
+    bounds = [r for _, r in layer.w13_plan]
+    if len(bounds) < 2 or bounds != [r for _, r in layer.w2_plan]:
+        return [(cfg, gg.ALL_COUNTS)]
+    p, layout = layer.problem, (cfg.block_rows, cfg.k_step)
+    out = []
+    for lo, hi in bounds:
+        c = np.where((layer.counts >= lo) & (layer.counts <= hi), layer.counts, 0)
+        out.append((pair_config(gg.heuristic(2 * p.intermediate, p.hidden, c, layout),
+                                gg.heuristic(p.hidden, p.intermediate, c, layout)), (lo, hi)))
+    return out
 
 
 class FusedLayer:
@@ -34,6 +52,7 @@ class FusedLayer:
     def prepare(self, runner, layer) -> None:
         part = layer.full
         self.cfg, self.w13, self.w2 = pair_plan(layer, paired=True)
+        self.launches = launches(layer, self.cfg)
         self.fusion = fusion_for(runner, layer, part.gate_global, part.up_global, out_bf16=part.out_bf16)
         self.run(runner, layer)  # compiles, and checks the launch's arguments once
         self.graph = runner.capture(lambda: self._launch(runner, layer))
@@ -41,8 +60,9 @@ class FusedLayer:
     def _launch(self, runner, layer) -> None:
         part = layer.full
         with runner.stage("layer"):
-            gg.fused_layer(self.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, self.w2,
-                           part.w2_alpha, self.fusion, self.cfg, stream=runner.stream)
+            for cfg, counts_in in self.launches:
+                gg.fused_layer(self.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, self.w2,
+                               part.w2_alpha, self.fusion, cfg, stream=runner.stream, counts_in=counts_in)
 
     def run(self, runner, layer) -> None:
         if self.graph is None or runner.timing_stages:

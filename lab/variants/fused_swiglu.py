@@ -43,8 +43,9 @@ def fusion_for(runner, layer, gate_global, up_global, out_bf16=None) -> gg.Fusio
 def launch(runner, layer, w13, w13_alpha, fusion) -> None:
     part = layer.full
     with runner.stage("w13+act"):
-        gg.swiglu_gemm(w13, part.x_packed, part.x_scales, part.offsets, w13_alpha, fusion, layer.w13_cfg,
-                       stream=runner.stream)
+        for cfg, counts_in in layer.w13_plan:  # (gemm_plan: two launches by expert size under skew)
+            gg.swiglu_gemm(w13, part.x_packed, part.x_scales, part.offsets, w13_alpha, fusion, cfg,
+                           stream=runner.stream, counts_in=counts_in)
     launch_w2_out(runner, layer, part, runner.stream, fuse_out=True)
 
 
