@@ -184,9 +184,10 @@ class GemmBench:
         xbytes = case.xq.packed.nbytes + case.xq.scales.nbytes if act == "nvfp4" else case.x_bf16.nbytes
         return wbytes + xbytes + case.rows * case.n * 4
 
-    def measure_split(self, case: GemmCase, hot_from: int, roofline_gbps: float, iterations: int,
+    def measure_split(self, case: GemmCase, hot_from, roofline_gbps: float, iterations: int,
                       act: str = "nvfp4", wgmma: bool = True) -> dict:
-        """Time the GEMM as split_configs' two launches by expert size (after one poisoned run
+        """Time the GEMM as split_configs' launches by expert size, cut at `hot_from` (one bound or
+        several; after one poisoned run
         whose unwritten elements are counted); the row's "config" is the first launch's, "plan"
         every launch's; `wgmma=False` keeps both on mma.sync tiles (gemm_plan's split)."""
         plan = gg.split_configs(case.n, case.k, case.counts, hot_from, act=act, wgmma=wgmma)
@@ -207,7 +208,7 @@ class GemmBench:
         nbytes = self.required_bytes(case, act)
         t_roof = nbytes / (roofline_gbps * 1e9) * 1e3
         return {"gemm": case.gemm, "act": act, "mean_tokens": case.mean_tokens, "rows": case.rows,
-                "max_count": int(case.counts.max()), "config": plan[0][0].__dict__, "split": int(hot_from), "wgmma": wgmma,
+                "max_count": int(case.counts.max()), "config": plan[0][0].__dict__, "split": [int(b) for b in np.atleast_1d(hot_from)], "wgmma": wgmma,
                 "plan": [{"config": c.__dict__, "counts_in": list(r)} for c, r in plan], "bytes": nbytes,
                 "ms": t.median_ms, "ms_min": t.min_ms, "ms_max": t.max_ms, "gbps": nbytes / t.median_ms / 1e6,
                 "roof_pct": 100 * t_roof / t.median_ms, "unwritten": unwritten}

@@ -23,6 +23,7 @@ stage by stage, beside the lab's, by scripts/token_axis.py.
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import numpy as np
@@ -42,6 +43,17 @@ from lab.timing import time_cuda, time_sustained
 TAG = "bench_gemm"
 
 
+def parse_bounds(text: str) -> tuple[int, ...]:
+    """--split's value: increasing token counts >= 1, comma-separated."""
+    try:
+        vals = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        vals = ()
+    if not vals or vals[0] < 1 or any(a >= b for a, b in zip(vals, vals[1:])):
+        raise argparse.ArgumentTypeError(f"expected increasing token counts >= 1 (e.g. 16 or 16,96), got {text!r}")
+    return vals
+
+
 def main(argv=None) -> int:
     ap = study_parser(__doc__, [2, 4, 8, 32], 20)
     ap.add_argument("--skew", type=float, default=0.0, help="routing skew: 0 uniform, else p ~ 1/rank**skew")
@@ -50,17 +62,17 @@ def main(argv=None) -> int:
                     help=CONFIG_HELP + "; repeat to time several tiles in one run")
     ap.add_argument("--act", nargs="+", choices=["nvfp4", "bf16"], default=["nvfp4", "bf16"],
                     help="activations: nvfp4 (W4A4) and/or bf16 (W4A16, the same weights and kernel); default both")
-    ap.add_argument("--split", type=int, nargs="+", default=[],
-                    help="also time each GEMM as two launches by expert size: experts of at most this many tokens "
-                         "on their tile, the rest on theirs (gemm_config.split_configs); one row per value, and "
+    ap.add_argument("--split", type=parse_bounds, nargs="+", default=[], metavar="B[,B...]",
+                    help="also time each GEMM as launches by expert size: experts of at most B tokens on their "
+                         "tile, the rest on theirs (several bounds: one class between each two; "
+                         "gemm_config.split_configs); one row per value, and "
                          "one more with both on mma.sync tiles (as gemm_plan splits) where they differ")
     ap.add_argument("--sustain-ms", type=float, default=0.0,
                     help="also time the flat read and each GEMM after this many ms of back-to-back runs (0: off)")
     args = ap.parse_args(argv)
     if not (np.isfinite(args.sustain_ms) and 0 <= args.sustain_ms <= 60_000):
         ap.error(f"--sustain-ms: must be in 0..60000, got {args.sustain_ms}")
-    if any(v < 1 for v in args.split):
-        ap.error(f"--split: every value must be >= 1 token, got {args.split}")
+
     resolve_shape(args, ap)
     require_gpu(TAG)  # before any output: without a GPU the script says so in one line
 
@@ -130,7 +142,7 @@ def main(argv=None) -> int:
                 row["tflops"] = 2.0 * case.rows * case.n * case.k / (row["ms"] * 1e-3) / 1e12
                 row["tensor_pct"] = 100 * row["tflops"] / tensor["tflops"]
                 row.update({"read_pattern_ms": None, "pattern_pct": None})  # (two grids: no one pattern)
-                log(TAG, f"{gemm} mean {mean} ({act}) split at {hot_from}{'' if wgmma else ', mma.sync'}: {row['ms']:.3f} ms "
+                log(TAG, f"{gemm} mean {mean} ({act}) split at {','.join(map(str, hot_from))}{'' if wgmma else ', mma.sync'}: {row['ms']:.3f} ms "
                          f"({row['roof_pct']:.1f}% of roofline), " + " + ".join(
                              f"{p['config']['max_frags'] * 8}-token tile on {p['counts_in']}" for p in row["plan"]))
                 if args.check_experts:
@@ -138,7 +150,7 @@ def main(argv=None) -> int:
                     sample = np.unique(np.r_[rng.choice(pool, size=min(args.check_experts, pool.size), replace=False),
                                              np.argsort(case.counts)[-2:]])  # (the hottest two: the second launch)
                     err = bench.check(case, sample, act)
-                    checks.append({"gemm": gemm, "act": act, "mean": mean, "config": row["config"], "split": hot_from,
+                    checks.append({"gemm": gemm, "act": act, "mean": mean, "config": row["config"], "split": list(hot_from),
                                    "experts": sample.tolist(), "rel_frobenius": err})
                     log(TAG, f"  check vs float64 on {sample.size} experts: rel Frobenius {format_rel(err)}")
                 if row["unwritten"]:
@@ -153,7 +165,7 @@ def main(argv=None) -> int:
         return "-" if v is None else format(v, spec)
 
     table = [[r["gemm"], r["act"], r["mean_tokens"],
-              tile(r["config"]) if "plan" not in r else f"split at {r['split']}{'' if r['wgmma'] else ', mma.sync'}: " + " + ".join(
+              tile(r["config"]) if "plan" not in r else f"split at {','.join(map(str, r['split']))}{'' if r['wgmma'] else ', mma.sync'}: " + " + ".join(
                   f"{tile(p['config'])} on {p['counts_in'][0]}..{p['counts_in'][1]}" for p in r["plan"]),
               f"{r['ms']:.3f}", f"{r['gbps']:.0f}", f"{r['roof_pct']:.1f}", f"{r['tflops']:.0f}",
               f"{r['tensor_pct']:.1f}", fmt(r["pattern_pct"], ".1f"), fmt(r["read_pattern_ms"], ".3f")]

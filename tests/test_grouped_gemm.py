@@ -645,9 +645,16 @@ def test_split_configs_take_each_size_class_on_its_tile():
     assert (cold.block_rows, cold.k_step) == (hot.block_rows, hot.k_step)
     assert [r for _, r in gg.split_configs(4096, 4096, np.array([0, 3, 9]), 32)] == [(1, 32)]
     assert [r for _, r in gg.split_configs(4096, 4096, np.array([0, 300]), 32)] == [(33, gg.ALL_COUNTS[1])]
-    for bad in (0, 2.5):
+    for bad in (0, 2.5, [], [16, 16], [32, 16], [0, 16], "16"):
         with pytest.raises(ValueError, match="hot_from"):
             gg.split_configs(4096, 4096, counts, bad)
+    # several bounds: one class between each two, each on the tile for its counts; empty ones skipped
+    more = np.r_[counts, 50, 80]
+    three = gg.split_configs(4096, 4096, more, [16, 96])
+    assert [r for _, r in three] == [(1, 16), (17, 96), (97, gg.ALL_COUNTS[1])]
+    assert [c.max_frags * 8 for c, _ in three] == [16, 96, 160] and three[1][0].image
+    assert gg.split_configs(4096, 4096, more, (16,)) == gg.split_configs(4096, 4096, more, 16)
+    assert [r for _, r in gg.split_configs(4096, 4096, counts, [8, 10, 11])] == [(1, 8), (9, 10), (12, gg.ALL_COUNTS[1])]
     assert gg._counts_range(None) == gg.ALL_COUNTS and gg._counts_range((3, 5)) == (3, 5)
     for bad in ((0, 5), (5, 3), (1.5, 3), "ab", (1, 2**31)):
         with pytest.raises(ValueError, match="counts_in"):
@@ -655,7 +662,7 @@ def test_split_configs_take_each_size_class_on_its_tile():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hot_from", [1, 16, 64, 200])
+@pytest.mark.parametrize("hot_from", [1, 16, 64, 200, (16, 64)], ids=str)
 def test_split_launches_write_their_experts_as_their_tiles_do(hot_from):
     """Each launch of split_configs writes exactly its experts' rows (the rest keep the poison),
     bit for bit what the same tile writes for them unfiltered; both together within 1e-5 of

@@ -78,3 +78,10 @@ def test_no_gpu_reason_names_the_missing_driver_or_device():
     reason = gpu._cached_probe()[1]
     assert any(w in reason for w in ("no NVIDIA driver found", "no CUDA device found", "the NVIDIA driver supports",
                                      "import cupy failed")), reason
+
+
+@pytest.mark.parametrize("value", ["16,16", "32,16", "0", "a", "16,"])
+def test_bench_gemm_split_names_a_bad_bound(value, tmp_path):
+    res = run(ROOT / "scripts" / "bench_gemm.py", ["--split", value], tmp_path)
+    assert res.returncode == 2 and "--split" in res.stderr and value in res.stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr

@@ -318,22 +318,29 @@ ALL_COUNTS = (1, 2**31 - 1)  # grouped_gemm's counts_in for every expert with to
 SPLIT_AT = 16
 
 
-def split_configs(n: int, k: int, counts, hot_from: int, layout: tuple[int, int] | None = None,
+def split_configs(n: int, k: int, counts, hot_from, layout: tuple[int, int] | None = None,
                   act: str = "nvfp4", wgmma: bool = True) -> list[tuple[GemmConfig, tuple[int, int]]]:
-    """One grouped GEMM as two launches by expert size (skewed routing): the experts of 1..hot_from
-    tokens on the heuristic's tile for their counts, those past hot_from on the tile for theirs
-    (an image tile once they pass 64, unless `wgmma` is False), each as (config, grouped_gemm's
-    counts_in). One launch where either class is empty."""
+    """One grouped GEMM as launches by expert size (skewed routing): `hot_from`, one bound or an
+    increasing sequence b1 < b2 < ..., cuts the counts into classes 1..b1, b1+1..b2, ..., past
+    the last; each class runs the heuristic's tile for its counts (an image tile once they pass
+    64, unless `wgmma` is False), as (config, grouped_gemm's counts_in). Empty classes get no
+    launch."""
     counts = np.asarray(counts)
-    if int(hot_from) != hot_from or hot_from < 1:
-        raise ValueError(f"hot_from: expected an integer >= 1, got {hot_from!r}")
-    cold = np.where(counts <= hot_from, counts, 0)
-    hot = np.where(counts > hot_from, counts, 0)
+    bounds = [hot_from] if np.isscalar(hot_from) else list(hot_from)
+    try:
+        ints = [int(b) for b in bounds]
+        ok = (bool(ints) and all(isinstance(b, (int, float, np.number)) and float(b) == i for b, i in zip(bounds, ints))
+              and ints[0] >= 1 and all(a < b for a, b in zip(ints, ints[1:])))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"hot_from: expected an integer >= 1 or increasing integers >= 1, got {hot_from!r}")
+    edges = [0] + ints + [ALL_COUNTS[1]]
     plan = []
-    if cold.any():
-        plan.append((heuristic(n, k, cold, layout, act, wgmma), (1, int(hot_from))))
-    if hot.any():
-        plan.append((heuristic(n, k, hot, layout, act, wgmma), (int(hot_from) + 1, ALL_COUNTS[1])))
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        mine = np.where((counts > lo) & (counts <= hi), counts, 0)
+        if mine.any():
+            plan.append((heuristic(n, k, mine, layout, act, wgmma), (lo + 1, hi)))
     return plan
 
 
