@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from lab.checks import compare_bits
 from lab.kernels import grouped_gemm as gg
 from lab.kernels import jit
-from test_grouped_gemm import SCALE_PROFILES, counts_strategy, edge_nvfp4, random_nvfp4
+from test_grouped_gemm import (SCALE_PROFILES, assert_counts_in_compiles_clean, counts_strategy, edge_nvfp4,
+                               random_nvfp4)
 
 # ------------------------------------------------------------------------------- CPU
 
@@ -110,10 +111,7 @@ def test_fused_layer_runs_one_launch_per_size_class_under_skew():
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
 @pytest.mark.parametrize("cfg", _split_fused_tiles(), ids=lambda c: c.expression.split("<")[1][:-1])
 def test_split_fused_instantiations_compile_without_spills(cfg):
-    info = jit.ptxas_report(gg.SOURCE, cfg.expression_for(False, counts_in=True))
-    assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
-    assert info.registers <= 65536 // cfg.threads, info
-    assert not info.wgmma_serialized, info
+    assert_counts_in_compiles_clean(cfg)
 
 
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")

@@ -354,14 +354,20 @@ def _split_tiles():
     return sorted({cfg for plan in plans for cfg, _ in plan}, key=lambda c: c.expression)
 
 
-@pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
-@pytest.mark.parametrize("cfg", _split_tiles(), ids=lambda c: c.expression.split("<")[1][:-1])
-def test_split_tiles_compile_without_spills(cfg):
-    """The instantiation that takes one size class (COUNTS_IN) of every tile a split launches."""
+def assert_counts_in_compiles_clean(cfg) -> None:
+    """cfg's COUNTS_IN instantiation (one size class of a split): no spills, registers for its
+    threads, no serialized wgmma."""
     info = jit.ptxas_report(gg.SOURCE, cfg.expression_for(False, counts_in=True))
     assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
     assert info.registers <= 65536 // cfg.threads, info
     assert not info.wgmma_serialized, info
+
+
+@pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
+@pytest.mark.parametrize("cfg", _split_tiles(), ids=lambda c: c.expression.split("<")[1][:-1])
+def test_split_tiles_compile_without_spills(cfg):
+    """The instantiation that takes one size class (COUNTS_IN) of every tile a split launches."""
+    assert_counts_in_compiles_clean(cfg)
 
 
 def test_gemm_plan_splits_skewed_routing_by_expert_size():
