@@ -295,7 +295,7 @@ def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fu
     first_out = problems[0][5] if fusion is None else fusion.a_packed
     second_out = problems[1][5] if problems[1][5] is not None else fusion.out_bf16
     with stream:
-        sched, ready = _scheduler_state(cp, first_out, problems[0][3], second_out, problems[0][0].experts)
+        sched, ready = _scheduler_state(cp, first_out, problems[0][3], second_out, problems[0][0].experts, counts_in)
         args.append(sched)
         if fusion is None and nonfinite is not None:  # one problem's bf16 output (an image tile)
             args += [_NULL, _NULL, np.float32(1.0), _NULL, _NULL, _NULL, problems[0][5], nonfinite]
@@ -372,12 +372,14 @@ _NULL = np.uint64(0)  # a null pointer argument
 _SCHED: dict = {}
 
 
-def _scheduler_state(cp, out, offsets, out1, experts0: int):
-    """The kernel's unit counter and per-expert readiness counters, one set per (output, offsets)
-    pair: launches that may run at the same time (chunks on two streams) write different
-    outputs, so they never share counters. The kernel leaves them at zero, so graph replays
-    need no reset. Allocated on first use, which the runner does before any capture."""
-    key = (cp.cuda.Device().id, out.data.ptr, offsets.data.ptr, None if out1 is None else out1.data.ptr, experts0)
+def _scheduler_state(cp, out, offsets, out1, experts0: int, counts_in: tuple[int, int] = ALL_COUNTS):
+    """The kernel's unit counter and per-expert readiness counters, one set per (output, offsets,
+    size class): launches that may run at the same time (chunks on two streams, a split's size
+    classes on two streams) write different outputs or different classes' rows, so they never
+    share counters. The kernel leaves them at zero, so graph replays need no reset. Allocated on
+    first use, which the runner does before any capture."""
+    key = (cp.cuda.Device().id, out.data.ptr, offsets.data.ptr, None if out1 is None else out1.data.ptr, experts0,
+           tuple(counts_in))
     state = _SCHED.get(key)
     if state is None:
         state = _SCHED[key] = (cp.zeros(2, dtype=cp.int32), cp.zeros(max(1, experts0), dtype=cp.int32))

@@ -1,0 +1,88 @@
+"""Probe: does a split GEMM gain from running its size classes' launches on two streams?"""
+# gemm_plan's launches run one after the other on one stream, so each launch's tail (SMs idle while
+# the last units finish) is paid in full. On two streams the second launch's CTAs can take the SMs
+# the first one's retiring CTAs free. For skewed routings at mean 8 this times, alternating rounds
+# in one process: the plan on one stream (cold class first, as shipped), the same launches hot
+# first, and both classes on two streams in either issue order; every output is compared bit for
+# bit with the one-stream run.
+import argparse
+
+import numpy as np
+
+from lab.gemm_bench import GemmBench, log, write_json
+from lab.gpu import require_gpu
+from lab.kernels import grouped_gemm as gg
+from lab.problem import MoEProblem
+from lab.timing import time_cuda_samples
+
+TAG = "split_streams"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--skews", type=float, nargs="+", default=[1.2, 0.8])
+    ap.add_argument("--mean-tokens", type=float, default=8.0)
+    ap.add_argument("--iterations", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    cp = require_gpu("split_streams_probe")
+    bench = GemmBench(MoEProblem(), tag=TAG)
+    main_s, side = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    fork, join = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
+    rows = []
+    for skew in args.skews:
+        for gemm in ("w13", "w2"):
+            case = bench.case(gemm, args.mean_tokens, skew)
+            plan = gg.gemm_plan(case.n, case.k, case.counts)
+            if len(plan) != 2:
+                log(TAG, f"{gemm} skew {skew}: the plan is one launch; skipped")
+                continue
+            cold, hot = plan
+            prep = bench.prepared(gemm, (cold[0].block_rows, cold[0].k_step))
+            xs = (prep, case.d_xp, case.d_xs, case.d_off, case.d_alpha, case.out)
+
+            def one(launch, stream):
+                gg.grouped_gemm(*xs, launch[0], stream=stream, counts_in=launch[1])
+
+            def serial(first, second):
+                one(first, main_s)
+                one(second, main_s)
+
+            def two_streams(first, second):
+                fork.record(main_s)
+                side.wait_event(fork)
+                one(first, main_s)
+                one(second, side)
+                join.record(side)
+                main_s.wait_event(join)
+
+            modes = {"one stream, cold first": lambda: serial(cold, hot),
+                     "one stream, hot first": lambda: serial(hot, cold),
+                     "two streams, cold issued first": lambda: two_streams(cold, hot),
+                     "two streams, hot issued first": lambda: two_streams(hot, cold)}
+            bits, ms = {}, {m: [] for m in modes}
+            for m, fn in modes.items():
+                case.out.fill(cp.nan)
+                cp.cuda.Device().synchronize()
+                fn()
+                cp.cuda.Device().synchronize()
+                bits[m] = case.out.get().view(np.uint32)
+            base = bits["one stream, cold first"]
+            for _ in range(args.rounds):
+                for m, fn in modes.items():
+                    ms[m].append(float(np.median(time_cuda_samples(fn, args.iterations, 3, main_s))))
+            nbytes = bench.required_bytes(case)
+            for m in modes:
+                row = {"gemm": gemm, "skew": skew, "mean_tokens": args.mean_tokens, "mode": m,
+                       "plan": [{"config": c.__dict__, "counts_in": list(r)} for c, r in plan],
+                       "round_median_ms": ms[m], "ms": min(ms[m]), "bytes": nbytes,
+                       "differ": int((bits[m] != base).sum()), "unwritten": int(np.isnan(bits[m].view(np.float32)).sum())}
+                rows.append(row)
+                log(TAG, f"{gemm} skew {skew} {m:32s} rounds {' '.join(f'{v:.4f}' for v in ms[m])} ms  "
+                         f"differ {row['differ']} unwritten {row['unwritten']}")
+    write_json(args.json, "scripts/probes/split_streams_probe.py", rows=rows)
+
+
+if __name__ == "__main__":
+    main()
