@@ -1,5 +1,6 @@
 """cuda-graph: separate's four launches captured once as a CUDA graph and replayed: one graph
-launch per layer instead of four kernel launches."""
+launch per layer instead of four kernel launches. Where a GEMM's plan splits by expert size, its
+two launches run side by side on the runner's two streams (separate.run_plan)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ class CudaGraph:
         self.graph = None
 
     def launch(self, runner, layer) -> None:
-        launch_stages(runner, layer, layer.full, runner.stream, fuse_out=self.fuse_out)
+        launch_stages(runner, layer, layer.full, runner.stream, fuse_out=self.fuse_out, split_streams=True)
 
     def prepare(self, runner, layer) -> None:
         self.launch(runner, layer)  # compiles every kernel before capture

@@ -19,6 +19,7 @@ from lab.kernels import grouped_gemm as gg
 
 from .fused_swiglu import fusion_for
 from .one_launch_2g import pair_config, pair_plan
+from .separate import run_plan
 
 name = "fused-layer"
 expect = "match"
@@ -60,9 +61,10 @@ class FusedLayer:
     def _launch(self, runner, layer) -> None:
         part = layer.full
         with runner.stage("layer"):
-            for cfg, counts_in in self.launches:
-                gg.fused_layer(self.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, self.w2,
-                               part.w2_alpha, self.fusion, cfg, stream=runner.stream, counts_in=counts_in)
+            # (one launch, or one per size class side by side on two streams)
+            run_plan(runner, self.launches, lambda cfg, counts_in, s: gg.fused_layer(
+                self.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, self.w2, part.w2_alpha,
+                self.fusion, cfg, stream=s, counts_in=counts_in), runner.stream, split_streams=True)
 
     def run(self, runner, layer) -> None:
         if self.graph is None or runner.timing_stages:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from lab.kernels import grouped_gemm as gg
 
-from .separate import launch_w2_out
+from .separate import launch_w2_out, run_plan
 
 name = "fused-swiglu"
 expect = "match"
@@ -43,10 +43,11 @@ def fusion_for(runner, layer, gate_global, up_global, out_bf16=None) -> gg.Fusio
 def launch(runner, layer, w13, w13_alpha, fusion) -> None:
     part = layer.full
     with runner.stage("w13+act"):
-        for cfg, counts_in in layer.w13_plan:  # (gemm_plan: two launches by expert size under skew)
-            gg.swiglu_gemm(w13, part.x_packed, part.x_scales, part.offsets, w13_alpha, fusion, cfg,
-                           stream=runner.stream, counts_in=counts_in)
-    launch_w2_out(runner, layer, part, runner.stream, fuse_out=True)
+        # (gemm_plan: two launches by expert size under skew, side by side on two streams)
+        run_plan(runner, layer.w13_plan, lambda cfg, counts_in, s: gg.swiglu_gemm(
+            w13, part.x_packed, part.x_scales, part.offsets, w13_alpha, fusion, cfg, stream=s,
+            counts_in=counts_in), runner.stream, split_streams=True)
+    launch_w2_out(runner, layer, part, runner.stream, fuse_out=True, split_streams=True)
 
 
 def stages_for(w2_cfg) -> tuple[str, ...]:
