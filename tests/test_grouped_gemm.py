@@ -371,19 +371,21 @@ def test_split_tiles_compile_without_spills(cfg):
 
 
 def test_gemm_plan_splits_skewed_routing_by_expert_size():
-    """One launch for uniform routing (and wherever the heuristic keeps the 16-token tile); two by
-    expert size at SPLIT_AT for skewed routing whose one launch runs a larger mma.sync tile: the
+    """One launch for uniform routing (and, with bf16 activations, wherever the heuristic keeps the
+    16-token tile); two by expert size at SPLIT_AT for skewed routing whose one launch runs a
+    mma.sync tile (with bf16 activations: one past 16 tokens): the
     hot experts on an image tile with NVFP4 activations, on mma.sync with bf16 ones (whose k16
     sums round); one prepared layout; each plan covers every count exactly once."""
     from lab.problem import make_routing
 
     assert gg.split_configs(4096, 4096, [3, 300], 16, wgmma=False)[1][0].mma == 0
-    for mean, skew, split in ((8, 0.0, False), (8, 0.4, False), (8, 0.8, True), (8, 1.2, True),
-                              (32, 0.0, False), (32, 1.2, False), (512, 0.0, False)):
+    for mean, skew, splits in ((8, 0.0, ()), (8, 0.4, ("nvfp4",)), (8, 0.8, gg.ACTS), (8, 1.2, gg.ACTS),
+                               (32, 0.0, ()), (32, 1.2, ()), (512, 0.0, ())):
         counts = make_routing(int(mean * 288 / 8), 288, 8, skew=skew, seed=3).counts
         for (n, k), act in [(nk, a) for nk in ((4096, 4096), (4096, 2048)) for a in gg.ACTS]:
             plan = gg.gemm_plan(n, k, counts, act=act)
             one = gg.heuristic(n, k, counts, act=act)
+            split = act in splits
             assert (len(plan) == 2) == split, (mean, skew, act, plan)
             if not split:
                 assert plan == ((one, gg.ALL_COUNTS),)

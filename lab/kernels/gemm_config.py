@@ -347,8 +347,11 @@ def split_configs(n: int, k: int, counts, hot_from, layout: tuple[int, int] | No
 def gemm_plan(n: int, k: int, counts, layout: tuple[int, int] | None = None,
               act: str = "nvfp4") -> tuple[tuple[GemmConfig, tuple[int, int]], ...]:
     """The launches of one grouped GEMM, as (config, counts_in): the heuristic's tile over every
-    expert, or, for skewed routing where the model moved that launch to a mma.sync tile past 16
-    tokens with experts on both sides of SPLIT_AT, split_configs' two launches at SPLIT_AT.
+    expert, or, for skewed routing whose one launch is a mma.sync tile, with experts on both sides
+    of SPLIT_AT, split_configs' two launches at SPLIT_AT. With NVFP4 activations that includes the
+    16-token tile (hot experts of 17-45 tokens at skew 0.4 each took up to three passes; their
+    class on the image tile beside the rest on two streams is 4% faster, notes/gemm.md v26); with
+    bf16 ones only tiles past 16 tokens (measured there).
     Every tile writes the same bits: the 16 products of a k16 step share one pair of block scales,
     each being an e2m1 x e2m1 product (a multiple of 1/4, at most 36) times that pair, so their sum
     has at most ~20 significant bits and is exact in fp32 in any order; mma.sync and wgmma differ
@@ -359,7 +362,7 @@ def gemm_plan(n: int, k: int, counts, layout: tuple[int, int] | None = None,
     cfg = heuristic(n, k, counts, layout, act)
     active = np.asarray(counts)
     active = active[active > 0]
-    if (cfg.mma == 0 and cfg.max_frags > 2 and active.size and active.var() > SKEWED_DISPERSION * active.mean()
+    if (cfg.mma == 0 and (cfg.max_frags > 2 or act == "nvfp4") and active.size and active.var() > SKEWED_DISPERSION * active.mean()
             and (active <= SPLIT_AT).any() and (active > SPLIT_AT).any()):
         return tuple(split_configs(n, k, counts, SPLIT_AT, layout, act, wgmma=act == "nvfp4"))
     return ((cfg, ALL_COUNTS),)
