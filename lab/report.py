@@ -194,8 +194,10 @@ def fusion_verdicts(rows: list[dict], mean: str) -> list[str]:
     return out
 
 
-def graph_verdicts(rows: list[dict], mean: str) -> list[str]:
-    """Does a CUDA graph collect it: cuda-graph against separate, beside what fusion adds."""
+def graph_verdicts(rows: list[dict], mean: str, skewed: bool = False) -> list[str]:
+    """Does a CUDA graph collect it: cuda-graph against separate, beside what fusion adds.
+    `skewed`: the run's routing was skewed, where a GEMM's plan may split by expert size and the
+    graph runs the two launches side by side on two streams (separate runs them in order)."""
     sep, graph = _valid_ms(rows, "separate", mean), _valid_ms(rows, "cuda-graph", mean)
     if sep is None or graph is None:
         return ["separate and cuda-graph are not both timed and valid in this run."
@@ -203,7 +205,10 @@ def graph_verdicts(rows: list[dict], mean: str) -> list[str]:
                 f"At mean {mean} separate and cuda-graph are not both timed and valid."]
     gain = 100 * (sep - graph) / sep
     s = f"CUDA graph at mean {mean}: {_us(sep - graph)} ({gain:.1f}%) off separate's {sep:.3f} ms"
-    if gain > NOISE_PCT:
+    if gain > NOISE_PCT and skewed:
+        s += (": the graph collects the launch overhead and, where a GEMM's plan splits by expert size, runs "
+              "the two launches side by side on two streams (separate runs them in order)")
+    elif gain > NOISE_PCT:
         s += ": the graph collects the launch overhead"
     elif gain >= -NOISE_PCT:
         s += f": nothing measurable (within {NOISE_PCT:g}%), so launches cost little here"
@@ -274,9 +279,10 @@ def fold_verdicts(rows: list[dict], mean: str) -> list[str]:
 
 
 def layer_verdicts(rows: list[dict], stages: list[dict], means: list[str],
-                   stage_mean: str | None = None) -> dict[str, list[str]]:
+                   stage_mean: str | None = None, skewed: bool = False) -> dict[str, list[str]]:
     """Question -> sentences, from one run's figures (every comparison is against the same
-    measured roofline). ``stage_mean``: the mean the stage table was timed at (None: unknown)."""
+    measured roofline). ``stage_mean``: the mean the stage table was timed at (None: unknown);
+    ``skewed``: the run's routing was skewed (graph_verdicts)."""
     q: dict[str, list[str]] = {"Is fusion worth anything on the H200?": [],
                                "Does a CUDA graph collect it?": [],
                                "What is the SwiGLU epilogue worth?": [],
@@ -284,7 +290,7 @@ def layer_verdicts(rows: list[dict], stages: list[dict], means: list[str],
                                "Chunking": [], "Best valid variant": []}
     for m in means:
         q["Is fusion worth anything on the H200?"] += fusion_verdicts(rows, m)
-        q["Does a CUDA graph collect it?"] += graph_verdicts(rows, m)
+        q["Does a CUDA graph collect it?"] += graph_verdicts(rows, m, skewed)
         q["What is the SwiGLU epilogue worth?"] += swiglu_verdicts(rows, stages, m, stage_mean)
         q["What does option (a) cost against (b)?"] += fold_verdicts(rows, m)
         sep = _valid_ms(rows, "separate", m)
@@ -905,7 +911,7 @@ def render(layer_runs: list[dict], gemm_runs: list[dict], out_md: Path, charts: 
                                ["stage", "ms", "% of layer", "roof%"], tablefmt="github"), ""]
         parts += ["Verdicts from this run:", ""]
         for question, sentences in layer_verdicts(run["layer"], run.get("stages", []), means,
-                                                  _stage_mean(run)).items():
+                                                  _stage_mean(run), _skew(run) > 0).items():
             parts += [f"**{question}**", ""] + [f"- {s}" for s in sentences] + [""]
     parts += [f"![{LAYER_ALT}]({LAYER_PNG})", ""]
     if plt is not None:  # the uniform-routing runs; the skewed ones have their tables above

@@ -447,3 +447,13 @@ def test_skew_is_read_from_the_runs_command():
     assert report._skew({"argv": ["--json", "x.json"]}) == 0.0
     assert report._skew({"argv": ["--skew"]}) == 0.0  # a flag with no value (never written by run_layer)
     assert report._skew({}) == 0.0
+
+
+def test_graph_verdict_under_skew_names_the_two_streams():
+    rows = [{"variant": "separate", "expect": "baseline", "correct": "baseline", "ms@8": 1.10},
+            {"variant": "cuda-graph", "expect": "match", "correct": "match", "ms@8": 1.05}]
+    uniform, skewed = report.graph_verdicts(rows, "8")[0], report.graph_verdicts(rows, "8", skewed=True)[0]
+    assert "launch overhead" in uniform and "two streams" not in uniform
+    assert "two streams" in skewed
+    rows[1]["ms@8"] = 1.099  # within the noise: no cause named either way
+    assert "two streams" not in report.graph_verdicts(rows, "8", skewed=True)[0]
