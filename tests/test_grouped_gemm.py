@@ -712,3 +712,20 @@ def test_split_launches_write_their_experts_as_their_tiles_do(hot_from):
     assert ok, f"seed {seed}, split at {hot_from} against one launch of {one}: {msg}"
     ref = reference.grouped_gemm(xq, xs, offsets, packed, scales, alpha)
     assert checks.rel_error(got, ref) <= 1e-5, f"seed {seed}"
+
+
+def test_each_size_class_counts_its_units_on_its_own_counters(monkeypatch):
+    """A split's launches may run side by side on two streams (separate.run_plan): each size class
+    gets its own unit and readiness counters for the same output and offsets; the same class
+    finds its counters again (graph replays rely on the kernel leaving them at zero)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(gg, "_SCHED", {})  # (the fake arrays' keys stay out of the real cache)
+    arr = lambda p: SimpleNamespace(data=SimpleNamespace(ptr=p))  # noqa: E731
+    fake_cp = SimpleNamespace(cuda=SimpleNamespace(Device=lambda: SimpleNamespace(id=0)), int32="int32",
+                              zeros=lambda n, dtype: object())
+    out, off = arr(0x1000), arr(0x2000)
+    state = lambda counts_in: gg._scheduler_state(fake_cp, out, off, None, 7, counts_in)  # noqa: E731
+    cold, hot, every = state((1, 16)), state((17, gg.ALL_COUNTS[1])), state(gg.ALL_COUNTS)
+    assert len({id(cold[0]), id(hot[0]), id(every[0])}) == 3 and cold[1] is not hot[1]
+    assert state((1, 16)) is cold and state(gg.ALL_COUNTS) is every

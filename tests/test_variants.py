@@ -484,3 +484,24 @@ def test_load_layer_rejects_bad_input_before_launch():
         load_layer(runner, dw, r, x)
     with pytest.raises(ValueError, match="offsets"):
         load_layer(Runner(), dw, _routing(tokens=6, experts=6), random_activations(6, 256))
+
+
+def test_run_plan_puts_a_split_on_two_streams_only_where_asked():
+    """run_plan: a two-class plan with split_streams on the runner's main stream forks, issues the
+    small experts' launch on the side stream first, the rest on the main stream, then joins; a
+    one-launch plan, split_streams off or another stream keep the launches in order there."""
+    from types import SimpleNamespace
+
+    from lab.variants.separate import run_plan
+
+    log = []
+    runner = SimpleNamespace(stream="main", side="side", fork=lambda: log.append("fork"),
+                             join=lambda: log.append("join"))
+    launch = lambda cfg, counts_in, s: log.append((cfg, counts_in, s))  # noqa: E731
+    split = (("cold", (1, 16)), ("hot", (17, 99)))
+    run_plan(runner, split, launch, "main", split_streams=True)
+    assert log == ["fork", ("cold", (1, 16), "side"), ("hot", (17, 99), "main"), "join"]
+    for plan, stream, on in ((split, "main", False), (split, "side", True), (split[:1], "main", True)):
+        log.clear()
+        run_plan(runner, plan, launch, stream, split_streams=on)
+        assert log == [(c, r, stream) for c, r in plan], (plan, stream, on)
