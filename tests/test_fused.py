@@ -73,11 +73,11 @@ def _split_layer(skew: float = 1.2):
 
 def _split_fused_tiles():
     """The fused instantiations split launches take (COUNTS_IN): fused-swiglu's w13 plan, the
-    fused layer's launches by size class, at skew 0.8 and 1.2."""
+    fused layer's launches by size class, at skew 0.4, 0.8 and 1.2."""
     from lab.variants import fused_layer
 
     cfgs = set()
-    for skew in (0.8, 1.2):
+    for skew in (0.4, 0.8, 1.2):
         layer = _split_layer(skew)
         cfgs |= {gg.fused_config(c, "swiglu") for c, _ in layer.w13_plan}
         cfgs |= {gg.fused_config(c, "layer") for c, _ in fused_layer.launches(layer, _one_tile(layer))}

@@ -348,9 +348,14 @@ def test_shipped_configs_compile_without_spills(cfg):
 def _split_tiles():
     """The tiles gemm_plan splits into (both mma.sync) and split_configs' wgmma tiles, as their
     counts_in instantiations take them."""
+    from lab.problem import make_routing
+
     counts = np.array([0, 1, 3, 9, 12, 16, 5, 2, 40, 150, 270, 7] * 8)
     plans = [gg.gemm_plan(n, k, counts) for n, k in ((4096, 4096), (4096, 2048))]
     plans += [gg.split_configs(4096, 4096, counts, 16)]
+    for skew in (0.4, 0.8, 1.2):  # the study's skewed routings at mean 8 (0.4: the 64-token image tile)
+        c = make_routing(288, 288, 8, skew=skew, seed=0).counts
+        plans += [gg.gemm_plan(n, k, c) for n, k in ((4096, 4096), (4096, 2048))]
     return sorted({cfg for plan in plans for cfg, _ in plan}, key=lambda c: c.expression)
 
 

@@ -6,11 +6,12 @@
 # first, and both classes on two streams in either issue order; every output is compared bit for
 # bit with the one-stream run.
 import argparse
+import sys
 
 import numpy as np
 
 from lab.gemm_bench import GemmBench, log, write_json
-from lab.gpu import require_gpu
+from lab.gpu import require_gpu, run_script
 from lab.kernels import grouped_gemm as gg
 from lab.problem import MoEProblem
 from lab.timing import time_cuda_samples
@@ -82,7 +83,8 @@ def main(argv=None):
                 log(TAG, f"{gemm} skew {skew} {m:32s} rounds {' '.join(f'{v:.4f}' for v in ms[m])} ms  "
                          f"differ {row['differ']} unwritten {row['unwritten']}")
     write_json(args.json, "scripts/probes/split_streams_probe.py", rows=rows)
+    return 1 if any(r["differ"] or r["unwritten"] for r in rows) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script(main, "split_streams_probe"))
