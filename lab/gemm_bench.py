@@ -209,7 +209,7 @@ class GemmBench:
         t_roof = nbytes / (roofline_gbps * 1e9) * 1e3
         return {"gemm": case.gemm, "act": act, "mean_tokens": case.mean_tokens, "rows": case.rows,
                 "max_count": int(case.counts.max()), "config": plan[0][0].__dict__, "split": [int(b) for b in np.atleast_1d(hot_from)], "wgmma": wgmma,
-                "plan": [{"config": c.__dict__, "counts_in": list(r)} for c, r in plan], "bytes": nbytes,
+                "plan": gg.plan_record(plan), "bytes": nbytes,
                 "ms": t.median_ms, "ms_min": t.min_ms, "ms_max": t.max_ms, "gbps": nbytes / t.median_ms / 1e6,
                 "roof_pct": 100 * t_roof / t.median_ms, "unwritten": unwritten}
 

@@ -196,8 +196,8 @@ def fusion_verdicts(rows: list[dict], mean: str) -> list[str]:
 
 def graph_verdicts(rows: list[dict], mean: str, skewed: bool = False) -> list[str]:
     """Does a CUDA graph collect it: cuda-graph against separate, beside what fusion adds.
-    `skewed`: the run's routing was skewed, where a GEMM's plan may split by expert size and the
-    graph runs the two launches side by side on two streams (separate runs them in order)."""
+    `skewed`: a GEMM of the run split by expert size (_split_plans), where the graph runs the two
+    launches side by side on two streams (separate runs them in order)."""
     sep, graph = _valid_ms(rows, "separate", mean), _valid_ms(rows, "cuda-graph", mean)
     if sep is None or graph is None:
         return ["separate and cuda-graph are not both timed and valid in this run."
@@ -282,7 +282,7 @@ def layer_verdicts(rows: list[dict], stages: list[dict], means: list[str],
                    stage_mean: str | None = None, skewed: bool = False) -> dict[str, list[str]]:
     """Question -> sentences, from one run's figures (every comparison is against the same
     measured roofline). ``stage_mean``: the mean the stage table was timed at (None: unknown);
-    ``skewed``: the run's routing was skewed (graph_verdicts)."""
+    ``skewed``: a GEMM of the run split by expert size (graph_verdicts)."""
     q: dict[str, list[str]] = {"Is fusion worth anything on the H200?": [],
                                "Does a CUDA graph collect it?": [],
                                "What is the SwiGLU epilogue worth?": [],
@@ -845,6 +845,16 @@ def tile_verdicts(rows: list[dict]) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
+def _split_plans(run: dict) -> bool:
+    """Whether a GEMM of the run split by expert size: its recorded plans (run_layer's
+    gemm_plans), or, for runs before they were recorded, a skewed routing (where gemm_plan may
+    split)."""
+    plans = run.get("gemm_plans")
+    if plans is None:
+        return _skew(run) > 0
+    return any(len(p) > 1 for by_gemm in plans.values() for p in by_gemm.values())
+
+
 def _skew(run: dict) -> float:
     """The routing skew a run was made with (its --skew; 0: uniform)."""
     argv = run.get("argv", [])
@@ -911,7 +921,7 @@ def render(layer_runs: list[dict], gemm_runs: list[dict], out_md: Path, charts: 
                                ["stage", "ms", "% of layer", "roof%"], tablefmt="github"), ""]
         parts += ["Verdicts from this run:", ""]
         for question, sentences in layer_verdicts(run["layer"], run.get("stages", []), means,
-                                                  _stage_mean(run), _skew(run) > 0).items():
+                                                  _stage_mean(run), _split_plans(run)).items():
             parts += [f"**{question}**", ""] + [f"- {s}" for s in sentences] + [""]
     parts += [f"![{LAYER_ALT}]({LAYER_PNG})", ""]
     if plt is not None:  # the uniform-routing runs; the skewed ones have their tables above

@@ -34,6 +34,7 @@ from tabulate import tabulate
 from lab import memory, models, reference, roofline
 from lab.checkpoint import CheckpointError, describe_skipped, inspect_checkpoint, load_checkpoint
 from lab.checks import format_rel
+from lab.kernels import grouped_gemm as gg
 from lab.timing import Timing
 from lab.problem import MoEProblem, make_routing, random_activations, random_weights, tokens_for_mean
 from lab.variants import DEFAULT as LAB_DEFAULT, NAMES as LAB_NAMES
@@ -262,7 +263,7 @@ def run_gpu(args, problem, weights, routings, cp) -> dict:
         order.insert(0, "separate")  # the baseline every other variant is compared with
     table = {name: {"variant": name, "expect": make(name).expect, "ms": {}, "timing": {}, "checks": [],
                     "errors": [], "skipped": None, "checksum": {}, "stages": {}} for name in order}
-    separate_checks, stages, gpu_states = {}, None, {}
+    separate_checks, stages, gpu_states, plans = {}, None, {}, {}
     stage_mean = args.stage_mean if args.stage_mean in routings else next(iter(routings))
 
     for i, (mean, routing) in enumerate(routings.items()):
@@ -271,6 +272,12 @@ def run_gpu(args, problem, weights, routings, cp) -> dict:
         x = random_activations(routing.tokens, problem.hidden, seed=args.seed + i)
         runner = Runner()
         layer = load_layer(runner, dweights, routing, x)
+        plans[f"{mean:g}"] = {"w13": gg.plan_record(layer.w13_plan), "w2": gg.plan_record(layer.w2_plan)}
+        if len(layer.w13_plan) > 1 or len(layer.w2_plan) > 1:
+            log("  GEMM plans by expert size: " + "; ".join(
+                f"{g} " + " + ".join(f"{c.max_frags * 8}-token {'image' if c.image else 'mma.sync' if not c.mma else 'wgmma'} "
+                                     f"tile on {lo}..{'' if hi == gg.ALL_COUNTS[1] else hi}" for c, (lo, hi) in plan)
+                for g, plan in (("w13", layer.w13_plan), ("w2", layer.w2_plan))))
         n_check = problem.experts if small else args.check_experts
         experts = checks.sample_experts(routing.counts, n_check, seed=args.seed + i)
         rows_sel = checks.expert_rows(layer.offsets_host, experts)
@@ -372,7 +379,7 @@ def run_gpu(args, problem, weights, routings, cp) -> dict:
         cp.get_default_memory_pool().free_all_blocks()
 
     return {"setup": setup, "read_roofline": roof, "table": table, "separate_checks": separate_checks,
-            "stages": stages, "gbps": gbps, "tensor_peak": tensor, "gpu_states": gpu_states}
+            "stages": stages, "gbps": gbps, "tensor_peak": tensor, "gpu_states": gpu_states, "gemm_plans": plans}
 
 
 def layer_rows(result: dict, problem, routings, variants) -> list[dict]:
@@ -526,7 +533,8 @@ def main(argv=None) -> int:
             "setup": result["setup"], "problem": vars(problem),
             "checkpoint": report.as_dict() if report else None,
             "read_roofline": result["read_roofline"], "tensor_peak": result["tensor_peak"], "bytes": brows, "layer": lrows, "stages": srows,
-            "separate_checks": result["separate_checks"], "gpu_states": result["gpu_states"]})
+            "separate_checks": result["separate_checks"], "gpu_states": result["gpu_states"],
+            "gemm_plans": result["gemm_plans"]})
         log(f"wrote {args.json}")
     failed = [r["variant"] for r in lrows if r["correct"].startswith(("MISMATCH", "ERROR", "baseline, FAILED"))]
     failed += [f"separate checks at mean {m:g}" for m, r in result["separate_checks"].items() if not r["ok"]]

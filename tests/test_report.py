@@ -457,3 +457,11 @@ def test_graph_verdict_under_skew_names_the_two_streams():
     assert "two streams" in skewed
     rows[1]["ms@8"] = 1.099  # within the noise: no cause named either way
     assert "two streams" not in report.graph_verdicts(rows, "8", skewed=True)[0]
+
+
+def test_split_plans_from_the_recorded_plans_else_the_skew():
+    one = [{"config": {}, "counts_in": [1, 2**31 - 1]}]
+    two = one + [{"config": {}, "counts_in": [17, 2**31 - 1]}]
+    assert report._split_plans({"gemm_plans": {"8": {"w13": one, "w2": two}}, "argv": []})
+    assert not report._split_plans({"gemm_plans": {"8": {"w13": one, "w2": one}}, "argv": ["--skew", "1.2"]})
+    assert report._split_plans({"argv": ["--skew", "0.4"]}) and not report._split_plans({"argv": []})

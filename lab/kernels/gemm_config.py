@@ -368,6 +368,12 @@ def gemm_plan(n: int, k: int, counts, layout: tuple[int, int] | None = None,
     return ((cfg, ALL_COUNTS),)
 
 
+def plan_record(plan) -> list[dict]:
+    """A plan (gemm_plan's (config, counts_in) pairs) as JSON: each launch's config fields and
+    its size class [lo, hi] (hi 2**31 - 1: no upper bound)."""
+    return [{"config": dict(cfg.__dict__), "counts_in": [int(lo), int(hi)]} for cfg, (lo, hi) in plan]
+
+
 SHIPPED_CONFIGS = tuple(
     GemmConfig(w, r, ks, st, f, mma)
     for (w, r, ks, st, mma) in ((4, 4, 128, 3, 0), (4, 4, 128, 4, 0), (8, 2, 128, 4, 0), (8, 2, 128, 3, 0),

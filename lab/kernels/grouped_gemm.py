@@ -30,7 +30,7 @@ from lab.kernels.gemm_config import (ACTS, FUSED_SMALL_STAGES, IMAGE_FRAGS, MAX_
                                      SHIPPED_CONFIGS, modelled_time,
                                      SHIPPED_FUSED, SHIPPED_FUSED_W4A16, SHIPPED_IMAGE, SHIPPED_LARGE, SHIPPED_W4A16,
                                      LARGE_FRAGS, SMEM_LIMIT, GemmConfig, frags_for, fused_config, heuristic,
-                                     resident_ctas, split_configs, gemm_plan, ALL_COUNTS, SPLIT_AT)
+                                     resident_ctas, split_configs, gemm_plan, plan_record, ALL_COUNTS, SPLIT_AT)
 from lab.kernels.gemm_weights import (ATOM_BYTES, ATOM_CODE_BYTES, ATOM_K, ATOM_ROWS, DECODE_MASK,  # noqa: F401
                                       ENCODE_TABLES, K_SLOTS, PreparedWeights, check_weight_shapes,
                                       decode_words, decode_x_words, default_layout, pair_gate_up_rows, permute_k, shared_layout,
@@ -42,7 +42,7 @@ __all__ = [  # the launchers, and what gemm_weights and gemm_config define, unde
     "SOURCE", "Fusion", "grouped_gemm", "grouped_gemm_pair", "swiglu_gemm", "fused_layer",
     "ACTS", "FUSED_SMALL_STAGES", "IMAGE_FRAGS", "MAX_FRAGS_CHOICES", "MODEL_MARGIN", "MODES", "SKEWED_DISPERSION", "modelled_time", "SHIPPED_CONFIGS", "SHIPPED_FUSED", "SHIPPED_W4A16",
     "SHIPPED_FUSED_W4A16", "SHIPPED_IMAGE", "SHIPPED_LARGE", "activation_image", "image_bytes", "image_groups", "image_workspace", "LARGE_FRAGS", "SMEM_LIMIT",
-    "GemmConfig", "frags_for", "fused_config", "heuristic", "resident_ctas", "split_configs", "gemm_plan", "ALL_COUNTS", "SPLIT_AT",
+    "GemmConfig", "frags_for", "fused_config", "heuristic", "resident_ctas", "split_configs", "gemm_plan", "plan_record", "ALL_COUNTS", "SPLIT_AT",
     "grouped_gemm_plan",
     "ATOM_BYTES", "ATOM_CODE_BYTES", "ATOM_K", "ATOM_ROWS", "DECODE_MASK", "ENCODE_TABLES", "K_SLOTS",
     "PreparedWeights", "check_weight_shapes", "decode_words", "decode_x_words", "default_layout",

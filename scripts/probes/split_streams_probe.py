@@ -76,7 +76,7 @@ def main(argv=None):
             nbytes = bench.required_bytes(case)
             for m in modes:
                 row = {"gemm": gemm, "skew": skew, "mean_tokens": args.mean_tokens, "mode": m,
-                       "plan": [{"config": c.__dict__, "counts_in": list(r)} for c, r in plan],
+                       "plan": gg.plan_record(plan),
                        "round_median_ms": ms[m], "ms": min(ms[m]), "bytes": nbytes,
                        "differ": int((bits[m] != base).sum()), "unwritten": int(np.isnan(bits[m].view(np.float32)).sum())}
                 rows.append(row)
