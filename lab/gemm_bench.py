@@ -186,10 +186,10 @@ class GemmBench:
 
     def measure_split(self, case: GemmCase, hot_from, roofline_gbps: float, iterations: int,
                       act: str = "nvfp4", wgmma: bool = True) -> dict:
-        """Time the GEMM as split_configs' launches by expert size, cut at `hot_from` (one bound or
-        several; after one poisoned run
-        whose unwritten elements are counted); the row's "config" is the first launch's, "plan"
-        every launch's; `wgmma=False` keeps both on mma.sync tiles (gemm_plan's split)."""
+        """Time the GEMM as split_configs' launches by expert size, in order on one stream, cut at
+        `hot_from` (one bound or several; after one poisoned run whose unwritten elements are
+        counted); the row's "config" is the first launch's, "plan" every launch's; `wgmma=False`
+        keeps both on mma.sync tiles (gemm_plan's split)."""
         plan = gg.split_configs(case.n, case.k, case.counts, hot_from, act=act, wgmma=wgmma)
         layouts = {(c.block_rows, c.k_step) for c, _ in plan}
         assert len(layouts) == 1, plan  # (one prepared layout: the heuristic's for this N and K)
@@ -197,8 +197,7 @@ class GemmBench:
         xs = (case.d_xb, None, case.d_alpha_bf16) if act == "bf16" else (case.d_xp, case.d_xs, case.d_alpha)
 
         def run():
-            for cfg, counts_in in plan:
-                gg.grouped_gemm(prep, xs[0], xs[1], case.d_off, xs[2], case.out, cfg, counts_in=counts_in)
+            gg.grouped_gemm_plan(prep, xs[0], xs[1], case.d_off, xs[2], case.out, plan)
 
         case.out.fill(self.cp.nan)
         run()

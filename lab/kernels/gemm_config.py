@@ -310,11 +310,11 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None, act
 
 
 ALL_COUNTS = (1, 2**31 - 1)  # grouped_gemm's counts_in for every expert with tokens
-# Skewed routing whose launch the model moved to a tile past 16 tokens runs as two launches: the
-# experts of up to SPLIT_AT tokens on the 16-token tile, the others on theirs (bench_gemm --split
-# at mean 8, 2eab60f and 9d76701: the split at 16 beat the one launch by 1.13-1.18x at skew 1.2 and
-# 1.08-1.12x at 0.8; at 32 and 64 by less; with the hot experts on the 64-token mma.sync tile
-# instead of the 160-token image tile only 1.04-1.10x).
+# Skewed routing on a mma.sync tile runs as two launches (gemm_plan): the experts of up to
+# SPLIT_AT tokens on the 16-token tile, the others on theirs (bench_gemm --split at mean 8, 2eab60f
+# and 9d76701: the split at 16 beat the one launch by 1.13-1.18x at skew 1.2 and 1.08-1.12x at 0.8;
+# at 32 and 64 by less; with the hot experts on the 64-token mma.sync tile instead of the
+# 160-token image tile only 1.04-1.10x; three or four classes lost to two, notes/gemm.md v26).
 SPLIT_AT = 16
 
 
