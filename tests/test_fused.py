@@ -108,6 +108,28 @@ def test_fused_layer_runs_one_launch_per_size_class_under_skew():
     assert fused_layer.launches(uniform, _one_tile(uniform)) == [(_one_tile(uniform), gg.ALL_COUNTS)]
 
 
+def test_fused_layer_runs_its_large_class_on_image_tiles_under_skew():
+    """Under skew the large experts' class leaves the layer mode for its plans' image tiles (w13
+    with the SwiGLU epilogue, w2 with the bf16 one) at the plans' bounds and in the fused layer's
+    weight layout; with one launch (uniform routing) there is no such class."""
+    from lab.variants import fused_layer
+
+    for skew in (0.4, 0.8, 1.2):
+        layer = _split_layer(skew)
+        one = _one_tile(layer)
+        hot = fused_layer.hot_image_plan(layer, one, fused_layer.launches(layer, one))
+        assert hot is not None, skew
+        w13_hot, w2_hot, counts_in = hot
+        assert counts_in == (gg.SPLIT_AT + 1, gg.ALL_COUNTS[1])
+        assert w13_hot.image and w2_hot.image
+        # (the 160-token tile takes the SwiGLU in its registers; the 64-token one, the heuristic's
+        # for the 17-45-token class at skew 0.4, fuses on its epilogue warps)
+        assert gg.fused_config(w13_hot, "swiglu").swiglu_regs == (w13_hot.max_frags == 20), (skew, w13_hot)
+        assert {(c.block_rows, c.k_step) for c in (w13_hot, w2_hot)} == {(one.block_rows, one.k_step)}
+    uniform = _split_layer(0.0)
+    assert fused_layer.hot_image_plan(uniform, _one_tile(uniform), fused_layer.launches(uniform, _one_tile(uniform))) is None
+
+
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
 @pytest.mark.parametrize("cfg", _split_fused_tiles(), ids=lambda c: c.expression.split("<")[1][:-1])
 def test_split_fused_instantiations_compile_without_spills(cfg):

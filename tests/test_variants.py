@@ -27,7 +27,7 @@ from strategies import routings
 
 def test_registry_lists_the_study_variants_in_order():
     assert NAMES == ("separate", "cuda-graph", "chunked-2", "chunked-4", "chunked-8", "chunked-16",
-                     "fused-swiglu", "fused-layer", "fused-out", "one-launch-2G", "fold-b", "w4a16",
+                     "fused-swiglu", "fused-layer", "fused-layer-classes", "fused-out", "one-launch-2G", "fold-b", "w4a16",
                      "w4a16-fused", "w4a16-layer")
     for name in NAMES:
         v = make(name)

@@ -4,7 +4,8 @@ Each variant has a ``name``, an ``expect`` saying what its output should be, ``p
 ``run``:
 
     baseline  separate                     the reference every other variant is compared with
-    match     cuda-graph, chunked-{2,4,8,16}, fused-swiglu, fused-layer, fused-out
+    match     cuda-graph, chunked-{2,4,8,16}, fused-swiglu, fused-layer, fused-out,
+              fused-layer-classes (under skew: one fused layer per size class, for A/Bs)
                                            bitwise equal to separate's output
     ceiling   one-launch-2G                numerically wrong by construction; timed as a bound
     approx    fold-b                       option (b): gate/up ratio folded into e4m3 scales
@@ -26,6 +27,7 @@ REGISTRY = {
     **{f"chunked-{k}": (lambda k=k: chunked.Chunked(k)) for k in chunked.CHUNKS},
     fused_swiglu.name: fused_swiglu.FusedSwiglu,
     fused_layer.name: fused_layer.FusedLayer,
+    f"{fused_layer.name}-classes": (lambda: fused_layer.FusedLayer(hot_image=False)),
     fused_out.name: fused_out.FusedOut,
     one_launch_2g.name: one_launch_2g.OneLaunch2G,
     fold_b.name: fold_b.FoldB,
@@ -36,8 +38,9 @@ REGISTRY = {
 NAMES = tuple(REGISTRY)
 # Variants built and checked on the CPU (compile, layout, launch arguments) but not yet run on the
 # H200: scripts take them only when asked by name, so a default run reports measured kernels only.
-# None at present (fused-out was first run on the H200 at 6b1ad91).
-UNMEASURED: tuple[str, ...] = ()
+# fused-layer-classes is fused-layer's form of 947d39e-0015690, kept for the A/B against its
+# large class on image tiles (run on the H200 as fused-layer there).
+UNMEASURED: tuple[str, ...] = ("fused-layer-classes",)
 DEFAULT = tuple(n for n in NAMES if n not in UNMEASURED)
 
 

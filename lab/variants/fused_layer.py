@@ -41,30 +41,69 @@ def launches(layer, cfg: gg.GemmConfig) -> list[tuple[gg.GemmConfig, tuple[int, 
     return out
 
 
+def hot_image_plan(layer, cfg: gg.GemmConfig, launches_: list):
+    """(w13 config, w2 config, counts_in) of the large experts' class where it can run on image
+    tiles beside the small experts' fused layer: the plans split both GEMMs at the same bounds into
+    two classes, both GEMMs' large class is on an image tile (NVFP4 activations), in the fused
+    layer's weight layout. None otherwise."""
+    if len(launches_) != 2:
+        return None
+    (w13_hot, r13), (w2_hot, r2) = layer.w13_plan[1], layer.w2_plan[1]
+    layout = (cfg.block_rows, cfg.k_step)
+    if not (r13 == r2 == launches_[1][1] and w13_hot.image and w2_hot.image
+            and (w13_hot.block_rows, w13_hot.k_step) == (w2_hot.block_rows, w2_hot.k_step) == layout):
+        return None
+    return w13_hot, w2_hot, r13
+
+
 class FusedLayer:
+    """Under skewed routing (two size classes, gemm_plan) the small experts' layer is one
+    persistent launch on the runner's side stream; the large experts' runs beside it on the main
+    stream as their plans' image tiles: w13 with the SwiGLU epilogue (in the consumers' registers
+    on the 160-token tile), then w2 with the bf16 epilogue. The layer mode has no image form, and
+    its 64-token mma.sync tile ran the large class 10% slower (notes/gemm.md v26).
+    `hot_image=False` keeps one fused layer per size class (the form of 947d39e-0015690)."""
+
     name = name
     expect = expect
     stages = ("layer",)
     fp32_out = False  # the w2 epilogue writes bf16 only
 
-    def __init__(self):
+    def __init__(self, hot_image: bool = True):
         self.graph = None
+        self.hot_image = hot_image
+        if not hot_image:
+            self.name = f"{name}-classes"
 
     def prepare(self, runner, layer) -> None:
         part = layer.full
         self.cfg, self.w13, self.w2 = pair_plan(layer, paired=True)
         self.launches = launches(layer, self.cfg)
         self.fusion = fusion_for(runner, layer, part.gate_global, part.up_global, out_bf16=part.out_bf16)
+        self.hot = hot_image_plan(layer, self.cfg, self.launches) if self.hot_image else None
+        self.hot_fusion = fusion_for(runner, layer, part.gate_global, part.up_global)  # (swiglu: no out_bf16)
         self.run(runner, layer)  # compiles, and checks the launch's arguments once
         self.graph = runner.capture(lambda: self._launch(runner, layer))
 
     def _launch(self, runner, layer) -> None:
         part = layer.full
+
+        def layer_launch(cfg, counts_in, s):
+            gg.fused_layer(self.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, self.w2,
+                           part.w2_alpha, self.fusion, cfg, stream=s, counts_in=counts_in)
+
         with runner.stage("layer"):
-            # (one launch, or one per size class side by side on two streams)
-            run_plan(runner, self.launches, lambda cfg, counts_in, s: gg.fused_layer(
-                self.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, self.w2, part.w2_alpha,
-                self.fusion, cfg, stream=s, counts_in=counts_in), runner.stream, split_streams=True)
+            if self.hot is None:  # one launch, or one per size class side by side on two streams
+                run_plan(runner, self.launches, layer_launch, runner.stream, split_streams=True)
+                return
+            w13_hot, w2_hot, counts_in = self.hot
+            runner.fork()
+            layer_launch(*self.launches[0], runner.side)
+            gg.swiglu_gemm(self.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, self.hot_fusion,
+                           w13_hot, stream=runner.stream, counts_in=counts_in)
+            gg.grouped_gemm(self.w2, part.a_packed, part.a_scales, part.offsets, part.w2_alpha, part.out_bf16,
+                            w2_hot, stream=runner.stream, nonfinite=runner.counter, counts_in=counts_in)
+            runner.join()
 
     def run(self, runner, layer) -> None:
         if self.graph is None or runner.timing_stages:
