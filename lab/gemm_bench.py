@@ -185,19 +185,35 @@ class GemmBench:
         return wbytes + xbytes + case.rows * case.n * 4
 
     def measure_split(self, case: GemmCase, hot_from, roofline_gbps: float, iterations: int,
-                      act: str = "nvfp4", wgmma: bool = True) -> dict:
+                      act: str = "nvfp4", wgmma: bool = True, streams: int = 1) -> dict:
         """Time the GEMM as split_configs' launches by expert size, in order on one stream, cut at
         `hot_from` (one bound or several; after one poisoned run whose unwritten elements are
         counted); the row's "config" is the first launch's, "plan" every launch's; `wgmma=False`
-        keeps both on mma.sync tiles (gemm_plan's split)."""
+        keeps both on mma.sync tiles (gemm_plan's split). `streams=2`
+        with two size classes: the small experts' launch on a second stream, issued first, beside
+        the rest, as the layer's graph variants run a split (separate.run_plan); the row's
+        "streams" says which ran."""
         plan = gg.split_configs(case.n, case.k, case.counts, hot_from, act=act, wgmma=wgmma)
         layouts = {(c.block_rows, c.k_step) for c, _ in plan}
         assert len(layouts) == 1, plan  # (one prepared layout: the heuristic's for this N and K)
         prep = self.prepared(case.gemm, layouts.pop())
         xs = (case.d_xb, None, case.d_alpha_bf16) if act == "bf16" else (case.d_xp, case.d_xs, case.d_alpha)
 
+        streams = 2 if streams == 2 and len(plan) == 2 else 1
+        main_s = self.cp.cuda.get_current_stream()
+        side = self.cp.cuda.Stream(non_blocking=True)
+        fork, join = self.cp.cuda.Event(disable_timing=True), self.cp.cuda.Event(disable_timing=True)
+
         def run():
-            gg.grouped_gemm_plan(prep, xs[0], xs[1], case.d_off, xs[2], case.out, plan)
+            if streams == 2:
+                fork.record(main_s)
+                side.wait_event(fork)
+            for i, (cfg, counts_in) in enumerate(plan):
+                gg.grouped_gemm(prep, xs[0], xs[1], case.d_off, xs[2], case.out, cfg, counts_in=counts_in,
+                                stream=side if streams == 2 and i == 0 else main_s)
+            if streams == 2:
+                join.record(side)
+                main_s.wait_event(join)
 
         case.out.fill(self.cp.nan)
         run()
@@ -207,7 +223,7 @@ class GemmBench:
         nbytes = self.required_bytes(case, act)
         t_roof = nbytes / (roofline_gbps * 1e9) * 1e3
         return {"gemm": case.gemm, "act": act, "mean_tokens": case.mean_tokens, "rows": case.rows,
-                "max_count": int(case.counts.max()), "config": plan[0][0].__dict__, "split": [int(b) for b in np.atleast_1d(hot_from)], "wgmma": wgmma,
+                "max_count": int(case.counts.max()), "config": plan[0][0].__dict__, "split": [int(b) for b in np.atleast_1d(hot_from)], "wgmma": wgmma, "streams": streams,
                 "plan": gg.plan_record(plan), "bytes": nbytes,
                 "ms": t.median_ms, "ms_min": t.min_ms, "ms_max": t.max_ms, "gbps": nbytes / t.median_ms / 1e6,
                 "roof_pct": 100 * t_roof / t.median_ms, "unwritten": unwritten}

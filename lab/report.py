@@ -340,7 +340,8 @@ def gemm_tile(r: dict) -> str:
         return _config_tile(r["config"])
     hi = lambda v: "" if v >= 2**31 - 1 else str(v)  # noqa: E731
     at = ",".join(map(str, r["split"])) if isinstance(r["split"], list) else r["split"]
-    return f"split at {at}: " + " + ".join(f"{_config_tile(p['config'])} on {p['counts_in'][0]}..{hi(p['counts_in'][1])}"
+    streams = ", two streams" if r.get("streams") == 2 else ""
+    return f"split at {at}{streams}: " + " + ".join(f"{_config_tile(p['config'])} on {p['counts_in'][0]}..{hi(p['counts_in'][1])}"
                                                   for p in r["plan"])
 
 

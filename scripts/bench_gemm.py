@@ -67,6 +67,9 @@ def main(argv=None) -> int:
                          "tile, the rest on theirs (several bounds: one class between each two; "
                          "gemm_config.split_configs); one row per value, and "
                          "one more with both on mma.sync tiles (as gemm_plan splits) where they differ")
+    ap.add_argument("--split-streams", action="store_true",
+                    help="run each two-class split's launches side by side on two streams, as the layer's graph "
+                         "variants do (default: one after the other, as separate does)")
     ap.add_argument("--sustain-ms", type=float, default=0.0,
                     help="also time the flat read and each GEMM after this many ms of back-to-back runs (0: off)")
     args = ap.parse_args(argv)
@@ -138,11 +141,13 @@ def main(argv=None) -> int:
                 if not wgmma and (gg.split_configs(case.n, case.k, case.counts, hot_from, act=act)
                                   == gg.split_configs(case.n, case.k, case.counts, hot_from, act=act, wgmma=False)):
                     continue  # (no wgmma tile in the split: the row above is the mma.sync one)
-                row = bench.measure_split(case, hot_from, bw, args.iterations, act, wgmma)
+                row = bench.measure_split(case, hot_from, bw, args.iterations, act, wgmma,
+                                          streams=2 if args.split_streams else 1)
                 row["tflops"] = 2.0 * case.rows * case.n * case.k / (row["ms"] * 1e-3) / 1e12
                 row["tensor_pct"] = 100 * row["tflops"] / tensor["tflops"]
                 row.update({"read_pattern_ms": None, "pattern_pct": None})  # (two grids: no one pattern)
-                log(TAG, f"{gemm} mean {mean} ({act}) split at {','.join(map(str, hot_from))}{'' if wgmma else ', mma.sync'}: {row['ms']:.3f} ms "
+                log(TAG, f"{gemm} mean {mean} ({act}) split at {','.join(map(str, hot_from))}{'' if wgmma else ', mma.sync'}"
+                         f"{', two streams' if row['streams'] == 2 else ''}: {row['ms']:.3f} ms "
                          f"({row['roof_pct']:.1f}% of roofline), " + " + ".join(
                              f"{p['config']['max_frags'] * 8}-token tile on {p['counts_in']}" for p in row["plan"]))
                 if args.check_experts:
@@ -165,7 +170,7 @@ def main(argv=None) -> int:
         return "-" if v is None else format(v, spec)
 
     table = [[r["gemm"], r["act"], r["mean_tokens"],
-              tile(r["config"]) if "plan" not in r else f"split at {','.join(map(str, r['split']))}{'' if r['wgmma'] else ', mma.sync'}: " + " + ".join(
+              tile(r["config"]) if "plan" not in r else f"split at {','.join(map(str, r['split']))}{'' if r['wgmma'] else ', mma.sync'}{', two streams' if r.get('streams') == 2 else ''}: " + " + ".join(
                   f"{tile(p['config'])} on {p['counts_in'][0]}..{p['counts_in'][1]}" for p in r["plan"]),
               f"{r['ms']:.3f}", f"{r['gbps']:.0f}", f"{r['roof_pct']:.1f}", f"{r['tflops']:.0f}",
               f"{r['tensor_pct']:.1f}", fmt(r["pattern_pct"], ".1f"), fmt(r["read_pattern_ms"], ".3f")]

@@ -465,3 +465,12 @@ def test_split_plans_from_the_recorded_plans_else_the_skew():
     assert report._split_plans({"gemm_plans": {"8": {"w13": one, "w2": two}}, "argv": []})
     assert not report._split_plans({"gemm_plans": {"8": {"w13": one, "w2": one}}, "argv": ["--skew", "1.2"]})
     assert report._split_plans({"argv": ["--skew", "0.4"]}) and not report._split_plans({"argv": []})
+
+
+def test_split_rows_name_their_launches_and_streams():
+    cfg = {"warps": 4, "row_tiles": 4, "k_step": 128, "stages": 3, "max_frags": 2, "mma": 0}
+    hot = {**cfg, "warps": 8, "row_tiles": 2, "max_frags": 20, "mma": 1, "image": True}
+    row = {"config": cfg, "split": [16], "plan": [{"config": cfg, "counts_in": [1, 16]},
+                                                  {"config": hot, "counts_in": [17, 2**31 - 1]}]}
+    assert report.gemm_tile(row) == "split at 16: 4,4,128,3,2,0 on 1..16 + 8,2,128,3,20,1,image on 17.."
+    assert report.gemm_tile({**row, "streams": 2}).startswith("split at 16, two streams: 4,4,128,3,2,0 on 1..16 + ")
