@@ -104,6 +104,11 @@ def test_fused_layer_runs_one_launch_per_size_class_under_skew():
     assert [r for _, r in got] == [(1, gg.SPLIT_AT), (gg.SPLIT_AT + 1, gg.ALL_COUNTS[1])]
     assert got[0][0].max_frags <= 2 < got[1][0].max_frags
     assert {(c.block_rows, c.k_step) for c, _ in got} == {(one.block_rows, one.k_step)}
+    # at skew 0.4 (17-45 tokens) one pass of the layer mode holds every large expert: one fused
+    # layer per class
+    low = _split_layer(0.4)
+    assert low.counts.max() <= 64
+    assert fused_layer.hot_image_plan(low, _one_tile(low), fused_layer.launches(low, _one_tile(low))) is None
     uniform = _split_layer(0.0)
     assert fused_layer.launches(uniform, _one_tile(uniform)) == [(_one_tile(uniform), gg.ALL_COUNTS)]
 
@@ -114,7 +119,7 @@ def test_fused_layer_runs_its_large_class_on_image_tiles_under_skew():
     weight layout; with one launch (uniform routing) there is no such class."""
     from lab.variants import fused_layer
 
-    for skew in (0.4, 0.8, 1.2):
+    for skew in (0.6, 0.8, 1.2):
         layer = _split_layer(skew)
         one = _one_tile(layer)
         hot = fused_layer.hot_image_plan(layer, one, fused_layer.launches(layer, one))
@@ -122,10 +127,15 @@ def test_fused_layer_runs_its_large_class_on_image_tiles_under_skew():
         w13_hot, w2_hot, counts_in = hot
         assert counts_in == (gg.SPLIT_AT + 1, gg.ALL_COUNTS[1])
         assert w13_hot.image and w2_hot.image
-        # (the 160-token tile takes the SwiGLU in its registers; the 64-token one, the heuristic's
-        # for the 17-45-token class at skew 0.4, fuses on its epilogue warps)
+        # (the 160-token tile takes the SwiGLU in its registers; the 96-token one, the heuristic's
+        # for the 17-93-token class at skew 0.6, fuses on its epilogue warps)
         assert gg.fused_config(w13_hot, "swiglu").swiglu_regs == (w13_hot.max_frags == 20), (skew, w13_hot)
         assert {(c.block_rows, c.k_step) for c in (w13_hot, w2_hot)} == {(one.block_rows, one.k_step)}
+    # at skew 0.4 (17-45 tokens) one pass of the layer mode holds every large expert: one fused
+    # layer per class
+    low = _split_layer(0.4)
+    assert low.counts.max() <= 64
+    assert fused_layer.hot_image_plan(low, _one_tile(low), fused_layer.launches(low, _one_tile(low))) is None
     uniform = _split_layer(0.0)
     assert fused_layer.hot_image_plan(uniform, _one_tile(uniform), fused_layer.launches(uniform, _one_tile(uniform))) is None
 

@@ -42,11 +42,14 @@ def launches(layer, cfg: gg.GemmConfig) -> list[tuple[gg.GemmConfig, tuple[int, 
 
 
 def hot_image_plan(layer, cfg: gg.GemmConfig, launches_: list):
-    """(w13 config, w2 config, counts_in) of the large experts' class where it can run on image
-    tiles beside the small experts' fused layer: the plans split both GEMMs at the same bounds into
-    two classes, both GEMMs' large class is on an image tile (NVFP4 activations), in the fused
-    layer's weight layout. None otherwise."""
-    if len(launches_) != 2:
+    """(w13 config, w2 config, counts_in) of the large experts' class where it runs on image tiles
+    beside the small experts' fused layer: the plans split both GEMMs at the same bounds into two
+    classes, both GEMMs' large class is on an image tile (NVFP4 activations), in the fused layer's
+    weight layout, and its largest expert passes the tokens one pass of the layer mode holds (64:
+    past that the layer mode decodes the expert's weights once per pass). None otherwise: at skew
+    0.4 (17-45 tokens) the class's own fused layer was 1.2% faster than the image tiles (run_layer
+    at f990ec0: 1.017 against 1.029 ms), at 0.8 and 1.2 1.1% and 9% slower."""
+    if len(launches_) != 2 or layer.counts.max() <= gg.fused_config(launches_[1][0], "layer").token_tile:
         return None
     (w13_hot, r13), (w2_hot, r2) = layer.w13_plan[1], layer.w2_plan[1]
     layout = (cfg.block_rows, cfg.k_step)
@@ -58,10 +61,11 @@ def hot_image_plan(layer, cfg: gg.GemmConfig, launches_: list):
 
 class FusedLayer:
     """Under skewed routing (two size classes, gemm_plan) the small experts' layer is one
-    persistent launch on the runner's side stream; the large experts' runs beside it on the main
-    stream as their plans' image tiles: w13 with the SwiGLU epilogue (in the consumers' registers
-    on the 160-token tile), then w2 with the bf16 epilogue. The layer mode has no image form, and
-    its 64-token mma.sync tile ran the large class 10% slower (notes/gemm.md v26).
+    persistent launch on the runner's side stream; where the large experts pass 64 tokens
+    (hot_image_plan) theirs runs beside it on the main stream as their plans' image tiles: w13 with
+    the SwiGLU epilogue (in the consumers' registers on the 160-token tile), then w2 with the bf16
+    epilogue. The layer mode has no image form, and its 64-token mma.sync tile ran the large class
+    10% slower (notes/gemm.md v26); else each class is one fused layer.
     `hot_image=False` keeps one fused layer per size class (the form of 947d39e-0015690)."""
 
     name = name
