@@ -9,6 +9,9 @@ does that:
         python scripts/profile_kernels.py --mean-tokens 8
 
 Each kernel is launched once (its first launch compiles it), in the order above. With
+`--skew` the routing is skewed and, where gemm_plan splits w13 by expert size, each of its
+launches follows (the small experts' class, then the large one: one kernel each, and an
+`act_image` pre-pass before an image tile). With
 `--w4a16` the two GEMMs are the W4A16 ones (bf16 activations, the w4a16 and w4a16-fused
 variants' w13 launches), after the NVFP4 ones, so one profile compares the two forms; each
 `--config` (as bench_gemm takes it) is one more plain w13 launch with that tile.
@@ -40,17 +43,20 @@ def main(argv=None) -> int:
                     help=CONFIG_HELP + "; each a plain w13 launch after the others (repeat for several)")
     ap.add_argument("--w4a16", action="store_true",
                     help="then the W4A16 w13 kernels (bf16 activations): plain and with the SwiGLU epilogue")
+    ap.add_argument("--skew", type=float, default=0.0, help="routing skew: 0 uniform, else p ~ 1/rank**skew")
     ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights, routing and activations")
     args = ap.parse_args(argv)
     if not args.mean_tokens > 0:
         ap.error(f"--mean-tokens: must be > 0, got {args.mean_tokens}")
+    if not args.skew >= 0:
+        ap.error(f"--skew: must be >= 0, got {args.skew}")
     problem = resolve_shape(args, ap)
 
     cp = require_gpu("profile_kernels.py")
     log(TAG, "weights")
     weights = upload_weights(random_weights(problem, seed=args.seed))
     routing = make_routing(tokens_for_mean(args.mean_tokens, problem.experts, problem.top_k), problem.experts,
-                           problem.top_k, seed=args.seed)
+                           problem.top_k, skew=args.skew, seed=args.seed)
     runner = Runner()
     layer = load_layer(runner, weights, routing, random_activations(routing.tokens, problem.hidden, seed=args.seed))
     part, cfg = layer.full, layer.w13_cfg
@@ -62,6 +68,11 @@ def main(argv=None) -> int:
     gg.swiglu_gemm(w13_paired, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, fusion, cfg)
     gg.grouped_gemm(part.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, part.h, cfg,
                     read_only=True)
+    if len(layer.w13_plan) > 1:
+        for tile, counts_in in layer.w13_plan:
+            log(TAG, f"w13 plan: {tile} on experts of {counts_in[0]}..{counts_in[1]} tokens")
+            gg.grouped_gemm(part.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, part.h, tile,
+                            counts_in=counts_in)
     if args.w4a16:
         from lab.variants.w4a16 import bf16_operands
 

@@ -59,14 +59,14 @@ def test_pairing_rejects_halves_that_do_not_split():
         gg.pair_gate_up_rows(np.zeros((1, 192, 8), np.uint8), 256)  # I = 96 is not a multiple of 128
 
 
-def _split_layer(skew: float = 1.2):
-    """The study's problem at mean 8 and `skew`, as much of a Layer as the fused variants' plans read."""
+def _split_layer(skew: float = 1.2, mean: int = 8):
+    """The study's problem at `mean` and `skew`, as much of a Layer as the fused variants' plans read."""
     from types import SimpleNamespace
 
     from lab.problem import MoEProblem, make_routing
 
     p = MoEProblem()
-    counts = make_routing(8 * p.experts // p.top_k, p.experts, p.top_k, skew=skew, seed=0).counts
+    counts = make_routing(mean * p.experts // p.top_k, p.experts, p.top_k, skew=skew, seed=0).counts
     return SimpleNamespace(problem=p, counts=counts, w13_plan=gg.gemm_plan(2 * p.intermediate, p.hidden, counts),
                            w2_plan=gg.gemm_plan(p.hidden, p.intermediate, counts))
 
@@ -138,6 +138,19 @@ def test_fused_layer_runs_its_large_class_on_image_tiles_under_skew():
     assert fused_layer.hot_image_plan(low, _one_tile(low), fused_layer.launches(low, _one_tile(low))) is None
     uniform = _split_layer(0.0)
     assert fused_layer.hot_image_plan(uniform, _one_tile(uniform), fused_layer.launches(uniform, _one_tile(uniform))) is None
+    # uniform past 64 tokens per expert: every expert, on the plans' one launch each
+    for mean in (128, 512):
+        large = _split_layer(0.0, mean)
+        one = _one_tile(large)
+        launches = fused_layer.launches(large, one)
+        assert launches == [(one, gg.ALL_COUNTS)]
+        w13_all, w2_all, counts_in = fused_layer.hot_image_plan(large, one, launches)
+        assert counts_in == gg.ALL_COUNTS and w13_all.image and w2_all.image, mean
+        assert (w13_all, w2_all) == (large.w13_plan[0][0], large.w2_plan[0][0])
+    # ...and not where every expert fits one 64-token pass (mean 32)
+    mid = _split_layer(0.0, 32)
+    assert mid.counts.max() <= 64
+    assert fused_layer.hot_image_plan(mid, _one_tile(mid), fused_layer.launches(mid, _one_tile(mid))) is None
 
 
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")

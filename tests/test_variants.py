@@ -315,12 +315,12 @@ def test_matching_variants_are_bitwise_equal_to_separate(gpu_case, name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [300, 600])
-@pytest.mark.parametrize("name", ["fused-out", "fused-swiglu"])
+@pytest.mark.parametrize("name", ["fused-out", "fused-swiglu", "fused-layer"])
 def test_fused_epilogues_on_image_tiles_are_bitwise_equal_to_separate(name, tokens):
     """Past 64 tokens per expert w2 runs an image tile whose epilogue writes the bf16 output, and
     past 96 (600 tokens: mean 150) fused-swiglu's w13 the 160-token tile with SwiGLU in registers
-    (the GPU cases above stay below both): the same bits as separate, graph replay and direct
-    launches alike."""
+    (the GPU cases above stay below both); fused-layer takes the same two launches there
+    (hot_image_plan): the same bits as separate, graph replay and direct launches alike."""
     from lab.layer import load_layer, upload_weights
 
     problem = MoEProblem(8, 256, 256, 2)
@@ -337,12 +337,16 @@ def test_fused_epilogues_on_image_tiles_are_bitwise_equal_to_separate(name, toke
     v = make(name)
     runner.prepare(v, layer)
     assert not v.fp32_out
+    if name == "fused-layer":
+        from lab.kernels import grouped_gemm as gg
+
+        assert v.hot is not None and v.hot[2] == gg.ALL_COUNTS, v.hot
     for _ in range(2):
         runner.checked_run(v, layer)
         ok, msg = checks.compare_bits(layer.out_bf16.get(), bf16)
         assert ok, f"seed {seed}: {msg}"
     st = runner.time_stages(v, layer, iterations=2, warmup=1)
-    assert list(st) == (["w13", "act", "w2+out"] if name == "fused-out" else ["w13+act", "w2+out"]), st
+    assert list(st) == {"fused-out": ["w13", "act", "w2+out"], "fused-layer": ["layer"]}.get(name, ["w13+act", "w2+out"]), st
     runner.checked_run(v, layer)  # graph replay after direct launches: counters were left at zero
     ok, msg = checks.compare_bits(layer.out_bf16.get(), bf16)
     assert ok, f"seed {seed}: {msg}"

@@ -42,18 +42,20 @@ def launches(layer, cfg: gg.GemmConfig) -> list[tuple[gg.GemmConfig, tuple[int, 
 
 
 def hot_image_plan(layer, cfg: gg.GemmConfig, launches_: list):
-    """(w13 config, w2 config, counts_in) of the large experts' class where it runs on image tiles
-    beside the small experts' fused layer: the plans split both GEMMs at the same bounds into two
-    classes, both GEMMs' large class is on an image tile (NVFP4 activations), in the fused layer's
-    weight layout, and its largest expert passes the tokens one pass of the layer mode holds (64:
-    past that the layer mode decodes the expert's weights once per pass). None otherwise: at skew
-    0.4 (17-45 tokens) the class's own fused layer was 1.2% faster than the image tiles (run_layer
-    at f990ec0: 1.017 against 1.029 ms), at 0.8 and 1.2 1.1% and 9% slower."""
-    if len(launches_) != 2 or layer.counts.max() <= gg.fused_config(launches_[1][0], "layer").token_tile:
+    """(w13 config, w2 config, counts_in) of the experts that leave the layer mode for their
+    plans' image tiles: the large class where the plans split both GEMMs at the same bounds, or
+    every expert where each plan is one launch; on an image tile (NVFP4 activations) in both GEMMs,
+    in the fused layer's weight layout, and only where the largest expert passes the tokens one
+    pass of the layer mode holds (64: past that the layer mode decodes the expert's weights once
+    per pass). None otherwise: at skew 0.4 (17-45 tokens) the class's own fused layer was 1.2%
+    faster than the image tiles (run_layer at f990ec0: 1.017 against 1.029 ms), at 0.8 and 1.2
+    1.1% and 9% slower."""
+    if len(launches_) > 2 or layer.counts.max() <= gg.fused_config(launches_[-1][0], "layer").token_tile:
         return None
-    (w13_hot, r13), (w2_hot, r2) = layer.w13_plan[1], layer.w2_plan[1]
+    (w13_hot, r13), (w2_hot, r2) = layer.w13_plan[-1], layer.w2_plan[-1]
     layout = (cfg.block_rows, cfg.k_step)
-    if not (r13 == r2 == launches_[1][1] and w13_hot.image and w2_hot.image
+    if not (len(layer.w13_plan) == len(layer.w2_plan) == len(launches_) and r13 == r2 == launches_[-1][1]
+            and w13_hot.image and w2_hot.image
             and (w13_hot.block_rows, w13_hot.k_step) == (w2_hot.block_rows, w2_hot.k_step) == layout):
         return None
     return w13_hot, w2_hot, r13
@@ -65,7 +67,10 @@ class FusedLayer:
     (hot_image_plan) theirs runs beside it on the main stream as their plans' image tiles: w13 with
     the SwiGLU epilogue (in the consumers' registers on the 160-token tile), then w2 with the bf16
     epilogue. The layer mode has no image form, and its 64-token mma.sync tile ran the large class
-    10% slower (notes/gemm.md v26); else each class is one fused layer.
+    10% slower (notes/gemm.md v26); else each class is one fused layer. Under uniform routing
+    past 64 tokens per expert every expert takes the image tiles' two fused launches the same way
+    (the layer mode re-decodes the weights once per 64 tokens: 50-85% slower than separate from
+    64 tokens per expert up, results/token_axis.json).
     `hot_image=False` keeps one fused layer per size class (the form of 947d39e-0015690)."""
 
     name = name
@@ -101,13 +106,15 @@ class FusedLayer:
                 run_plan(runner, self.launches, layer_launch, runner.stream, split_streams=True)
                 return
             w13_hot, w2_hot, counts_in = self.hot
-            runner.fork()
-            layer_launch(*self.launches[0], runner.side)
+            if len(self.launches) == 2:  # the small experts' fused layer beside the large ones
+                runner.fork()
+                layer_launch(*self.launches[0], runner.side)
             gg.swiglu_gemm(self.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, self.hot_fusion,
                            w13_hot, stream=runner.stream, counts_in=counts_in)
             gg.grouped_gemm(self.w2, part.a_packed, part.a_scales, part.offsets, part.w2_alpha, part.out_bf16,
                             w2_hot, stream=runner.stream, nonfinite=runner.counter, counts_in=counts_in)
-            runner.join()
+            if len(self.launches) == 2:
+                runner.join()
 
     def run(self, runner, layer) -> None:
         if self.graph is None or runner.timing_stages:
