@@ -463,6 +463,37 @@ def test_gpu_swiglu_uses_each_rows_expert_globals():
 
 
 @pytest.mark.gpu
+def test_gpu_swiglu_keeps_subnormal_products():
+    """No product of the SwiGLU is flushed to zero (CuPy compiles with -ftz=true; the kernel's
+    products carry no .ftz): a subnormal a, and a subnormal g times a large u, which is a normal a.
+    Both have |g| far below an ulp of 1, so exp(-|g|) = 1 and sigmoid(g) = 1/2 exactly, and a is
+    the float32 (g * 1/2) * u bit for bit. The first pair is what the drawn test above found
+    (row_exp -37), where the flushed kernel gave a = 0 against 4.76e-39."""
+    gate, up = np.array([4.7681144e-05], f32), np.array([3.873996e-05], f32)
+    pairs = np.array([[9.211522e-19, 5.596009e-12],  # g 4.4e-23, u 2.2e-16: a 4.76e-39 (subnormal)
+                      [-9.211522e-19, 5.596009e-12],  # its negative
+                      [1.0e-34, 1.0e30],  # g 4.8e-39 (subnormal), u 3.9e25: a 9.2e-14 (normal)
+                      [1.0e-34, -3.0e29]], f32)
+    i = 16
+    h = np.zeros((len(pairs), 2 * i), f32)
+    h[:, 0], h[:, i] = pairs[:, 0], pairs[:, 1]
+    h[:, 1:i] = np.ldexp(np.arange(1, i, dtype=f32), -140)  # more subnormal gates beside (u = 0: a = 0)
+    offsets = np.array([0, len(pairs)], np.int32)
+    g2 = f32(16 / 2688)
+    packed, scales, a, bad = gpu_swiglu(h, offsets, gate, up, g2)
+    assert bad == 0
+    g = (h[:, 0] * gate[0]).astype(f32)
+    u = (h[:, i] * up[0]).astype(f32)
+    want = ((g * f32(0.5)).astype(f32) * u).astype(f32)
+    assert (np.abs(want) > 0).all() and (np.abs(want[:2]) < np.finfo(f32).tiny).all()
+    np.testing.assert_array_equal(a[:, 0].view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(a[:, 1:], 0.0)
+    assert_codes_equal(packed, scales, nvfp4.quantize(a, g2))
+    ref = reference.swiglu(h, offsets, gate, up)
+    assert_swiglu_close(a, ref, h, offsets, gate, up)
+
+
+@pytest.mark.gpu
 def test_gpu_swiglu_stays_finite_and_close_for_very_negative_gate():
     """silu(g) for g down to -100: no overflow of exp (the kernel takes expf(-|g|)), no NaN."""
     g = -np.linspace(0, 100, 64, dtype=f32)

@@ -83,6 +83,13 @@ __device__ __forceinline__ uint32_t block_scale(float amax, float g, float six_g
 // check passes, which it does for normal operands far from overflow and underflow; there the
 // result is the correctly rounded quotient. Without the branch to the slow path the compiler
 // can interleave independent divisions, and a block's 16 elements share one reciprocal.
+// a * b rounded to nearest with gradual underflow, whatever -ftz the module is compiled with
+// (an inline mul.rn.f32 carries no .ftz; __fmul_rn under -ftz=true becomes mul.rn.ftz.f32).
+__device__ __forceinline__ float mul_ieee(float a, float b) {
+  float r;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
 __device__ __forceinline__ float rcp_refined(float d) {
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
@@ -143,13 +150,16 @@ __device__ __forceinline__ void quantize4(const float (&v)[4], float g, float si
 // g << 0; CUDA's expf is within 2 ulp, not the fast-math __expf). The division is div_refined:
 // 1 + t is in [1, 2], so it is the correctly rounded quotient except where t is far below
 // 2^-60 (|g| > 41, silu(g) < 1e-17), where it may be an ulp off.
+// Its four products keep subnormals (mul_ieee): CuPy compiles every kernel with -ftz=true, which
+// flushed a subnormal product to zero: a = 0 where the float64 SwiGLU gives 4.8e-39, or a
+// subnormal g times a large u that should give a normal a (tests/test_swiglu_quant.py).
 __device__ __forceinline__ float swiglu(float h_gate, float h_up, float gate_global, float up_global) {
-  const float g = __fmul_rn(h_gate, gate_global);
-  const float u = __fmul_rn(h_up, up_global);
+  const float g = mul_ieee(h_gate, gate_global);
+  const float u = mul_ieee(h_up, up_global);
   const float t = expf(-fabsf(g));  // in (0, 1]
   const float one_t = __fadd_rn(1.0f, t);
   const float sig = div_refined(g >= 0.0f ? 1.0f : t, one_t, rcp_refined(one_t));
-  return __fmul_rn(__fmul_rn(g, sig), u);
+  return mul_ieee(mul_ieee(g, sig), u);
 }
 
 }  // namespace lab_act
