@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", nargs="+", default=[*LAB_DEFAULT, *peers.NAMES], metavar="NAME",
                     help=f"variants to run (known: {' '.join(NAMES)}; default all"
-                         + (f" but the ones not yet run on the H200: {' '.join(n for n in LAB_NAMES if n not in LAB_DEFAULT)}"
+                         + (f" but the ones taken on request (not yet run on the H200, or kept for an A/B): {' '.join(n for n in LAB_NAMES if n not in LAB_DEFAULT)}"
                             if len(LAB_DEFAULT) < len(LAB_NAMES) else "") + ")")
     ap.add_argument("--mean-tokens", nargs="+", type=float, default=[8.0, 32.0], metavar="M",
                     help="mean tokens per expert, one run each (default 8 32)")

@@ -11,7 +11,7 @@ import pytest
 from lab.checkpoint import save_checkpoint
 from lab.gpu import gpu_available
 from lab.problem import MoEProblem, random_weights
-from lab.variants import UNMEASURED
+from lab.variants import ON_REQUEST
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "run_layer.py"
 SMALL = ["--experts", "8", "--hidden", "128", "--intermediate", "64"]
@@ -96,7 +96,7 @@ def test_variants_are_deduplicated_in_order(run_layer):
     args = run_layer.parse_args(["--variants", "cuda-graph", "separate", "cuda-graph"])
     assert args.variants == ["cuda-graph", "separate"]
     default = run_layer.parse_args([]).variants
-    assert default == [n for n in run_layer.NAMES if n not in UNMEASURED]
+    assert default == [n for n in run_layer.NAMES if n not in ON_REQUEST]
     assert "separate" in default and "torch-fp8" in default and "w4a16" in default
 
 
