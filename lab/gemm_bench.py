@@ -141,6 +141,17 @@ class GemmBench:
             self._prep[gemm] = (layout, gg.prepare_weights(g["packed"], g["scales"], xp=self.cp, layout=layout))
         return self._prep[gemm][1]
 
+    def paired_w13(self, layout: tuple[int, int]) -> gg.PreparedWeights:
+        """w13 with gate/up rows paired (the SwiGLU epilogue's weights) in `layout`, one layout kept."""
+        cached = self._prep.get("w13_paired")
+        if cached is None or cached[0] != layout:
+            self._prep.pop("w13_paired", None)
+            g = self.gemms["w13"]
+            log(self.tag, f"w13 (gate/up paired): preparing the kernel layout {layout} on the GPU")
+            self._prep["w13_paired"] = (layout, gg.prepare_weights(g["packed"], g["scales"], xp=self.cp, layout=layout,
+                                                                   pair_gate_up=True))
+        return self._prep["w13_paired"][1]
+
     def case(self, gemm: str, mean_tokens: float, skew: float = 0.0) -> GemmCase:
         cp, p, g = self.cp, self.problem, self.gemms[gemm]
         tokens = tokens_for_mean(mean_tokens, p.experts, p.top_k)

@@ -13,7 +13,10 @@ the base: the table gives each tree's time as a ratio to it (of the fastest roun
 median ones, marked ~ where the two trees' rounds overlap), and the script exits 1 when a tree's
 output differs from the base's (kernel edits here keep the bits) or leaves a poisoned element.
 --out bf16 asks for the image tiles' bf16 output (fused-out's w2), fp32 the plain one; the base's fp32
-rows are also checked against float64 on the busiest experts.
+rows are also checked against float64 on the busiest experts. --out swiglu (w13 only) times the
+w13 GEMM with its SwiGLU + quantize epilogue (fused-swiglu's launch, on gate/up-paired weights:
+in the consumers' registers on the 128- and 160-token tiles) and compares its NVFP4 codes and
+scales; a scale byte left at its poison (0xFF, an e4m3 NaN no block scale takes) is unwritten.
 
 Only the kernels come from the trees: launches are sized by this checkout's Python (GemmConfig:
 shared memory, threads, grid). A tree whose Config<> lays out more shared memory than this
@@ -37,10 +40,12 @@ from lab.gemm_bench import CONFIG_HELP, GemmBench, config_of, log, parse_config,
 from lab.gpu import require_gpu, run_script
 from lab.kernels import grouped_gemm as gg
 from lab.kernels import jit
+from lab.problem import W2_INPUT_SCALE
 from lab.timing import time_cuda
 
 TAG = "ab_kernels"
 BF16_POISON = 0xFFFF  # a NaN's bits: no finite product of finite inputs rounds to it
+SCALE_POISON = 0xFF  # an e4m3 NaN: no block scale takes it (the largest is 448, 0x7E)
 
 
 def parse_tree(text: str) -> tuple[str, Path]:
@@ -84,8 +89,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tree", type=parse_tree, action="append", default=[],
                     help="NAME=DIR, a kernel tree laid out as lab/kernels; repeat (the first is the base)")
     ap.add_argument("--gemm", nargs="+", choices=["w13", "w2"], default=["w13", "w2"], help="which GEMMs")
-    ap.add_argument("--out", nargs="+", choices=["fp32", "bf16"], default=["fp32"],
-                    help="the output: fp32, and/or bf16 bits (image tiles only: past 64 tokens per expert)")
+    ap.add_argument("--out", nargs="+", choices=["fp32", "bf16", "swiglu"], default=["fp32"],
+                    help="the output: fp32, and/or bf16 bits (image tiles only: past 64 tokens per expert), "
+                         "and/or (w13) the SwiGLU epilogue's NVFP4 a")
     ap.add_argument("--act", choices=["nvfp4", "bf16"], default="nvfp4", help="activations: NVFP4 (W4A4) or bf16 (W4A16)")
     ap.add_argument("--config", type=parse_config, help=CONFIG_HELP)
     ap.add_argument("--rounds", type=int, default=4, help="timing rounds; each times every tree once, order alternating")
@@ -100,8 +106,8 @@ def main(argv=None) -> int:
     if args.rounds < 1 or args.iterations < 1 or args.warmup_rounds < 0:
         ap.error(f"--rounds and --iterations must be >= 1 and --warmup-rounds >= 0, got {args.rounds}, "
                  f"{args.iterations} and {args.warmup_rounds}")
-    if "bf16" in args.out and args.act == "bf16":
-        ap.error("--out bf16: the bf16 output is an NVFP4-activation (W4A4) epilogue here; use --act nvfp4")
+    if ("bf16" in args.out or "swiglu" in args.out) and args.act == "bf16":
+        ap.error("--out bf16 and swiglu: NVFP4-activation (W4A4) epilogues here; use --act nvfp4")
     problem = problem_of(args)
     cp = require_gpu(TAG)
     setup = setup_info()
@@ -128,24 +134,43 @@ def main(argv=None) -> int:
                 if out == "bf16" and not cfg.image:
                     log(TAG, f"{gemm} mean {mean:g}: --out bf16 skipped: {cfg} is not an image tile")
                     continue
-                buf = case.out if out == "fp32" else cp.empty(case.out.shape, dtype=cp.uint16)
-                counter = cp.zeros(1, dtype=cp.uint32) if out == "bf16" else None
+                if out == "swiglu" and gemm != "w13":
+                    log(TAG, f"{gemm} mean {mean:g}: --out swiglu skipped: the SwiGLU epilogue is w13's")
+                    continue
+                run_cfg = gg.fused_config(cfg, "swiglu") if out == "swiglu" else cfg
+                if out == "swiglu":
+                    # the SwiGLU's a (rows, I) as NVFP4: codes then scales, one buffer so one comparison
+                    i = case.n // 2
+                    buf = cp.empty(case.rows * (i // 2 + i // 16), dtype=cp.uint8)
+                    a_packed = buf[:case.rows * (i // 2)].reshape(case.rows, i // 2)
+                    a_scales = buf[case.rows * (i // 2):].reshape(case.rows, i // 16)
+                    paired = bench.paired_w13((cfg.block_rows, cfg.k_step))
+                    counter = cp.zeros(1, dtype=cp.uint32)
+                    fusion = gg.Fusion(cp.asarray(bench.w.gate_global), cp.asarray(bench.w.up_global),
+                                       W2_INPUT_SCALE, a_packed, a_scales, counter)
+                else:
+                    buf = case.out if out == "fp32" else cp.empty(case.out.shape, dtype=cp.uint16)
+                    counter = cp.zeros(1, dtype=cp.uint32) if out == "bf16" else None
 
                 def run():
-                    gg.grouped_gemm(prep, xs[0], xs[1], case.d_off, xs[2], buf, cfg, nonfinite=counter)
+                    if out == "swiglu":
+                        gg.swiglu_gemm(paired, xs[0], xs[1], case.d_off, xs[2], fusion, run_cfg)
+                    else:
+                        gg.grouped_gemm(prep, xs[0], xs[1], case.d_off, xs[2], buf, cfg, nonfinite=counter)
 
                 row = {"gemm": gemm, "mean_tokens": mean, "out": out, "act": args.act, "rows": case.rows,
-                       "max_count": int(case.counts.max()), "config": cfg.__dict__, "trees": {}}
+                       "max_count": int(case.counts.max()), "config": run_cfg.__dict__, "trees": {}}
                 first = None
                 for name in names:
                     with jit.use_tree(trees[name]):
-                        buf.fill(cp.nan if out == "fp32" else BF16_POISON)
+                        buf.fill(cp.nan if out == "fp32" else BF16_POISON if out == "bf16" else SCALE_POISON)
                         if counter is not None:
                             counter.fill(0)
                         run()
                         cp.cuda.Device().synchronize()
                     bits = buf.view(cp.uint32) if out == "fp32" else buf
-                    poison = int(cp.isnan(buf).sum()) if out == "fp32" else int((buf == BF16_POISON).sum())
+                    poison = (int(cp.isnan(buf).sum()) if out == "fp32" else int((buf == BF16_POISON).sum())
+                              if out == "bf16" else int((a_scales == SCALE_POISON).sum()))
                     t = {"unwritten": poison, "nonfinite": int(counter.get()[0]) if counter is not None else None}
                     if first is None:
                         first = (bits.copy(), t["nonfinite"])

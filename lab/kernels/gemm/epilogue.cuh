@@ -89,50 +89,75 @@ __device__ __forceinline__ void store_tile_bf16(const float (&acc)[C::ROW_TILES]
 // t4 (lane bits 2-4). Its amax by three exchanges, each lane's two codes by the SwiGLU kernel's
 // functions, the block's 8 bytes gathered by three more (ORs of disjoint nibbles): the same bits
 // as swiglu_tile and the separate kernels. `bad` counts SwiGLU values that are not finite.
+// SWIGLU_GROUP fragments go through each step together: the steps are a chain of dependent
+// latencies (expf, exchanges, divisions), and with two consumer warps per scheduler one
+// fragment's chain leaves the issue slots idle while the tensor work waits for the epilogue
+// (ncu at 128 tokens per expert: 52% tensor-pipe activity against the plain tile's 81%). Past the
+// pass's fragments the accumulators are zero (zero_acc) and their tokens past `count`: computed,
+// never stored or counted. The quantize takes quantize_fast unless a block's denominator is out
+// of its range, then quantize_element, the same choice per block as before.
+constexpr int SWIGLU_GROUP = 2;
 template <class C>
 __device__ __forceinline__ void swiglu_regs(const float (&acc)[C::ROW_TILES][C::MAX_FRAGS][4], float gs, float us,
                                             float act_global, float six_g, int I, uint8_t* a_packed,
                                             uint8_t* a_scales, int nb, int row0, int tok0, int count, int frags,
                                             float out_scale, int warp, int g, int t4, uint32_t& bad) {
   static_assert(C::ROW_TILES == 2, "row tile 0: the gate rows; row tile 1: the matching up rows");
+  static_assert(C::MAX_FRAGS % SWIGLU_GROUP == 0, "whole fragment groups");
+  constexpr int K = 2 * SWIGLU_GROUP;  // (fragment, token of the lane's pair) items of a group
   const int c0 = nb * (C::BLOCK_ROWS / 2) + warp * 16;
 #pragma unroll
-  for (int f = 0; f < C::MAX_FRAGS; ++f) {
-    if (f < frags) {  // (warp-uniform: every lane takes part in the exchanges)
+  for (int f0 = 0; f0 < C::MAX_FRAGS; f0 += SWIGLU_GROUP) {
+    if (f0 < frags) {  // (warp-uniform: every lane takes part in the exchanges)
+      float a[K][2], amax[K], denom[K];
+      uint32_t code[K], lo[K], hi[K];
+      bool fast = true;
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int tok = tok0 + f * 8 + 2 * t4 + hh;  // the same for the block's 8 lanes
-        float a[2];  // columns c0 + g, c0 + g + 8
+      for (int k = 0; k < K; ++k) {
+        const int f = f0 + (k >> 1), hh = k & 1;
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
-          a[j] = lab_act::swiglu((acc[0][f][2 * j + hh] * C::ACC_SCALE) * out_scale,
-                                 (acc[1][f][2 * j + hh] * C::ACC_SCALE) * out_scale, gs, us);
-        float amax = fmaxf(fabsf(a[0]), fabsf(a[1]));
+        for (int j = 0; j < 2; ++j)  // columns c0 + g, c0 + g + 8
+          a[k][j] = lab_act::swiglu((acc[0][f][2 * j + hh] * C::ACC_SCALE) * out_scale,
+                                    (acc[1][f][2 * j + hh] * C::ACC_SCALE) * out_scale, gs, us);
+        amax[k] = fmaxf(fabsf(a[k][0]), fabsf(a[k][1]));
+      }
 #pragma unroll
-        for (int m = 4; m <= 16; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
-        float denom;
-        const uint32_t code = lab_act::block_scale(amax, act_global, six_g, denom);
-        uint32_t q0, q1;
-        if (denom != 0.0f && lab_act::fast_block(denom, amax)) {
-          const float rr = lab_act::rcp_refined(denom);
-          q0 = lab_act::quantize_fast(a[0], denom, rr);
-          q1 = lab_act::quantize_fast(a[1], denom, rr);
-        } else {
-          q0 = lab_act::quantize_element(a[0], denom);
-          q1 = lab_act::quantize_element(a[1], denom);
+      for (int m = 4; m <= 16; m <<= 1)
+#pragma unroll
+        for (int k = 0; k < K; ++k) amax[k] = fmaxf(amax[k], __shfl_xor_sync(0xffffffffu, amax[k], m));
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        code[k] = lab_act::block_scale(amax[k], act_global, six_g, denom[k]);
+        fast = fast && denom[k] != 0.0f && lab_act::fast_block(denom[k], amax[k]);
+        const float rr = lab_act::rcp_refined(denom[k]);
+        lo[k] = lab_act::quantize_fast(a[k][0], denom[k], rr) << (4 * g);  // nibble g of columns 0-7
+        hi[k] = lab_act::quantize_fast(a[k][1], denom[k], rr) << (4 * g);  // and of columns 8-15
+      }
+      if (!fast) {  // a denominator out of quantize_fast's range (zero blocks among them): redo those
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          if (!(denom[k] != 0.0f && lab_act::fast_block(denom[k], amax[k]))) {
+            lo[k] = lab_act::quantize_element(a[k][0], denom[k]) << (4 * g);
+            hi[k] = lab_act::quantize_element(a[k][1], denom[k]) << (4 * g);
+          }
         }
-        uint32_t lo = q0 << (4 * g), hi = q1 << (4 * g);  // nibble g of columns 0-7 and 8-15
+      }
 #pragma unroll
-        for (int m = 4; m <= 16; m <<= 1) {
-          lo |= __shfl_xor_sync(0xffffffffu, lo, m);
-          hi |= __shfl_xor_sync(0xffffffffu, hi, m);
+      for (int m = 4; m <= 16; m <<= 1)
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          lo[k] |= __shfl_xor_sync(0xffffffffu, lo[k], m);
+          hi[k] |= __shfl_xor_sync(0xffffffffu, hi[k], m);
         }
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int tok = tok0 + (f0 + (k >> 1)) * 8 + 2 * t4 + (k & 1);  // the same for the block's 8 lanes
         if (tok < count) {
-          bad += !lab_act::finite(a[0]) + !lab_act::finite(a[1]);
+          bad += !lab_act::finite(a[k][0]) + !lab_act::finite(a[k][1]);
           if (g == 0) {
             const size_t row = (size_t)(row0 + tok);
-            *reinterpret_cast<uint2*>(a_packed + row * (I / 2) + c0 / 2) = make_uint2(lo, hi);
-            a_scales[row * (I / 16) + c0 / 16] = (uint8_t)code;
+            *reinterpret_cast<uint2*>(a_packed + row * (I / 2) + c0 / 2) = make_uint2(lo[k], hi[k]);
+            a_scales[row * (I / 16) + c0 / 16] = (uint8_t)code[k];
           }
         }
       }
