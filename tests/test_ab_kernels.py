@@ -79,6 +79,9 @@ def test_script_refuses_one_tree_before_the_gpu(tmp_path, capsys):
         ab.main(["--out", "bf16", "--act", "bf16"])
     assert "--out bf16" in capsys.readouterr().err
     with pytest.raises(SystemExit):
+        ab.main(["--out", "swiglu", "--act", "bf16"])
+    assert "--out bf16 and swiglu" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         ab.main(["--warmup-rounds", "-1"])
     assert "--warmup-rounds >= 0" in capsys.readouterr().err
 
