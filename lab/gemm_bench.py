@@ -188,6 +188,31 @@ class GemmBench:
                                      case.alpha, experts=experts)
         return checks.rel_error(got[rows], ref[rows])
 
+    def time_modes(self, case: GemmCase, modes: dict, writes: dict, base: str, iterations: int, rounds: int,
+                   stream) -> dict[str, dict]:
+        """Launch forms of one GEMM side by side, for the probes: each mode (a callable that launches
+        into case.out on `stream`) runs once on a NaN-poisoned output and the rows it writes
+        (`writes[mode]`, a (rows,) bool mask) are compared bit for bit with `base`'s; then every mode
+        is timed in `rounds` rounds (each the median of `iterations` runs), in turn within a round.
+        Returns {mode: {round_median_ms, ms (the fastest round), rows_written, differ, unwritten}}."""
+        from lab.timing import time_cuda_samples
+
+        cp = self.cp
+        bits, ms = {}, {m: [] for m in modes}
+        for m, fn in modes.items():
+            case.out.fill(cp.nan)
+            cp.cuda.Device().synchronize()
+            fn()
+            cp.cuda.Device().synchronize()
+            bits[m] = case.out.get().view(np.uint32)[writes[m]]
+        for _ in range(rounds):
+            for m, fn in modes.items():
+                ms[m].append(float(np.median(time_cuda_samples(fn, iterations, 3, stream))))
+        ref = bits[base]
+        return {m: {"round_median_ms": ms[m], "ms": min(ms[m]), "rows_written": int(writes[m].sum()),
+                    "differ": int((bits[m] != ref[writes[m]]).sum()),
+                    "unwritten": int(np.isnan(bits[m].view(np.float32)).sum())} for m in modes}
+
     def required_bytes(self, case: GemmCase, act: str = "nvfp4") -> int:
         """What the GEMM must move: weights of experts with tokens, the activations (NVFP4, or
         bf16), fp32 out."""

@@ -20,7 +20,6 @@ from lab.gemm_bench import GemmBench, log, write_json
 from lab.gpu import require_gpu, run_script
 from lab.kernels import grouped_gemm as gg
 from lab.problem import MoEProblem
-from lab.timing import time_cuda_samples
 
 TAG = "coresident"
 
@@ -91,27 +90,16 @@ def main(argv=None):
             writes = {m: (in_class(cold[1]) if m.startswith("cold class alone") else
                           in_class(hot[1]) if m.startswith("hot class alone") else np.ones(case.rows, bool))
                       for m in modes}
-            bits, ms = {}, {m: [] for m in modes}
-            for m, fn in modes.items():
-                case.out.fill(cp.nan)
-                cp.cuda.Device().synchronize()
-                fn()
-                cp.cuda.Device().synchronize()
-                bits[m] = case.out.get().view(np.uint32)[writes[m]]
-            base = bits["shipped, two streams (cold issued first)"]
-            for _ in range(args.rounds):
-                for m, fn in modes.items():
-                    ms[m].append(float(np.median(time_cuda_samples(fn, args.iterations, 3, main_s))))
+            got = bench.time_modes(case, modes, writes, "shipped, two streams (cold issued first)", args.iterations,
+                                   args.rounds, main_s)
             nbytes = bench.required_bytes(case)
-            for m in modes:
+            for m, g in got.items():
                 row = {"gemm": gemm, "skew": skew, "mean_tokens": args.mean_tokens, "mode": m,
                        "plan": gg.plan_record(plan), "narrow_tiles": {k: v.__dict__ for k, v in narrow.items()},
-                       "round_median_ms": ms[m], "ms": min(ms[m]), "bytes": nbytes,
-                       "rows_written": int(writes[m].sum()), "differ": int((bits[m] != base[writes[m]]).sum()),
-                       "unwritten": int(np.isnan(bits[m].view(np.float32)).sum())}
+                       **g, "bytes": nbytes}
                 rows.append(row)
-                log(TAG, f"{gemm} skew {skew} {m:58s} rounds {' '.join(f'{v:.4f}' for v in ms[m])} ms  "
-                         f"differ {row['differ']} unwritten {row['unwritten']}")
+                log(TAG, f"{gemm} skew {skew} {m:58s} rounds {' '.join(f'{v:.4f}' for v in g['round_median_ms'])} ms  "
+                         f"differ {g['differ']} unwritten {g['unwritten']}")
             for key in list(preps):
                 if key != layout:
                     del preps[key]

@@ -15,7 +15,6 @@ from lab.gemm_bench import GemmBench, log, write_json
 from lab.gpu import require_gpu, run_script
 from lab.kernels import grouped_gemm as gg
 from lab.problem import MoEProblem
-from lab.timing import time_cuda_samples
 
 TAG = "split_streams"
 
@@ -69,27 +68,14 @@ def main(argv=None):
             in_class = lambda lo_hi: np.repeat((case.counts >= lo_hi[0]) & (case.counts <= lo_hi[1]), case.counts)  # noqa: E731
             writes = {m: np.ones(case.rows, bool) for m in modes}
             writes["cold class alone"], writes["hot class alone"] = in_class(cold[1]), in_class(hot[1])
-            bits, ms = {}, {m: [] for m in modes}
-            for m, fn in modes.items():
-                case.out.fill(cp.nan)
-                cp.cuda.Device().synchronize()
-                fn()
-                cp.cuda.Device().synchronize()
-                bits[m] = case.out.get().view(np.uint32)[writes[m]]
-            base = bits["one stream, cold first"]
-            for _ in range(args.rounds):
-                for m, fn in modes.items():
-                    ms[m].append(float(np.median(time_cuda_samples(fn, args.iterations, 3, main_s))))
+            got = bench.time_modes(case, modes, writes, "one stream, cold first", args.iterations, args.rounds, main_s)
             nbytes = bench.required_bytes(case)
-            for m in modes:
+            for m, g in got.items():
                 row = {"gemm": gemm, "skew": skew, "mean_tokens": args.mean_tokens, "mode": m,
-                       "plan": gg.plan_record(plan),
-                       "round_median_ms": ms[m], "ms": min(ms[m]), "bytes": nbytes,
-                       "rows_written": int(writes[m].sum()), "differ": int((bits[m] != base[writes[m]]).sum()),
-                       "unwritten": int(np.isnan(bits[m].view(np.float32)).sum())}
+                       "plan": gg.plan_record(plan), **g, "bytes": nbytes}
                 rows.append(row)
-                log(TAG, f"{gemm} skew {skew} {m:32s} rounds {' '.join(f'{v:.4f}' for v in ms[m])} ms  "
-                         f"differ {row['differ']} unwritten {row['unwritten']}")
+                log(TAG, f"{gemm} skew {skew} {m:32s} rounds {' '.join(f'{v:.4f}' for v in g['round_median_ms'])} ms  "
+                         f"differ {g['differ']} unwritten {g['unwritten']}")
     write_json(args.json, "scripts/probes/split_streams_probe.py", rows=rows)
     return 1 if any(r["differ"] or r["unwritten"] for r in rows) else 0
 
