@@ -112,6 +112,24 @@ class GemmCase:
         return int(self.offsets[-1])
 
 
+class StreamPair:
+    """Two streams for the probes that run a split GEMM's launches side by side: `both(first,
+    second)` issues first(main) and second(side) after everything already on main, and main waits
+    for side after them (what separate.run_plan does with the runner's streams)."""
+
+    def __init__(self, cp):
+        self.main, self.side = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+        self._fork, self._join = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
+
+    def both(self, first, second) -> None:
+        self._fork.record(self.main)
+        self.side.wait_event(self._fork)
+        first(self.main)
+        second(self.side)
+        self._join.record(self.side)
+        self.main.wait_event(self._join)
+
+
 class GemmBench:
     """The study's weights (host, generated once) and their kernel layouts on the GPU (one layout
     per GEMM kept at a time, so a sweep over layouts does not hold several copies)."""

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from lab.gemm_bench import GemmBench, log, write_json
+from lab.gemm_bench import GemmBench, StreamPair, log, write_json
 from lab.gpu import require_gpu, run_script
 from lab.kernels import grouped_gemm as gg
 from lab.problem import MoEProblem
@@ -42,8 +42,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     cp = require_gpu("coresident_probe")
     bench = GemmBench(MoEProblem(), tag=TAG)
-    main_s, side = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
-    fork, join = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
+    streams = StreamPair(cp)
+    main_s = streams.main
     rows = []
     for skew in args.skews:
         for gemm in args.gemms:
@@ -68,12 +68,7 @@ def main(argv=None):
                                 case.out, cfg, stream=stream, counts_in=counts_in)
 
             def two_streams(first, second):
-                fork.record(main_s)
-                side.wait_event(fork)
-                one(*first, main_s)
-                one(*second, side)
-                join.record(side)
-                main_s.wait_event(join)
+                streams.both(lambda s: one(*first, s), lambda s: one(*second, s))
 
             cold_one = (replace(cold[0], ctas_per_sm=1), cold[1])
             modes = {"shipped, two streams (cold issued first)": lambda: two_streams(cold, hot),

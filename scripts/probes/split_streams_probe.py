@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from lab.gemm_bench import GemmBench, log, write_json
+from lab.gemm_bench import GemmBench, StreamPair, log, write_json
 from lab.gpu import require_gpu, run_script
 from lab.kernels import grouped_gemm as gg
 from lab.problem import MoEProblem
@@ -29,8 +29,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     cp = require_gpu("split_streams_probe")
     bench = GemmBench(MoEProblem(), tag=TAG)
-    main_s, side = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
-    fork, join = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
+    streams = StreamPair(cp)
+    main_s = streams.main
     rows = []
     for skew in args.skews:
         for gemm in ("w13", "w2"):
@@ -51,12 +51,7 @@ def main(argv=None):
                 one(second, main_s)
 
             def two_streams(first, second):
-                fork.record(main_s)
-                side.wait_event(fork)
-                one(first, main_s)
-                one(second, side)
-                join.record(side)
-                main_s.wait_event(join)
+                streams.both(lambda s: one(first, s), lambda s: one(second, s))
 
             modes = {"one stream, cold first": lambda: serial(cold, hot),
                      "one stream, hot first": lambda: serial(hot, cold),
