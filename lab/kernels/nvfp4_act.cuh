@@ -78,11 +78,6 @@ __device__ __forceinline__ uint32_t block_scale(float amax, float g, float six_g
   return code;
 }
 
-// Division without the branch of div.rn: CUDA's own division takes exactly this route (one
-// Newton step on the hardware reciprocal, then one residual correction) whenever its range
-// check passes, which it does for normal operands far from overflow and underflow; there the
-// result is the correctly rounded quotient. Without the branch to the slow path the compiler
-// can interleave independent divisions, and a block's 16 elements share one reciprocal.
 // a * b rounded to nearest with gradual underflow, whatever -ftz the module is compiled with
 // (an inline mul.rn.f32 carries no .ftz; __fmul_rn under -ftz=true becomes mul.rn.ftz.f32).
 __device__ __forceinline__ float mul_ieee(float a, float b) {
@@ -90,6 +85,12 @@ __device__ __forceinline__ float mul_ieee(float a, float b) {
   asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
 }
+
+// Division without the branch of div.rn: CUDA's own division takes exactly this route (one
+// Newton step on the hardware reciprocal, then one residual correction) whenever its range
+// check passes, which it does for normal operands far from overflow and underflow; there the
+// result is the correctly rounded quotient. Without the branch to the slow path the compiler
+// can interleave independent divisions, and a block's 16 elements share one reciprocal.
 __device__ __forceinline__ float rcp_refined(float d) {
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
