@@ -668,10 +668,10 @@ def test_split_configs_take_each_size_class_on_its_tile():
     assert [c.max_frags * 8 for c, _ in three] == [16, 96, 160] and three[1][0].image
     assert gg.split_configs(4096, 4096, more, (16,)) == gg.split_configs(4096, 4096, more, 16)
     assert [r for _, r in gg.split_configs(4096, 4096, counts, [8, 10, 11])] == [(1, 8), (9, 10), (12, gg.ALL_COUNTS[1])]
-    assert gg._counts_range(None) == gg.ALL_COUNTS and gg._counts_range((3, 5)) == (3, 5)
+    assert gg.counts_range(None) == gg.ALL_COUNTS and gg.counts_range((3, 5)) == (3, 5)
     for bad in ((0, 5), (5, 3), (1.5, 3), "ab", (1, 2**31)):
         with pytest.raises(ValueError, match="counts_in"):
-            gg._counts_range(bad)
+            gg.counts_range(bad)
 
 
 @pytest.mark.gpu

@@ -232,6 +232,16 @@ def test_swiglu_quant_rejects_bad_arguments(key, value, word):
         sq.check_swiglu_quant(**_sargs(), a_out=np.zeros((5, 63), np.float32))
 
 
+@pytest.mark.parametrize("bad", [(0, 5), (5, 4), (1.5, 3), "ab", (1, 2, 3), (1, 2**31)])
+def test_swiglu_quant_rejects_bad_counts_in_before_the_gpu(bad):
+    """A size class that is not 1 <= lo <= hi < 2**31 is refused before any device work (the
+    host arrays here would be refused after it)."""
+    args = _sargs()
+    with pytest.raises(ValueError, match="counts_in"):
+        sq.swiglu_quant(args["h"], args["offsets"], args["gate_global"], args["up_global"], 0.01,
+                        args["out_packed"], args["out_scales"], args["counter"], counts_in=bad)
+
+
 @pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf"), 1e39])
 def test_global_scale_must_be_finite_positive_float32(value):
     with pytest.raises(ValueError, match="global"):
@@ -443,6 +453,42 @@ def test_gpu_swiglu_quant_codes_are_nvfp4_of_its_fp32_values(counts, i, seed, da
     p2, s2, _, _ = gpu_swiglu(h, offsets, gate, up, g2, a_out=False)
     np.testing.assert_array_equal(p2, packed)
     np.testing.assert_array_equal(s2, scales)
+
+
+@pytest.mark.gpu
+@settings(max_examples=10)
+@given(counts=ragged_counts(max_experts=7, hot=(20, 40)), seed=st.integers(0, 2**31), cut=st.integers(1, 40))
+def test_gpu_swiglu_quant_size_class_writes_only_its_rows(counts, seed, cut):
+    """counts_in: the rows of experts with cut..2**31-1 tokens get the codes and scales of the
+    full launch bit for bit, and with 1..cut-1 the others; a row outside the class keeps its
+    poison (the fused layer's small class writes those rows at the same time)."""
+    import cupy as cp
+
+    rows, i = int(counts.sum()), 64
+    assume(rows > 0)
+    rng = np.random.default_rng(seed)
+    h = rng.standard_normal((rows, 2 * i)).astype(f32)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    gate = (4.65e-5 * np.exp(0.1 * rng.standard_normal(len(counts)))).astype(f32)
+    up = (gate / f32(1.2308)).astype(f32)
+    g2 = f32(16 / 2688)
+    packed, scales, _, _ = gpu_swiglu(h, offsets, gate, up, g2, a_out=False)
+    row_count = np.repeat(counts, counts)
+    d = [cp.asarray(v) for v in (h, offsets, gate, up)]
+    both_p, both_s = np.full_like(packed, 0xAA), np.full_like(scales, 0xFF)
+    for lo, hi in ((cut, 2**31 - 1), (1, cut - 1)) if cut > 1 else ((cut, 2**31 - 1),):
+        p_ = cp.full(packed.shape, 0xAA, cp.uint8)
+        s_ = cp.full(scales.shape, 0xFF, cp.uint8)
+        sq.swiglu_quant(*d, g2, p_, s_, cp.zeros(1, cp.uint32), counts_in=(lo, hi))
+        inside = (row_count >= lo) & (row_count <= hi)
+        p_, s_ = p_.get(), s_.get()
+        np.testing.assert_array_equal(p_[inside], packed[inside])
+        np.testing.assert_array_equal(s_[inside], scales[inside])
+        assert (p_[~inside] == 0xAA).all() and (s_[~inside] == 0xFF).all()
+        both_p[inside], both_s[inside] = p_[inside], s_[inside]
+    if cut > 1:  # the two classes together: the full launch
+        np.testing.assert_array_equal(both_p, packed)
+        np.testing.assert_array_equal(both_s, scales)
 
 
 @pytest.mark.gpu

@@ -27,7 +27,7 @@ from strategies import routings
 
 def test_registry_lists_the_study_variants_in_order():
     assert NAMES == ("separate", "cuda-graph", "chunked-2", "chunked-4", "chunked-8", "chunked-16",
-                     "fused-swiglu", "fused-layer", "fused-layer-classes", "fused-out", "one-launch-2G", "fold-b", "w4a16",
+                     "fused-swiglu", "fused-layer", "fused-layer-classes", "fused-layer-staged", "fused-out", "one-launch-2G", "fold-b", "w4a16",
                      "w4a16-fused", "w4a16-layer")
     for name in NAMES:
         v = make(name)
@@ -315,7 +315,7 @@ def test_matching_variants_are_bitwise_equal_to_separate(gpu_case, name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [300, 600])
-@pytest.mark.parametrize("name", ["fused-out", "fused-swiglu", "fused-layer"])
+@pytest.mark.parametrize("name", ["fused-out", "fused-swiglu", "fused-layer", "fused-layer-staged"])
 def test_fused_epilogues_on_image_tiles_are_bitwise_equal_to_separate(name, tokens):
     """Past 64 tokens per expert w2 runs an image tile whose epilogue writes the bf16 output, and
     past 96 (600 tokens: mean 150) fused-swiglu's w13 the 160-token tile with SwiGLU in registers
@@ -337,7 +337,7 @@ def test_fused_epilogues_on_image_tiles_are_bitwise_equal_to_separate(name, toke
     v = make(name)
     runner.prepare(v, layer)
     assert not v.fp32_out
-    if name == "fused-layer":
+    if name.startswith("fused-layer"):
         from lab.kernels import grouped_gemm as gg
 
         assert v.hot is not None and v.hot[2] == gg.ALL_COUNTS, v.hot
@@ -346,8 +346,75 @@ def test_fused_epilogues_on_image_tiles_are_bitwise_equal_to_separate(name, toke
         ok, msg = checks.compare_bits(layer.out_bf16.get(), bf16)
         assert ok, f"seed {seed}: {msg}"
     st = runner.time_stages(v, layer, iterations=2, warmup=1)
-    assert list(st) == {"fused-out": ["w13", "act", "w2+out"], "fused-layer": ["layer"]}.get(name, ["w13+act", "w2+out"]), st
+    assert list(st) == {"fused-out": ["w13", "act", "w2+out"], "fused-layer": ["layer"],
+                        "fused-layer-staged": ["layer"]}.get(name, ["w13+act", "w2+out"]), st
     runner.checked_run(v, layer)  # graph replay after direct launches: counters were left at zero
+    ok, msg = checks.compare_bits(layer.out_bf16.get(), bf16)
+    assert ok, f"seed {seed}: {msg}"
+
+
+# E=288, H=1024, I=512, top 8, mean 8, skew 0.8: both GEMMs split at 16 tokens and the large class
+# passes 64 tokens (12 of 12 seeds checked), so fused-layer runs its large class on the image tiles
+# beside the small class's persistent layer on the side stream (hot_image_plan)
+TWO_FORM_CASE = (MoEProblem(288, 1024, 512, 8), dict(tokens=288, skew=0.8))
+
+
+def _fused_layer_plan(problem, counts):
+    from types import SimpleNamespace
+
+    from lab.kernels import grouped_gemm as gg
+    from lab.variants import fused_layer
+    from lab.variants.one_launch_2g import pair_config
+
+    p = problem
+    layer = SimpleNamespace(problem=p, counts=counts, w13_plan=gg.gemm_plan(2 * p.intermediate, p.hidden, counts),
+                            w2_plan=gg.gemm_plan(p.hidden, p.intermediate, counts))
+    layout = gg.shared_layout([(2 * p.intermediate, p.hidden), (p.hidden, p.intermediate)])
+    one = pair_config(gg.heuristic(2 * p.intermediate, p.hidden, counts, layout),
+                      gg.heuristic(p.hidden, p.intermediate, counts, layout))
+    launches = fused_layer.launches(layer, one)
+    return launches, fused_layer.hot_image_plan(layer, one, launches)
+
+
+def test_the_two_form_case_splits_with_a_large_class_past_64_tokens():
+    problem, spec = TWO_FORM_CASE
+    for seed in range(6):
+        launches, hot = _fused_layer_plan(problem, _case_routing(problem, spec, seed).counts)
+        assert len(launches) == 2 and hot is not None, seed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fused-layer", "fused-layer-staged"])
+def test_fused_layer_two_forms_side_by_side_are_bitwise_equal_to_separate(name):
+    """Under skew the small experts' persistent layer (side stream) and the large experts' image
+    tiles (main stream) write disjoint rows of a_q and of the output: the same bits as separate,
+    graph replay and direct launches alike."""
+    from lab.layer import load_layer, upload_weights
+
+    problem, spec = TWO_FORM_CASE
+    rng = np.random.default_rng()
+    for _ in range(20):  # a fresh routing that takes both forms (every one of the seeds checked did)
+        seed = int(rng.integers(2**31))
+        routing = _case_routing(problem, spec, seed)
+        launches, hot = _fused_layer_plan(problem, routing.counts)
+        if len(launches) == 2 and hot is not None:
+            break
+    runner = poisoned_runner(problem, routing)
+    layer = load_layer(runner, upload_weights(random_weights(problem, seed=seed)), routing,
+                       random_activations(routing.tokens, problem.hidden, seed=seed))
+    sep = make("separate")
+    runner.prepare(sep, layer)
+    runner.checked_run(sep, layer)
+    bf16 = layer.out_bf16.get()
+    v = make(name)
+    runner.prepare(v, layer)
+    assert len(v.launches) == 2 and v.hot is not None, (seed, v.launches, v.hot)
+    for _ in range(2):
+        runner.checked_run(v, layer)
+        ok, msg = checks.compare_bits(layer.out_bf16.get(), bf16)
+        assert ok, f"seed {seed}: {msg}"
+    runner.time_stages(v, layer, iterations=2, warmup=1)
+    runner.checked_run(v, layer)  # graph replay after direct launches
     ok, msg = checks.compare_bits(layer.out_bf16.get(), bf16)
     assert ok, f"seed {seed}: {msg}"
 

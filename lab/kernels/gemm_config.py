@@ -310,6 +310,23 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None, act
 
 
 ALL_COUNTS = (1, 2**31 - 1)  # grouped_gemm's counts_in for every expert with tokens
+
+
+def counts_range(counts_in) -> tuple[int, int]:
+    """`counts_in` as the kernels take it: (lo, hi), the experts of lo..hi tokens; None: every
+    expert with tokens (ALL_COUNTS)."""
+    if counts_in is None:
+        return ALL_COUNTS
+    try:
+        lo, hi = (int(v) for v in counts_in)
+        ok = all(float(v) == int(v) for v in counts_in)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok or not 1 <= lo <= hi <= ALL_COUNTS[1]:
+        raise ValueError(f"counts_in: expected (lo, hi), integers with 1 <= lo <= hi < 2**31, got {counts_in!r}")
+    return lo, hi
+
+
 # Skewed routing on a mma.sync tile runs as two launches (gemm_plan): the experts of up to
 # SPLIT_AT tokens on the 16-token tile, the others on theirs (bench_gemm --split at mean 8, 2eab60f
 # and 9d76701: the split at 16 beat the one launch by 1.13-1.18x at skew 1.2 and 1.08-1.12x at 0.8;

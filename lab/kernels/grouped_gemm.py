@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from lab.kernels import jit, tensor_map
-from lab.kernels.gemm_config import (ACTS, FUSED_SMALL_STAGES, IMAGE_FRAGS, MAX_FRAGS_CHOICES, MODEL_MARGIN, MODES,  # noqa: F401
+from lab.kernels.gemm_config import (ACTS, counts_range, FUSED_SMALL_STAGES, IMAGE_FRAGS, MAX_FRAGS_CHOICES, MODEL_MARGIN, MODES,  # noqa: F401
                                      SKEWED_DISPERSION,
                                      SHIPPED_CONFIGS, modelled_time,
                                      SHIPPED_FUSED, SHIPPED_FUSED_W4A16, SHIPPED_IMAGE, SHIPPED_LARGE, SHIPPED_W4A16,
@@ -117,20 +117,7 @@ def grouped_gemm(prep: PreparedWeights, x_packed, x_scales, offsets, alpha, out,
     if bf16_out and (nonfinite.shape != (1,) or nonfinite.dtype != cp.uint32):
         raise ValueError(f"nonfinite: expected (1,) uint32, got {nonfinite.shape} {nonfinite.dtype}")
     _launch([(prep, x_packed, x_scales, offsets, alpha, out)], cfg, stream, read_only, nonfinite=nonfinite,
-            counts_in=_counts_range(counts_in))
-
-
-def _counts_range(counts_in) -> tuple[int, int]:
-    if counts_in is None:
-        return ALL_COUNTS
-    try:
-        lo, hi = (int(v) for v in counts_in)
-        ok = all(float(v) == int(v) for v in counts_in)
-    except (TypeError, ValueError):
-        ok = False
-    if not ok or not 1 <= lo <= hi <= ALL_COUNTS[1]:
-        raise ValueError(f"counts_in: expected (lo, hi), integers with 1 <= lo <= hi < 2**31, got {counts_in!r}")
-    return lo, hi
+            counts_in=counts_range(counts_in))
 
 
 def grouped_gemm_plan(prep: PreparedWeights, x_packed, x_scales, offsets, alpha, out, plan,
@@ -225,7 +212,7 @@ def swiglu_gemm(w13: PreparedWeights, x_packed, x_scales, offsets, alpha, fusion
     if fusion.out_bf16 is not None:
         raise ValueError("swiglu_gemm: out_bf16 belongs to fused_layer")
     _launch([(w13, x_packed, x_scales, offsets, alpha, None)], cfg, stream, False, fusion,
-            counts_in=_counts_range(counts_in))
+            counts_in=counts_range(counts_in))
 
 
 def fused_layer(w13: PreparedWeights, x_packed, x_scales, offsets, w13_alpha, w2: PreparedWeights, w2_alpha,
@@ -239,7 +226,7 @@ def fused_layer(w13: PreparedWeights, x_packed, x_scales, offsets, w13_alpha, w2
     _check_fusion(fusion, w13, rows, cfg, w2)
     _launch([(w13, x_packed, x_scales, offsets, w13_alpha, None),
              (w2, fusion.a_packed, fusion.a_scales, offsets, w2_alpha, None)], cfg, stream, False, fusion,
-            counts_in=_counts_range(counts_in))
+            counts_in=counts_range(counts_in))
 
 
 def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fusion | None = None,

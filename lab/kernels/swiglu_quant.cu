@@ -75,11 +75,14 @@ __device__ __forceinline__ void find_row_expert(const int* __restrict__ offsets,
 // offsets[e+1] and are skipped by taking the last e with offsets[e] <= r).
 //   a = swiglu(h_gate, h_up, gate_global[e], up_global[e])   (nvfp4_act.cuh)
 // a is quantized with the static global g2 into packed (rows, I/2) / scales (rows, I/16); when
-// a_out is not null the fp32 a (rows, I) is written too (for checks).
+// a_out is not null the fp32 a (rows, I) is written too (for checks). Only the rows of experts
+// with count_lo..count_hi tokens are read and written (as the grouped GEMM's counts_in: one size
+// class of a split plan; the others' rows keep what they hold).
 __global__ void swiglu_quant(const float* __restrict__ h, const int* __restrict__ offsets, int experts, int I,
                              const float* __restrict__ gate_global, const float* __restrict__ up_global,
                              float g2, uint8_t* __restrict__ packed, uint8_t* __restrict__ scales,
-                             float* __restrict__ a_out, uint32_t* __restrict__ nonfinite) {
+                             float* __restrict__ a_out, uint32_t* __restrict__ nonfinite, int count_lo,
+                             int count_hi) {
   __shared__ int row_expert;
   const int r = blockIdx.x;
   const int c4 = blockIdx.y * blockDim.x + threadIdx.x;
@@ -92,6 +95,10 @@ __global__ void swiglu_quant(const float* __restrict__ h, const int* __restrict_
   }
   find_row_expert(offsets, experts, r, row_expert);
   if (!active) return;
+  if (count_lo > 1 || count_hi < 0x7fffffff) {  // (a size class: one more load, only then)
+    const int count = offsets[row_expert + 1] - offsets[row_expert];
+    if (count < count_lo || count > count_hi) return;  // (the whole block: one row, one expert)
+  }
   const float gs = gate_global[row_expert], us = up_global[row_expert];
   uint32_t bad = 0;
 #pragma unroll

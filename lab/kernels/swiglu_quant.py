@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from lab.kernels import jit
+from lab.kernels.gemm_config import counts_range
 
 SOURCE = "swiglu_quant.cu"
 THREADS = 128  # per block; a thread handles 4 elements, so a block covers 512 elements of a row
@@ -162,14 +163,16 @@ def quantize_input(x, global_scale, out_packed, out_scales, counter, row_token=N
 
 
 def swiglu_quant(h, offsets, gate_global, up_global, input_scale, out_packed, out_scales, counter,
-                 a_out=None, stream=None) -> None:
+                 a_out=None, stream=None, counts_in: tuple[int, int] | None = None) -> None:
     """SwiGLU with per-expert gate/up globals, then NVFP4 with the static global `input_scale`.
 
     offsets (E+1,) int32 on the device must rise from 0 to rows (checked on the host when the
-    routing is loaded; not read back here).
+    routing is loaded; not read back here). `counts_in` as for grouped_gemm: only the rows of
+    experts with that many tokens are read and written (default: every row).
     """
     rows, i, e = check_swiglu_quant(h, offsets, gate_global, up_global, out_packed, out_scales, counter, a_out)
     g = check_global("input_scale", input_scale)
+    lo, hi = counts_range(counts_in)
     _require_device(h=h, offsets=offsets, gate_global=gate_global, up_global=up_global, out_packed=out_packed,
                     out_scales=out_scales, counter=counter, a_out=a_out)
     if rows == 0:
@@ -177,7 +180,8 @@ def swiglu_quant(h, offsets, gate_global, up_global, input_scale, out_packed, ou
     fn = jit.kernel(SOURCE, "lab_act::swiglu_quant")
     with _stream(stream):
         fn(_grid(rows, i), (THREADS,), (h, offsets, np.int32(e), np.int32(i), gate_global, up_global, g,
-                                 out_packed, out_scales, a_out if a_out is not None else _NULL, counter))
+                                 out_packed, out_scales, a_out if a_out is not None else _NULL, counter,
+                                 np.int32(lo), np.int32(hi)))
 
 
 def gather_bf16(x, row_token, out, counter, stream=None) -> None:

@@ -5,7 +5,8 @@ Each variant has a ``name``, an ``expect`` saying what its output should be, ``p
 
     baseline  separate                     the reference every other variant is compared with
     match     cuda-graph, chunked-{2,4,8,16}, fused-swiglu, fused-layer, fused-out,
-              fused-layer-classes (under skew: one fused layer per size class, for A/Bs)
+              fused-layer-classes (under skew: one fused layer per size class, for A/Bs),
+              fused-layer-staged (its large experts as fused-out's stages, for A/Bs)
                                            bitwise equal to separate's output
     ceiling   one-launch-2G                numerically wrong by construction; timed as a bound
     approx    fold-b                       option (b): gate/up ratio folded into e4m3 scales
@@ -27,7 +28,8 @@ REGISTRY = {
     **{f"chunked-{k}": (lambda k=k: chunked.Chunked(k)) for k in chunked.CHUNKS},
     fused_swiglu.name: fused_swiglu.FusedSwiglu,
     fused_layer.name: fused_layer.FusedLayer,
-    f"{fused_layer.name}-classes": (lambda: fused_layer.FusedLayer(hot_image=False)),
+    f"{fused_layer.name}-classes": (lambda: fused_layer.FusedLayer(large=None)),
+    f"{fused_layer.name}-staged": (lambda: fused_layer.FusedLayer(large="staged")),
     fused_out.name: fused_out.FusedOut,
     one_launch_2g.name: one_launch_2g.OneLaunch2G,
     fold_b.name: fold_b.FoldB,
@@ -41,7 +43,9 @@ NAMES = tuple(REGISTRY)
 # fused-layer-classes is fused-layer's form of 947d39e-0015690 (one persistent layer per size
 # class), kept for the A/B against its large class on image tiles (results/skew_split.json
 # fused_layer_image_form; the two are the same where no expert passes 64 tokens).
-ON_REQUEST: tuple[str, ...] = ("fused-layer-classes",)
+# fused-layer-staged runs the large class as fused-out's stages (w13 writing h, the SwiGLU kernel
+# on the class's rows, w2 with the bf16 epilogue): built and checked on the CPU, not yet run.
+ON_REQUEST: tuple[str, ...] = ("fused-layer-classes", "fused-layer-staged")
 DEFAULT = tuple(n for n in NAMES if n not in ON_REQUEST)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from lab.kernels import grouped_gemm as gg
+from lab.kernels import swiglu_quant as sq
 
 from .fused_swiglu import fusion_for
 from .one_launch_2g import pair_config, pair_plan
@@ -71,25 +72,33 @@ class FusedLayer:
     past 64 tokens per expert every expert takes the image tiles' two fused launches the same way
     (the layer mode re-decodes the weights once per 64 tokens: 50-85% slower than separate from
     64 tokens per expert up, results/token_axis.json).
-    `hot_image=False` keeps one fused layer per size class (the form of 947d39e-0015690)."""
+    `large` says how the large experts run: "swiglu" (above), "staged" (fused-layer-staged: w13's
+    image tile writing h, the SwiGLU kernel on the class's rows, then w2 with the bf16 epilogue:
+    fused-out's stages for the class, since the register SwiGLU costs ~45% of w13 at 128 tokens
+    per expert, notes/gemm.md v27), or None (fused-layer-classes: one fused layer per size class,
+    the form of 947d39e-0015690)."""
 
     name = name
     expect = expect
     stages = ("layer",)
     fp32_out = False  # the w2 epilogue writes bf16 only
 
-    def __init__(self, hot_image: bool = True):
+    def __init__(self, large: str | None = "swiglu"):
+        if large not in ("swiglu", "staged", None):
+            raise ValueError(f"large: expected 'swiglu', 'staged' or None, got {large!r}")
         self.graph = None
-        self.hot_image = hot_image
-        if not hot_image:
+        self.large = large
+        if large is None:
             self.name = f"{name}-classes"
+        elif large == "staged":
+            self.name = f"{name}-staged"
 
     def prepare(self, runner, layer) -> None:
         part = layer.full
         self.cfg, self.w13, self.w2 = pair_plan(layer, paired=True)
         self.launches = launches(layer, self.cfg)
         self.fusion = fusion_for(runner, layer, part.gate_global, part.up_global, out_bf16=part.out_bf16)
-        self.hot = hot_image_plan(layer, self.cfg, self.launches) if self.hot_image else None
+        self.hot = hot_image_plan(layer, self.cfg, self.launches) if self.large else None
         self.hot_fusion = fusion_for(runner, layer, part.gate_global, part.up_global)  # (swiglu: no out_bf16)
         self.run(runner, layer)  # compiles, and checks the launch's arguments once
         self.graph = runner.capture(lambda: self._launch(runner, layer))
@@ -109,8 +118,14 @@ class FusedLayer:
             if len(self.launches) == 2:  # the small experts' fused layer beside the large ones
                 runner.fork()
                 layer_launch(*self.launches[0], runner.side)
-            gg.swiglu_gemm(self.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, self.hot_fusion,
-                           w13_hot, stream=runner.stream, counts_in=counts_in)
+            if self.large == "staged":  # (w13 on the weights without gate/up pairing: h as the SwiGLU kernel reads it)
+                gg.grouped_gemm(part.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, part.h, w13_hot,
+                                stream=runner.stream, counts_in=counts_in)
+                sq.swiglu_quant(part.h, part.offsets, part.gate_global, part.up_global, layer.weights.w2_input_scale,
+                                part.a_packed, part.a_scales, runner.counter, stream=runner.stream, counts_in=counts_in)
+            else:
+                gg.swiglu_gemm(self.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, self.hot_fusion,
+                               w13_hot, stream=runner.stream, counts_in=counts_in)
             gg.grouped_gemm(self.w2, part.a_packed, part.a_scales, part.offsets, part.w2_alpha, part.out_bf16,
                             w2_hot, stream=runner.stream, nonfinite=runner.counter, counts_in=counts_in)
             if len(self.launches) == 2:
