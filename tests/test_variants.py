@@ -313,6 +313,19 @@ def test_matching_variants_are_bitwise_equal_to_separate(gpu_case, name):
         assert_matches_separate(runner, layer, v, bf16, out, name)
 
 
+def _separate_bf16(problem, routing, seed):
+    """(runner, layer, separate's bf16 output) on fresh weights and activations of `seed`."""
+    from lab.layer import load_layer, upload_weights
+
+    runner = poisoned_runner(problem, routing)
+    layer = load_layer(runner, upload_weights(random_weights(problem, seed=seed)), routing,
+                       random_activations(routing.tokens, problem.hidden, seed=seed))
+    sep = make("separate")
+    runner.prepare(sep, layer)
+    runner.checked_run(sep, layer)
+    return runner, layer, layer.out_bf16.get()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [300, 600])
 @pytest.mark.parametrize("name", ["fused-out", "fused-swiglu", "fused-layer", "fused-layer-staged"])
@@ -321,19 +334,11 @@ def test_fused_epilogues_on_image_tiles_are_bitwise_equal_to_separate(name, toke
     past 96 (600 tokens: mean 150) fused-swiglu's w13 the 160-token tile with SwiGLU in registers
     (the GPU cases above stay below both); fused-layer takes the same two launches there
     (hot_image_plan): the same bits as separate, graph replay and direct launches alike."""
-    from lab.layer import load_layer, upload_weights
-
     problem = MoEProblem(8, 256, 256, 2)
     seed = int(np.random.default_rng().integers(2**31))
     routing = make_routing(tokens, problem.experts, problem.top_k, seed=seed)
-    runner = poisoned_runner(problem, routing)
-    layer = load_layer(runner, upload_weights(random_weights(problem, seed=seed)), routing,
-                       random_activations(tokens, problem.hidden, seed=seed))
+    runner, layer, bf16 = _separate_bf16(problem, routing, seed)
     assert layer.w2_cfg.image, layer.w2_cfg
-    sep = make("separate")
-    runner.prepare(sep, layer)
-    runner.checked_run(sep, layer)
-    bf16 = layer.out_bf16.get()
     v = make(name)
     runner.prepare(v, layer)
     assert not v.fp32_out
@@ -389,8 +394,6 @@ def test_fused_layer_two_forms_side_by_side_are_bitwise_equal_to_separate(name):
     """Under skew the small experts' persistent layer (side stream) and the large experts' image
     tiles (main stream) write disjoint rows of a_q and of the output: the same bits as separate,
     graph replay and direct launches alike."""
-    from lab.layer import load_layer, upload_weights
-
     problem, spec = TWO_FORM_CASE
     rng = np.random.default_rng()
     for _ in range(20):  # a fresh routing that takes both forms (every one of the seeds checked did)
@@ -399,13 +402,7 @@ def test_fused_layer_two_forms_side_by_side_are_bitwise_equal_to_separate(name):
         launches, hot = _fused_layer_plan(problem, routing.counts)
         if len(launches) == 2 and hot is not None:
             break
-    runner = poisoned_runner(problem, routing)
-    layer = load_layer(runner, upload_weights(random_weights(problem, seed=seed)), routing,
-                       random_activations(routing.tokens, problem.hidden, seed=seed))
-    sep = make("separate")
-    runner.prepare(sep, layer)
-    runner.checked_run(sep, layer)
-    bf16 = layer.out_bf16.get()
+    runner, layer, bf16 = _separate_bf16(problem, routing, seed)
     v = make(name)
     runner.prepare(v, layer)
     assert len(v.launches) == 2 and v.hot is not None, (seed, v.launches, v.hot)
