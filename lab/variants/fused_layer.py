@@ -42,7 +42,8 @@ def launches(layer, cfg: gg.GemmConfig) -> list[tuple[gg.GemmConfig, tuple[int, 
     return out
 
 
-def hot_image_plan(layer, cfg: gg.GemmConfig, launches_: list):
+def hot_image_plan(layer, cfg: gg.GemmConfig, launches_: list, hot_tokens: int | None = None,
+                   same_layout: bool = True):
     """(w13 config, w2 config, counts_in) of the experts that leave the layer mode for their
     plans' image tiles: the large class where the plans split both GEMMs at the same bounds, or
     every expert where each plan is one launch; on an image tile (NVFP4 activations) in both GEMMs,
@@ -51,13 +52,15 @@ def hot_image_plan(layer, cfg: gg.GemmConfig, launches_: list):
     per pass). None otherwise: at skew 0.4 (17-45 tokens) the class's own fused layer was 1.2%
     faster than the image tiles (run_layer at f990ec0: 1.017 against 1.029 ms), at 0.8 and 1.2
     1.1% and 9% slower."""
-    if len(launches_) > 2 or layer.counts.max() <= gg.fused_config(launches_[-1][0], "layer").token_tile:
+    if hot_tokens is None:
+        hot_tokens = gg.fused_config(launches_[-1][0], "layer").token_tile
+    if len(launches_) > 2 or layer.counts.max() <= hot_tokens:
         return None
     (w13_hot, r13), (w2_hot, r2) = layer.w13_plan[-1], layer.w2_plan[-1]
     layout = (cfg.block_rows, cfg.k_step)
     if not (len(layer.w13_plan) == len(layer.w2_plan) == len(launches_) and r13 == r2 == launches_[-1][1]
             and w13_hot.image and w2_hot.image
-            and (w13_hot.block_rows, w13_hot.k_step) == (w2_hot.block_rows, w2_hot.k_step) == layout):
+            and (not same_layout or (w13_hot.block_rows, w13_hot.k_step) == (w2_hot.block_rows, w2_hot.k_step) == layout)):
         return None
     return w13_hot, w2_hot, r13
 
@@ -83,11 +86,12 @@ class FusedLayer:
     stages = ("layer",)
     fp32_out = False  # the w2 epilogue writes bf16 only
 
-    def __init__(self, large: str | None = "swiglu"):
+    def __init__(self, large: str | None = "swiglu", hot_tokens: int | None = None):
         if large not in ("swiglu", "staged", None):
             raise ValueError(f"large: expected 'swiglu', 'staged' or None, got {large!r}")
         self.graph = None
         self.large = large
+        self.hot_tokens = hot_tokens
         if large is None:
             self.name = f"{name}-classes"
         elif large == "staged":
@@ -98,7 +102,8 @@ class FusedLayer:
         self.cfg, self.w13, self.w2 = pair_plan(layer, paired=True)
         self.launches = launches(layer, self.cfg)
         self.fusion = fusion_for(runner, layer, part.gate_global, part.up_global, out_bf16=part.out_bf16)
-        self.hot = hot_image_plan(layer, self.cfg, self.launches) if self.large else None
+        self.hot = (hot_image_plan(layer, self.cfg, self.launches, self.hot_tokens, same_layout=self.large == "swiglu")
+                    if self.large else None)
         self.hot_fusion = fusion_for(runner, layer, part.gate_global, part.up_global)  # (swiglu: no out_bf16)
         self.run(runner, layer)  # compiles, and checks the launch's arguments once
         self.graph = runner.capture(lambda: self._launch(runner, layer))
@@ -126,7 +131,7 @@ class FusedLayer:
             else:
                 gg.swiglu_gemm(self.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, self.hot_fusion,
                                w13_hot, stream=runner.stream, counts_in=counts_in)
-            gg.grouped_gemm(self.w2, part.a_packed, part.a_scales, part.offsets, part.w2_alpha, part.out_bf16,
+            gg.grouped_gemm(part.w2 if self.large == "staged" else self.w2, part.a_packed, part.a_scales, part.offsets, part.w2_alpha, part.out_bf16,
                             w2_hot, stream=runner.stream, nonfinite=runner.counter, counts_in=counts_in)
             if len(self.launches) == 2:
                 runner.join()
