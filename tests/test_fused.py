@@ -104,52 +104,60 @@ def test_fused_layer_runs_one_launch_per_size_class_under_skew():
     assert [r for _, r in got] == [(1, gg.SPLIT_AT), (gg.SPLIT_AT + 1, gg.ALL_COUNTS[1])]
     assert got[0][0].max_frags <= 2 < got[1][0].max_frags
     assert {(c.block_rows, c.k_step) for c, _ in got} == {(one.block_rows, one.k_step)}
-    # at skew 0.4 (17-45 tokens) one pass of the layer mode holds every large expert: one fused
-    # layer per class
+    # at skew 0.4 (17-45 tokens) the large class stays one fused layer
     low = _split_layer(0.4)
-    assert low.counts.max() <= 64
+    assert low.counts.max() <= fused_layer.HOT_TOKENS
     assert fused_layer.hot_image_plan(low, _one_tile(low), fused_layer.launches(low, _one_tile(low))) is None
     uniform = _split_layer(0.0)
     assert fused_layer.launches(uniform, _one_tile(uniform)) == [(_one_tile(uniform), gg.ALL_COUNTS)]
 
 
 def test_fused_layer_runs_its_large_class_on_image_tiles_under_skew():
-    """Under skew the large experts' class leaves the layer mode for its plans' image tiles (w13
-    with the SwiGLU epilogue, w2 with the bf16 one) at the plans' bounds and in the fused layer's
-    weight layout; with one launch (uniform routing) there is no such class."""
+    """Under skew the large experts' class leaves the layer mode for its plans' image tiles (w13,
+    the SwiGLU kernel on its rows, w2 with the bf16 epilogue) at the plans' bounds; the
+    register-SwiGLU form (fused-layer-swiglu) only in the fused layer's weight layout. With one
+    launch (uniform routing) every expert leaves once the largest passes HOT_TOKENS."""
     from lab.variants import fused_layer
 
+    assert fused_layer.FusedLayer().large == "staged" and fused_layer.FusedLayer().hot_tokens == fused_layer.HOT_TOKENS
     for skew in (0.6, 0.8, 1.2):
         layer = _split_layer(skew)
         one = _one_tile(layer)
-        hot = fused_layer.hot_image_plan(layer, one, fused_layer.launches(layer, one))
+        launches = fused_layer.launches(layer, one)
+        hot = fused_layer.hot_image_plan(layer, one, launches, same_layout=False)
         assert hot is not None, skew
         w13_hot, w2_hot, counts_in = hot
         assert counts_in == (gg.SPLIT_AT + 1, gg.ALL_COUNTS[1])
         assert w13_hot.image and w2_hot.image
+        assert (w13_hot, w2_hot) == (layer.w13_plan[-1][0], layer.w2_plan[-1][0])
         # (the 160-token tile takes the SwiGLU in its registers; the 96-token one, the heuristic's
         # for the 17-93-token class at skew 0.6, fuses on its epilogue warps)
         assert gg.fused_config(w13_hot, "swiglu").swiglu_regs == (w13_hot.max_frags == 20), (skew, w13_hot)
         assert {(c.block_rows, c.k_step) for c in (w13_hot, w2_hot)} == {(one.block_rows, one.k_step)}
-    # at skew 0.4 (17-45 tokens) one pass of the layer mode holds every large expert: one fused
-    # layer per class
+        assert fused_layer.hot_image_plan(layer, one, launches) == hot
+        # a threshold at the largest expert keeps the class in the layer mode
+        assert fused_layer.hot_image_plan(layer, one, launches, int(layer.counts.max())) is None
+    # at skew 0.4 (17-45 tokens) the large class stays one fused layer
     low = _split_layer(0.4)
-    assert low.counts.max() <= 64
+    assert low.counts.max() <= fused_layer.HOT_TOKENS
     assert fused_layer.hot_image_plan(low, _one_tile(low), fused_layer.launches(low, _one_tile(low))) is None
+    assert fused_layer.hot_image_plan(low, _one_tile(low), fused_layer.launches(low, _one_tile(low)), 16) is not None
     uniform = _split_layer(0.0)
     assert fused_layer.hot_image_plan(uniform, _one_tile(uniform), fused_layer.launches(uniform, _one_tile(uniform))) is None
-    # uniform past 64 tokens per expert: every expert, on the plans' one launch each
-    for mean in (128, 512):
+    # uniform, once the largest expert passes HOT_TOKENS: every expert, on the plans' one launch each
+    for mean in (32, 128, 512):
         large = _split_layer(0.0, mean)
         one = _one_tile(large)
         launches = fused_layer.launches(large, one)
         assert launches == [(one, gg.ALL_COUNTS)]
+        assert large.counts.max() > fused_layer.HOT_TOKENS, mean
         w13_all, w2_all, counts_in = fused_layer.hot_image_plan(large, one, launches)
         assert counts_in == gg.ALL_COUNTS and w13_all.image and w2_all.image, mean
         assert (w13_all, w2_all) == (large.w13_plan[0][0], large.w2_plan[0][0])
-    # ...and not where every expert fits one 64-token pass (mean 32)
-    mid = _split_layer(0.0, 32)
-    assert mid.counts.max() <= 64
+    # ...and not while the largest expert holds at most HOT_TOKENS (mean 24: 40 tokens)
+    mid = _split_layer(0.0, 24)
+    assert mid.counts.max() <= fused_layer.HOT_TOKENS
+    assert mid.w13_plan[0][0].image
     assert fused_layer.hot_image_plan(mid, _one_tile(mid), fused_layer.launches(mid, _one_tile(mid))) is None
 
 

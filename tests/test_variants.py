@@ -27,7 +27,7 @@ from strategies import routings
 
 def test_registry_lists_the_study_variants_in_order():
     assert NAMES == ("separate", "cuda-graph", "chunked-2", "chunked-4", "chunked-8", "chunked-16",
-                     "fused-swiglu", "fused-layer", "fused-layer-classes", "fused-layer-staged", "fused-out", "one-launch-2G", "fold-b", "w4a16",
+                     "fused-swiglu", "fused-layer", "fused-layer-classes", "fused-layer-swiglu", "fused-out", "one-launch-2G", "fold-b", "w4a16",
                      "w4a16-fused", "w4a16-layer")
     for name in NAMES:
         v = make(name)
@@ -328,12 +328,13 @@ def _separate_bf16(problem, routing, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [300, 600])
-@pytest.mark.parametrize("name", ["fused-out", "fused-swiglu", "fused-layer", "fused-layer-staged"])
+@pytest.mark.parametrize("name", ["fused-out", "fused-swiglu", "fused-layer", "fused-layer-swiglu"])
 def test_fused_epilogues_on_image_tiles_are_bitwise_equal_to_separate(name, tokens):
     """Past 64 tokens per expert w2 runs an image tile whose epilogue writes the bf16 output, and
     past 96 (600 tokens: mean 150) fused-swiglu's w13 the 160-token tile with SwiGLU in registers
-    (the GPU cases above stay below both); fused-layer takes the same two launches there
-    (hot_image_plan): the same bits as separate, graph replay and direct launches alike."""
+    (the GPU cases above stay below both); fused-layer takes fused-out's stages there and
+    fused-layer-swiglu fused-swiglu's two launches (hot_image_plan): the same bits as separate,
+    graph replay and direct launches alike."""
     problem = MoEProblem(8, 256, 256, 2)
     seed = int(np.random.default_rng().integers(2**31))
     routing = make_routing(tokens, problem.experts, problem.top_k, seed=seed)
@@ -352,14 +353,14 @@ def test_fused_epilogues_on_image_tiles_are_bitwise_equal_to_separate(name, toke
         assert ok, f"seed {seed}: {msg}"
     st = runner.time_stages(v, layer, iterations=2, warmup=1)
     assert list(st) == {"fused-out": ["w13", "act", "w2+out"], "fused-layer": ["layer"],
-                        "fused-layer-staged": ["layer"]}.get(name, ["w13+act", "w2+out"]), st
+                        "fused-layer-swiglu": ["layer"]}.get(name, ["w13+act", "w2+out"]), st
     runner.checked_run(v, layer)  # graph replay after direct launches: counters were left at zero
     ok, msg = checks.compare_bits(layer.out_bf16.get(), bf16)
     assert ok, f"seed {seed}: {msg}"
 
 
 # E=288, H=1024, I=512, top 8, mean 8, skew 0.8: both GEMMs split at 16 tokens and the large class
-# passes 64 tokens (12 of 12 seeds checked), so fused-layer runs its large class on the image tiles
+# passes 64 tokens, past HOT_TOKENS (12 of 12 seeds checked), so fused-layer runs its large class on the image tiles
 # beside the small class's persistent layer on the side stream (hot_image_plan)
 TWO_FORM_CASE = (MoEProblem(288, 1024, 512, 8), dict(tokens=288, skew=0.8))
 
@@ -389,7 +390,7 @@ def test_the_two_form_case_splits_with_a_large_class_past_64_tokens():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["fused-layer", "fused-layer-staged"])
+@pytest.mark.parametrize("name", ["fused-layer", "fused-layer-swiglu"])
 def test_fused_layer_two_forms_side_by_side_are_bitwise_equal_to_separate(name):
     """Under skew the small experts' persistent layer (side stream) and the large experts' image
     tiles (main stream) write disjoint rows of a_q and of the output: the same bits as separate,

@@ -6,7 +6,7 @@ Each variant has a ``name``, an ``expect`` saying what its output should be, ``p
     baseline  separate                     the reference every other variant is compared with
     match     cuda-graph, chunked-{2,4,8,16}, fused-swiglu, fused-layer, fused-out,
               fused-layer-classes (under skew: one fused layer per size class, for A/Bs),
-              fused-layer-staged (its large experts as fused-out's stages, for A/Bs)
+              fused-layer-swiglu (its large experts with the SwiGLU in w13's epilogue, for A/Bs)
                                            bitwise equal to separate's output
     ceiling   one-launch-2G                numerically wrong by construction; timed as a bound
     approx    fold-b                       option (b): gate/up ratio folded into e4m3 scales
@@ -29,7 +29,7 @@ REGISTRY = {
     fused_swiglu.name: fused_swiglu.FusedSwiglu,
     fused_layer.name: fused_layer.FusedLayer,
     f"{fused_layer.name}-classes": (lambda: fused_layer.FusedLayer(large=None)),
-    f"{fused_layer.name}-staged": (lambda: fused_layer.FusedLayer(large="staged")),
+    f"{fused_layer.name}-swiglu": (lambda: fused_layer.FusedLayer(large="swiglu")),
     fused_out.name: fused_out.FusedOut,
     one_launch_2g.name: one_launch_2g.OneLaunch2G,
     fold_b.name: fold_b.FoldB,
@@ -42,10 +42,10 @@ NAMES = tuple(REGISTRY)
 # on the H200 (so a default run reports measured kernels only), and forms kept for an A/B.
 # fused-layer-classes is fused-layer's form of 947d39e-0015690 (one persistent layer per size
 # class), kept for the A/B against its large class on image tiles (results/skew_split.json
-# fused_layer_image_form; the two are the same where no expert passes 64 tokens).
-# fused-layer-staged runs the large class as fused-out's stages (w13 writing h, the SwiGLU kernel
-# on the class's rows, w2 with the bf16 epilogue): built and checked on the CPU, not yet run.
-ON_REQUEST: tuple[str, ...] = ("fused-layer-classes", "fused-layer-staged")
+# fused_layer_image_form; the two are the same where no expert passes HOT_TOKENS, 48).
+# fused-layer-swiglu runs the large class with the SwiGLU in w13's epilogue (fused-layer's form of
+# ea736dd-d1bc039), kept for the A/B against fused-out's stages (notes/gemm.md v28).
+ON_REQUEST: tuple[str, ...] = ("fused-layer-classes", "fused-layer-swiglu")
 DEFAULT = tuple(n for n in NAMES if n not in ON_REQUEST)
 
 

@@ -42,18 +42,22 @@ def launches(layer, cfg: gg.GemmConfig) -> list[tuple[gg.GemmConfig, tuple[int, 
     return out
 
 
-def hot_image_plan(layer, cfg: gg.GemmConfig, launches_: list, hot_tokens: int | None = None,
+# Past this many tokens on its largest expert, a class leaves the layer mode for its plans' image
+# tiles. One pass of the layer mode holds 64 tokens, but its units grow with the tokens while the
+# image tiles' do not: the staged form was level at 40-45 tokens (uniform mean 24, skew 0.4) and
+# 4.6% faster at 56 (uniform mean 32: 1.700 against 1.782 ms), the layer mode 0.8% faster at 35
+# (mean 20); run_layer and token_axis at 5053665, results/token_axis_fused.json.
+HOT_TOKENS = 48
+
+
+def hot_image_plan(layer, cfg: gg.GemmConfig, launches_: list, hot_tokens: int = HOT_TOKENS,
                    same_layout: bool = True):
     """(w13 config, w2 config, counts_in) of the experts that leave the layer mode for their
     plans' image tiles: the large class where the plans split both GEMMs at the same bounds, or
     every expert where each plan is one launch; on an image tile (NVFP4 activations) in both GEMMs,
-    in the fused layer's weight layout, and only where the largest expert passes the tokens one
-    pass of the layer mode holds (64: past that the layer mode decodes the expert's weights once
-    per pass). None otherwise: at skew 0.4 (17-45 tokens) the class's own fused layer was 1.2%
-    faster than the image tiles (run_layer at f990ec0: 1.017 against 1.029 ms), at 0.8 and 1.2
-    1.1% and 9% slower."""
-    if hot_tokens is None:
-        hot_tokens = gg.fused_config(launches_[-1][0], "layer").token_tile
+    and only where the largest expert passes `hot_tokens`. `same_layout`: only where those tiles
+    share the fused layer's weight layout (the register-SwiGLU form runs on its paired weights).
+    None otherwise."""
     if len(launches_) > 2 or layer.counts.max() <= hot_tokens:
         return None
     (w13_hot, r13), (w2_hot, r2) = layer.w13_plan[-1], layer.w2_plan[-1]
@@ -67,35 +71,35 @@ def hot_image_plan(layer, cfg: gg.GemmConfig, launches_: list, hot_tokens: int |
 
 class FusedLayer:
     """Under skewed routing (two size classes, gemm_plan) the small experts' layer is one
-    persistent launch on the runner's side stream; where the large experts pass 64 tokens
-    (hot_image_plan) theirs runs beside it on the main stream as their plans' image tiles: w13 with
-    the SwiGLU epilogue (in the consumers' registers on the 160-token tile), then w2 with the bf16
-    epilogue. The layer mode has no image form, and its 64-token mma.sync tile ran the large class
-    10% slower (notes/gemm.md v26); else each class is one fused layer. Under uniform routing
-    past 64 tokens per expert every expert takes the image tiles' two fused launches the same way
-    (the layer mode re-decodes the weights once per 64 tokens: 50-85% slower than separate from
-    64 tokens per expert up, results/token_axis.json).
-    `large` says how the large experts run: "swiglu" (above), "staged" (fused-layer-staged: w13's
-    image tile writing h, the SwiGLU kernel on the class's rows, then w2 with the bf16 epilogue:
-    fused-out's stages for the class, since the register SwiGLU costs ~45% of w13 at 128 tokens
-    per expert, notes/gemm.md v27), or None (fused-layer-classes: one fused layer per size class,
-    the form of 947d39e-0015690)."""
+    persistent launch on the runner's side stream; where the large experts pass HOT_TOKENS
+    (hot_image_plan) theirs runs beside it on the main stream as fused-out's stages on their
+    plans' image tiles: w13 writing h, the SwiGLU kernel on the class's rows, w2 with the bf16
+    epilogue. Else each class is one fused layer. Under uniform routing past HOT_TOKENS on the
+    largest expert every expert takes those stages the same way (the layer mode decodes the
+    weights once per 64 tokens: 50-85% slower than separate from 64 tokens per expert up,
+    results/token_axis.json), so fused-layer is fused-out there.
+    `large` says how the large experts run: "staged" (above), "swiglu" (fused-layer-swiglu, the
+    form of ea736dd-d1bc039: w13 with the SwiGLU epilogue, in the consumers' registers on the
+    160-token tile; the register SwiGLU costs ~45% of w13 at 128 tokens per expert, notes/gemm.md
+    v27, and this form was 1-36% slower than the staged one at skew 0.8-1.2 and 64-512 tokens per
+    expert, v28), or None (fused-layer-classes: one fused layer per size class, the form of
+    947d39e-0015690)."""
 
     name = name
     expect = expect
     stages = ("layer",)
     fp32_out = False  # the w2 epilogue writes bf16 only
 
-    def __init__(self, large: str | None = "swiglu", hot_tokens: int | None = None):
+    def __init__(self, large: str | None = "staged", hot_tokens: int = HOT_TOKENS):
         if large not in ("swiglu", "staged", None):
-            raise ValueError(f"large: expected 'swiglu', 'staged' or None, got {large!r}")
+            raise ValueError(f"large: expected 'staged', 'swiglu' or None, got {large!r}")
         self.graph = None
         self.large = large
         self.hot_tokens = hot_tokens
         if large is None:
             self.name = f"{name}-classes"
-        elif large == "staged":
-            self.name = f"{name}-staged"
+        elif large == "swiglu":
+            self.name = f"{name}-swiglu"
 
     def prepare(self, runner, layer) -> None:
         part = layer.full
