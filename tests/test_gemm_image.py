@@ -241,6 +241,37 @@ def test_image_tiles_write_bf16_as_the_conversion_rounds_it(cfg):
     assert np.isfinite(out32.get()[:offsets[6]]).all(), f"seed {seed}: unwritten fp32 outputs"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("sms", [1, 3])
+def test_a_launch_on_part_of_the_sms_computes_every_unit(sms):
+    """`sms` caps the persistent grid (a launch beside another on a second stream); the unit
+    counter still hands out every unit: the bits of the launch on every SM, over a poisoned out.
+    Out-of-range caps are refused before the launch."""
+    import cupy as cp
+
+    cfg = gg.GemmConfig(8, 2, 128, 3, 20, 1, image=True)
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    counts = np.array([5, 0, 170, 33, 1, 90])
+    e, n, k = counts.size, 512, 256
+    packed = rng.integers(0, 256, (e, n, k // 2), np.uint8)
+    scales = rng.integers(1, 127, (e, n, k // 16)).astype(np.uint8)
+    offsets, xq, xs, _ = _problem(rng, cfg.act, counts, k)
+    alpha = rng.uniform(0.5, 2, e).astype(np.float32)
+    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
+    args = (cp.asarray(xq), cp.asarray(xs), cp.asarray(offsets), cp.asarray(alpha))
+    full = cp.full((xq.shape[0], n), cp.nan, cp.float32)
+    gg.grouped_gemm(prep, *args, full, cfg)
+    part = cp.full_like(full, cp.nan)
+    gg.grouped_gemm(prep, *args, part, cfg, sms=sms)
+    assert np.isfinite(part.get()).all(), f"seed {seed}: unwritten outputs"
+    ok, msg = checks.compare_bits(part.get().view(np.uint32), full.get().view(np.uint32))
+    assert ok, f"seed {seed}: {msg}"
+    for bad in (0, jit.sm_count() + 1, 2.5, -1):
+        with pytest.raises(ValueError, match="sms"):
+            gg.grouped_gemm(prep, *args, part, cfg, sms=bad)
+
+
 def test_bf16_out_is_refused_where_it_cannot_run():
     """A bf16 out needs an image tile and a counter; a counter needs a bf16 out: clear errors
     before any launch (no GPU needed to reach them)."""

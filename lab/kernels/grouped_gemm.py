@@ -83,7 +83,7 @@ def _check_activation(x_packed, x_scales, offsets, alpha, out, prep: PreparedWei
 
 def grouped_gemm(prep: PreparedWeights, x_packed, x_scales, offsets, alpha, out,
                  cfg: GemmConfig, stream=None, read_only: bool = False, nonfinite=None,
-                 counts_in: tuple[int, int] | None = None) -> None:
+                 counts_in: tuple[int, int] | None = None, sms: int | None = None) -> None:
     """Launch the grouped GEMM on `stream` (CuPy stream or None for the current one).
 
     `cfg` comes from `heuristic` (it needs the host-side token counts, which the caller has when
@@ -103,6 +103,10 @@ def grouped_gemm(prep: PreparedWeights, x_packed, x_scales, offsets, alpha, out,
     `counts_in` = (lo, hi), 1 <= lo <= hi: only the experts with lo..hi tokens are computed (their
     rows of `out`; the others' rows keep what they hold), so that the experts of another size class
     can run another tile in a second launch (split_configs).
+
+    `sms`: launch as many CTAs as fit on that many SMs (None: on every SM). The units are handed
+    out by a counter, so any grid computes every unit; a launch on part of the SMs leaves the
+    rest to a launch on another stream.
     """
     import cupy as cp
 
@@ -116,8 +120,10 @@ def grouped_gemm(prep: PreparedWeights, x_packed, x_scales, offsets, alpha, out,
                          f"got out {getattr(out, 'dtype', None)} and nonfinite {nonfinite!r:.40}")
     if bf16_out and (nonfinite.shape != (1,) or nonfinite.dtype != cp.uint32):
         raise ValueError(f"nonfinite: expected (1,) uint32, got {nonfinite.shape} {nonfinite.dtype}")
+    if sms is not None and not (isinstance(sms, (int, np.integer)) and 1 <= sms <= jit.sm_count()):
+        raise ValueError(f"sms: expected an int from 1 to the device's SM count, got {sms!r}")
     _launch([(prep, x_packed, x_scales, offsets, alpha, out)], cfg, stream, read_only, nonfinite=nonfinite,
-            counts_in=counts_range(counts_in))
+            counts_in=counts_range(counts_in), sms=sms)
 
 
 def grouped_gemm_plan(prep: PreparedWeights, x_packed, x_scales, offsets, alpha, out, plan,
@@ -230,7 +236,7 @@ def fused_layer(w13: PreparedWeights, x_packed, x_scales, offsets, w13_alpha, w2
 
 
 def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fusion | None = None,
-            nonfinite=None, counts_in: tuple[int, int] = ALL_COUNTS) -> None:
+            nonfinite=None, counts_in: tuple[int, int] = ALL_COUNTS, sms: int | None = None) -> None:
     import cupy as cp
 
     if fusion is not None:
@@ -270,7 +276,7 @@ def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fu
     smem = cfg.launch_smem(experts)
     fn = jit.kernel(SOURCE, cfg.expression_for(read_only, counts_in != ALL_COUNTS), smem)
     units = sum(pr[0].experts * (pr[0].n // cfg.block_rows) for pr in problems)
-    grid = (min(units, jit.sm_count() * resident_ctas(cfg, experts, fn.num_regs)),)
+    grid = (min(units, (sms or jit.sm_count()) * resident_ctas(cfg, experts, fn.num_regs)),)
     args = []
     # problem 1 of a single-problem launch has no experts: problem 0's map stands in for its own
     maps = [tensor_map.device_map(pr[0].data, pr[0].stage_bytes) for pr in problems if pr[0].experts]
