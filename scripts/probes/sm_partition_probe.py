@@ -18,6 +18,14 @@ from lab.kernels import grouped_gemm as gg
 from lab.problem import MoEProblem
 
 TAG = "sm-partition"
+# (one warp that spins on the global timer: holds a stream back without a host sleep)
+SPIN = r"""
+extern "C" __global__ void spin(unsigned long long ns) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}
+"""
 
 
 def main(argv=None):
@@ -27,6 +35,9 @@ def main(argv=None):
     ap.add_argument("--mean-tokens", type=float, default=8.0)
     ap.add_argument("--hot-sms", type=int, nargs="+", default=[16, 24, 32, 44],
                     help="SMs the large class's launch may take")
+    ap.add_argument("--cold-delay-us", type=float, nargs="*", default=[20.0],
+                    help="also time the partition with the small class held back this long on its stream (a spin "
+                         "kernel), so that the large class's activation image pass is done and its CTAs placed first")
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json")
@@ -35,6 +46,7 @@ def main(argv=None):
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     if not all(1 <= s < sms for s in args.hot_sms):
         raise SystemExit(f"--hot-sms: expected values in 1..{sms - 1}, got {args.hot_sms}")
+    spin = cp.RawKernel(SPIN, "spin")
     bench = GemmBench(MoEProblem(), tag=TAG)
     streams = StreamPair(cp)
     main_s = streams.main
@@ -63,6 +75,11 @@ def main(argv=None):
             for s_hot in args.hot_sms:
                 modes[f"hot on {s_hot} SMs first, cold on {sms - s_hot}"] = lambda s_hot=s_hot: streams.both(
                     lambda s: one(hot, s, s_hot), lambda s: one(cold, s, sms - s_hot))
+                for d in args.cold_delay_us:
+                    modes[f"hot on {s_hot} SMs first, cold on {sms - s_hot} after {d:g} us"] = \
+                        lambda s_hot=s_hot, d=d: streams.both(
+                            lambda s: one(hot, s, s_hot),
+                            lambda s: (spin((1,), (32,), (np.uint64(d * 1000),), stream=s), one(cold, s, sms - s_hot)))
                 modes[f"hot alone on {s_hot} SMs"] = lambda s_hot=s_hot: one(hot, main_s, s_hot)
                 modes[f"cold alone on {sms - s_hot} SMs"] = lambda s_hot=s_hot: one(cold, main_s, sms - s_hot)
             in_class = lambda lo_hi: np.repeat((case.counts >= lo_hi[0]) & (case.counts <= lo_hi[1]), case.counts)  # noqa: E731
@@ -74,7 +91,7 @@ def main(argv=None):
             for m, g in got.items():
                 rows.append({"gemm": gemm, "skew": skew, "mean_tokens": args.mean_tokens, "mode": m, "sms": sms,
                              "plan": gg.plan_record(plan), **g, "bytes": bench.required_bytes(case)})
-                log(TAG, f"{gemm} skew {skew} {m:44s} rounds {' '.join(f'{v:.4f}' for v in g['round_median_ms'])} ms  "
+                log(TAG, f"{gemm} skew {skew} {m:52s} rounds {' '.join(f'{v:.4f}' for v in g['round_median_ms'])} ms  "
                          f"differ {g['differ']} unwritten {g['unwritten']}")
     write_json(args.json, "scripts/probes/sm_partition_probe.py", rows=rows)
     return 1 if any(r["differ"] or r["unwritten"] for r in rows) else 0
