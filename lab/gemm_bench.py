@@ -86,6 +86,13 @@ def write_json(path: str | None, script: str, **fields) -> None:
             json.dump({"script": script, "argv": sys.argv[1:], **fields}, f, indent=1)
 
 
+def class_rows(counts: np.ndarray, counts_in: tuple[int, int]) -> np.ndarray:
+    """(rows,) bool: the rows of the experts holding counts_in[0]..counts_in[1] tokens (what one
+    size class's launch writes)."""
+    lo, hi = counts_in
+    return np.repeat((counts >= lo) & (counts <= hi), counts)
+
+
 @dataclass
 class GemmCase:
     """One GEMM (w13 or w2) at one routing: device inputs, host copies for checks."""
@@ -205,6 +212,30 @@ class GemmBench:
         ref = reference.grouped_gemm(case.xq.packed, case.xq.scales, case.offsets, g["packed"], g["scales"],
                                      case.alpha, experts=experts)
         return checks.rel_error(got[rows], ref[rows])
+
+    def split_cases(self, skews, gemms, mean_tokens: float):
+        """(skew, gemm, case, plan) for each GEMM whose gemm_plan at `mean_tokens` and `skew` is two
+        launches by expert size (the probes of the split); the others are logged and skipped."""
+        for skew in skews:
+            for gemm in gemms:
+                case = self.case(gemm, mean_tokens, skew)
+                plan = gg.gemm_plan(case.n, case.k, case.counts)
+                if len(plan) != 2:
+                    log(self.tag, f"{gemm} skew {skew}: the plan is one launch; skipped")
+                    continue
+                yield skew, gemm, case, plan
+
+    def mode_rows(self, case: GemmCase, skew: float, plan, got: dict, width: int, **extra) -> list[dict]:
+        """time_modes' results as JSON rows (with `extra` in each), each logged on one line."""
+        nbytes = self.required_bytes(case)
+        rows = []
+        for m, g in got.items():
+            rows.append({"gemm": case.gemm, "skew": skew, "mean_tokens": case.mean_tokens, "mode": m, **extra,
+                         "plan": gg.plan_record(plan), **g, "bytes": nbytes})
+            log(self.tag, f"{case.gemm} skew {skew} {m:{width}s} rounds "
+                          f"{' '.join(f'{v:.4f}' for v in g['round_median_ms'])} ms  "
+                          f"differ {g['differ']} unwritten {g['unwritten']}")
+        return rows
 
     def time_modes(self, case: GemmCase, modes: dict, writes: dict, base: str, iterations: int, rounds: int,
                    stream) -> dict[str, dict]:

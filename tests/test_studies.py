@@ -111,3 +111,14 @@ def test_time_sustained_warms_up_for_the_asked_time(monkeypatch):
     assert seen["warmup"] == 1
     with pytest.raises(ValueError, match="run_ms"):
         timing.time_sustained(lambda: None, run_ms=0, sustain_ms=10)
+
+
+def test_class_rows_are_the_rows_one_size_class_writes():
+    """The probes compare each launch on the rows it writes: the experts with lo..hi tokens."""
+    from lab.gemm_bench import class_rows
+
+    counts = np.array([3, 0, 20, 5, 17])
+    small = class_rows(counts, (1, 16))
+    assert small.tolist() == [True] * 3 + [False] * 20 + [True] * 5 + [False] * 17
+    assert (class_rows(counts, (17, 2**31 - 1)) == ~small).all()
+    assert not class_rows(counts, (6, 16)).any()

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from lab.gemm_bench import GemmBench, StreamPair, log, write_json
+from lab.gemm_bench import GemmBench, StreamPair, class_rows, log, write_json
 from lab.gpu import require_gpu, run_script
 from lab.kernels import grouped_gemm as gg
 from lab.problem import MoEProblem
@@ -45,59 +45,45 @@ def main(argv=None):
     streams = StreamPair(cp)
     main_s = streams.main
     rows = []
-    for skew in args.skews:
-        for gemm in args.gemms:
-            case = bench.case(gemm, args.mean_tokens, skew)
-            plan = gg.gemm_plan(case.n, case.k, case.counts)
-            if len(plan) != 2:
-                log(TAG, f"{gemm} skew {skew}: the plan is one launch; skipped")
-                continue
-            cold, hot = plan
-            layout = (cold[0].block_rows, cold[0].k_step)
-            preps = {layout: bench.prepared(gemm, layout)}
-            narrow = {name: cfg.validate(case.n, case.k) for name, cfg in narrow_tiles(hot[0]).items()}
-            g = bench.gemms[gemm]
-            for cfg in narrow.values():  # (the probe's own copies of the weights, one per narrow layout)
-                key = (cfg.block_rows, cfg.k_step)
-                if key not in preps:
-                    log(TAG, f"{gemm}: weights in the layout {key}")
-                    preps[key] = gg.prepare_weights(g["packed"], g["scales"], xp=cp, layout=key)
+    for skew, gemm, case, plan in bench.split_cases(args.skews, args.gemms, args.mean_tokens):
+        cold, hot = plan
+        layout = (cold[0].block_rows, cold[0].k_step)
+        preps = {layout: bench.prepared(gemm, layout)}
+        narrow = {name: cfg.validate(case.n, case.k) for name, cfg in narrow_tiles(hot[0]).items()}
+        g = bench.gemms[gemm]
+        for cfg in narrow.values():  # (the probe's own copies of the weights, one per narrow layout)
+            key = (cfg.block_rows, cfg.k_step)
+            if key not in preps:
+                log(TAG, f"{gemm}: weights in the layout {key}")
+                preps[key] = gg.prepare_weights(g["packed"], g["scales"], xp=cp, layout=key)
 
-            def one(cfg, counts_in, stream):
-                gg.grouped_gemm(preps[(cfg.block_rows, cfg.k_step)], case.d_xp, case.d_xs, case.d_off, case.d_alpha,
-                                case.out, cfg, stream=stream, counts_in=counts_in)
+        def one(cfg, counts_in, stream):
+            gg.grouped_gemm(preps[(cfg.block_rows, cfg.k_step)], case.d_xp, case.d_xs, case.d_off, case.d_alpha,
+                            case.out, cfg, stream=stream, counts_in=counts_in)
 
-            def two_streams(first, second):
-                streams.both(lambda s: one(*first, s), lambda s: one(*second, s))
+        def two_streams(first, second):
+            streams.both(lambda s: one(*first, s), lambda s: one(*second, s))
 
-            cold_one = (replace(cold[0], ctas_per_sm=1), cold[1])
-            modes = {"shipped, two streams (cold issued first)": lambda: two_streams(cold, hot),
-                     "cold class alone": lambda: one(*cold, main_s),
-                     "cold class alone, 1 CTA/SM": lambda: one(*cold_one, main_s),
-                     "hot class alone (shipped tile)": lambda: one(*hot, main_s)}
-            for name, cfg in narrow.items():
-                n_hot = (cfg, hot[1])
-                modes[f"hot class alone ({name})"] = lambda n_hot=n_hot: one(*n_hot, main_s)
-                modes[f"cold + hot on the {name}, two streams"] = lambda n_hot=n_hot: two_streams(cold, n_hot)
-                modes[f"cold at 1 CTA/SM + hot on the {name}, two streams"] = \
-                    lambda n_hot=n_hot: two_streams(cold_one, n_hot)
-            in_class = lambda lo_hi: np.repeat((case.counts >= lo_hi[0]) & (case.counts <= lo_hi[1]), case.counts)  # noqa: E731
-            writes = {m: (in_class(cold[1]) if m.startswith("cold class alone") else
-                          in_class(hot[1]) if m.startswith("hot class alone") else np.ones(case.rows, bool))
-                      for m in modes}
-            got = bench.time_modes(case, modes, writes, "shipped, two streams (cold issued first)", args.iterations,
-                                   args.rounds, main_s)
-            nbytes = bench.required_bytes(case)
-            for m, g in got.items():
-                row = {"gemm": gemm, "skew": skew, "mean_tokens": args.mean_tokens, "mode": m,
-                       "plan": gg.plan_record(plan), "narrow_tiles": {k: v.__dict__ for k, v in narrow.items()},
-                       **g, "bytes": nbytes}
-                rows.append(row)
-                log(TAG, f"{gemm} skew {skew} {m:58s} rounds {' '.join(f'{v:.4f}' for v in g['round_median_ms'])} ms  "
-                         f"differ {g['differ']} unwritten {g['unwritten']}")
-            for key in list(preps):
-                if key != layout:
-                    del preps[key]
+        cold_one = (replace(cold[0], ctas_per_sm=1), cold[1])
+        modes = {"shipped, two streams (cold issued first)": lambda: two_streams(cold, hot),
+                 "cold class alone": lambda: one(*cold, main_s),
+                 "cold class alone, 1 CTA/SM": lambda: one(*cold_one, main_s),
+                 "hot class alone (shipped tile)": lambda: one(*hot, main_s)}
+        for name, cfg in narrow.items():
+            n_hot = (cfg, hot[1])
+            modes[f"hot class alone ({name})"] = lambda n_hot=n_hot: one(*n_hot, main_s)
+            modes[f"cold + hot on the {name}, two streams"] = lambda n_hot=n_hot: two_streams(cold, n_hot)
+            modes[f"cold at 1 CTA/SM + hot on the {name}, two streams"] = \
+                lambda n_hot=n_hot: two_streams(cold_one, n_hot)
+        writes = {m: (class_rows(case.counts, cold[1]) if m.startswith("cold class alone") else
+                      class_rows(case.counts, hot[1]) if m.startswith("hot class alone") else np.ones(case.rows, bool))
+                  for m in modes}
+        got = bench.time_modes(case, modes, writes, "shipped, two streams (cold issued first)", args.iterations,
+                               args.rounds, main_s)
+        rows += bench.mode_rows(case, skew, plan, got, 58, narrow_tiles={k: v.__dict__ for k, v in narrow.items()})
+        for key in list(preps):
+            if key != layout:
+                del preps[key]
     write_json(args.json, "scripts/probes/coresident_probe.py", rows=rows)
     return 1 if any(r["differ"] or r["unwritten"] for r in rows) else 0
 

@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from lab.gemm_bench import GemmBench, StreamPair, log, write_json
+from lab.gemm_bench import GemmBench, StreamPair, class_rows, write_json
 from lab.gpu import require_gpu, run_script
 from lab.kernels import grouped_gemm as gg
 from lab.problem import MoEProblem
@@ -51,48 +51,37 @@ def main(argv=None):
     streams = StreamPair(cp)
     main_s = streams.main
     rows = []
-    for skew in args.skews:
-        for gemm in args.gemms:
-            case = bench.case(gemm, args.mean_tokens, skew)
-            plan = gg.gemm_plan(case.n, case.k, case.counts)
-            if len(plan) != 2:
-                log(TAG, f"{gemm} skew {skew}: the plan is one launch; skipped")
-                continue
-            cold, hot = plan
-            prep = bench.prepared(gemm, (cold[0].block_rows, cold[0].k_step))
+    for skew, gemm, case, plan in bench.split_cases(args.skews, args.gemms, args.mean_tokens):
+        cold, hot = plan
+        prep = bench.prepared(gemm, (cold[0].block_rows, cold[0].k_step))
 
-            def one(launch, stream, on=None):
-                cfg, counts_in = launch
-                gg.grouped_gemm(prep, case.d_xp, case.d_xs, case.d_off, case.d_alpha, case.out, cfg, stream=stream,
-                                counts_in=counts_in, sms=on)
+        def one(launch, stream, on=None):
+            cfg, counts_in = launch
+            gg.grouped_gemm(prep, case.d_xp, case.d_xs, case.d_off, case.d_alpha, case.out, cfg, stream=stream,
+                            counts_in=counts_in, sms=on)
 
-            modes = {"shipped, two streams (cold issued first)":
-                     lambda: streams.both(lambda s: one(cold, s), lambda s: one(hot, s)),
-                     "hot issued first, every SM each":
-                     lambda: streams.both(lambda s: one(hot, s), lambda s: one(cold, s)),
-                     "cold class alone": lambda: one(cold, main_s),
-                     "hot class alone": lambda: one(hot, main_s)}
-            for s_hot in args.hot_sms:
-                modes[f"hot on {s_hot} SMs first, cold on {sms - s_hot}"] = lambda s_hot=s_hot: streams.both(
-                    lambda s: one(hot, s, s_hot), lambda s: one(cold, s, sms - s_hot))
-                for d in args.cold_delay_us:
-                    modes[f"hot on {s_hot} SMs first, cold on {sms - s_hot} after {d:g} us"] = \
-                        lambda s_hot=s_hot, d=d: streams.both(
-                            lambda s: one(hot, s, s_hot),
-                            lambda s: (spin((1,), (32,), (np.uint64(d * 1000),), stream=s), one(cold, s, sms - s_hot)))
-                modes[f"hot alone on {s_hot} SMs"] = lambda s_hot=s_hot: one(hot, main_s, s_hot)
-                modes[f"cold alone on {sms - s_hot} SMs"] = lambda s_hot=s_hot: one(cold, main_s, sms - s_hot)
-            in_class = lambda lo_hi: np.repeat((case.counts >= lo_hi[0]) & (case.counts <= lo_hi[1]), case.counts)  # noqa: E731
-            writes = {m: (in_class(cold[1]) if m.startswith("cold") else
-                          in_class(hot[1]) if m.startswith("hot class alone") or m.startswith("hot alone") else
-                          np.ones(case.rows, bool)) for m in modes}
-            got = bench.time_modes(case, modes, writes, "shipped, two streams (cold issued first)", args.iterations,
-                                   args.rounds, main_s)
-            for m, g in got.items():
-                rows.append({"gemm": gemm, "skew": skew, "mean_tokens": args.mean_tokens, "mode": m, "sms": sms,
-                             "plan": gg.plan_record(plan), **g, "bytes": bench.required_bytes(case)})
-                log(TAG, f"{gemm} skew {skew} {m:52s} rounds {' '.join(f'{v:.4f}' for v in g['round_median_ms'])} ms  "
-                         f"differ {g['differ']} unwritten {g['unwritten']}")
+        modes = {"shipped, two streams (cold issued first)":
+                 lambda: streams.both(lambda s: one(cold, s), lambda s: one(hot, s)),
+                 "hot issued first, every SM each":
+                 lambda: streams.both(lambda s: one(hot, s), lambda s: one(cold, s)),
+                 "cold class alone": lambda: one(cold, main_s),
+                 "hot class alone": lambda: one(hot, main_s)}
+        for s_hot in args.hot_sms:
+            modes[f"hot on {s_hot} SMs first, cold on {sms - s_hot}"] = lambda s_hot=s_hot: streams.both(
+                lambda s: one(hot, s, s_hot), lambda s: one(cold, s, sms - s_hot))
+            for d in args.cold_delay_us:
+                modes[f"hot on {s_hot} SMs first, cold on {sms - s_hot} after {d:g} us"] = \
+                    lambda s_hot=s_hot, d=d: streams.both(
+                        lambda s: one(hot, s, s_hot),
+                        lambda s: (spin((1,), (32,), (np.uint64(d * 1000),), stream=s), one(cold, s, sms - s_hot)))
+            modes[f"hot alone on {s_hot} SMs"] = lambda s_hot=s_hot: one(hot, main_s, s_hot)
+            modes[f"cold alone on {sms - s_hot} SMs"] = lambda s_hot=s_hot: one(cold, main_s, sms - s_hot)
+        writes = {m: (class_rows(case.counts, cold[1]) if m.startswith("cold") else
+                      class_rows(case.counts, hot[1]) if m.startswith(("hot class alone", "hot alone")) else
+                      np.ones(case.rows, bool)) for m in modes}
+        got = bench.time_modes(case, modes, writes, "shipped, two streams (cold issued first)", args.iterations,
+                               args.rounds, main_s)
+        rows += bench.mode_rows(case, skew, plan, got, 52, sms=sms)
     write_json(args.json, "scripts/probes/sm_partition_probe.py", rows=rows)
     return 1 if any(r["differ"] or r["unwritten"] for r in rows) else 0
 

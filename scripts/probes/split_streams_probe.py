@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from lab.gemm_bench import GemmBench, StreamPair, log, write_json
+from lab.gemm_bench import GemmBench, StreamPair, class_rows, write_json
 from lab.gpu import require_gpu, run_script
 from lab.kernels import grouped_gemm as gg
 from lab.problem import MoEProblem
@@ -32,45 +32,33 @@ def main(argv=None):
     streams = StreamPair(cp)
     main_s = streams.main
     rows = []
-    for skew in args.skews:
-        for gemm in ("w13", "w2"):
-            case = bench.case(gemm, args.mean_tokens, skew)
-            plan = gg.gemm_plan(case.n, case.k, case.counts)
-            if len(plan) != 2:
-                log(TAG, f"{gemm} skew {skew}: the plan is one launch; skipped")
-                continue
-            cold, hot = plan
-            prep = bench.prepared(gemm, (cold[0].block_rows, cold[0].k_step))
-            xs = (prep, case.d_xp, case.d_xs, case.d_off, case.d_alpha, case.out)
+    for skew, gemm, case, plan in bench.split_cases(args.skews, ("w13", "w2"), args.mean_tokens):
+        cold, hot = plan
+        prep = bench.prepared(gemm, (cold[0].block_rows, cold[0].k_step))
+        xs = (prep, case.d_xp, case.d_xs, case.d_off, case.d_alpha, case.out)
 
-            def one(launch, stream):
-                gg.grouped_gemm(*xs, launch[0], stream=stream, counts_in=launch[1])
+        def one(launch, stream):
+            gg.grouped_gemm(*xs, launch[0], stream=stream, counts_in=launch[1])
 
-            def serial(first, second):
-                one(first, main_s)
-                one(second, main_s)
+        def serial(first, second):
+            one(first, main_s)
+            one(second, main_s)
 
-            def two_streams(first, second):
-                streams.both(lambda s: one(first, s), lambda s: one(second, s))
+        def two_streams(first, second):
+            streams.both(lambda s: one(first, s), lambda s: one(second, s))
 
-            modes = {"one stream, cold first": lambda: serial(cold, hot),
-                     "one stream, hot first": lambda: serial(hot, cold),
-                     "two streams, cold issued first": lambda: two_streams(cold, hot),
-                     "two streams, hot issued first": lambda: two_streams(hot, cold),
-                     "cold class alone": lambda: one(cold, main_s),
-                     "hot class alone": lambda: one(hot, main_s)}
-            # the rows each mode writes: a class alone writes its experts' rows only
-            in_class = lambda lo_hi: np.repeat((case.counts >= lo_hi[0]) & (case.counts <= lo_hi[1]), case.counts)  # noqa: E731
-            writes = {m: np.ones(case.rows, bool) for m in modes}
-            writes["cold class alone"], writes["hot class alone"] = in_class(cold[1]), in_class(hot[1])
-            got = bench.time_modes(case, modes, writes, "one stream, cold first", args.iterations, args.rounds, main_s)
-            nbytes = bench.required_bytes(case)
-            for m, g in got.items():
-                row = {"gemm": gemm, "skew": skew, "mean_tokens": args.mean_tokens, "mode": m,
-                       "plan": gg.plan_record(plan), **g, "bytes": nbytes}
-                rows.append(row)
-                log(TAG, f"{gemm} skew {skew} {m:32s} rounds {' '.join(f'{v:.4f}' for v in g['round_median_ms'])} ms  "
-                         f"differ {g['differ']} unwritten {g['unwritten']}")
+        modes = {"one stream, cold first": lambda: serial(cold, hot),
+                 "one stream, hot first": lambda: serial(hot, cold),
+                 "two streams, cold issued first": lambda: two_streams(cold, hot),
+                 "two streams, hot issued first": lambda: two_streams(hot, cold),
+                 "cold class alone": lambda: one(cold, main_s),
+                 "hot class alone": lambda: one(hot, main_s)}
+        # the rows each mode writes: a class alone writes its experts' rows only
+        writes = {m: np.ones(case.rows, bool) for m in modes}
+        writes["cold class alone"] = class_rows(case.counts, cold[1])
+        writes["hot class alone"] = class_rows(case.counts, hot[1])
+        got = bench.time_modes(case, modes, writes, "one stream, cold first", args.iterations, args.rounds, main_s)
+        rows += bench.mode_rows(case, skew, plan, got, 32)
     write_json(args.json, "scripts/probes/split_streams_probe.py", rows=rows)
     return 1 if any(r["differ"] or r["unwritten"] for r in rows) else 0
 
