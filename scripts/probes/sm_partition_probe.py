@@ -69,6 +69,8 @@ def main(argv=None):
         for s_hot in args.hot_sms:
             modes[f"hot on {s_hot} SMs first, cold on {sms - s_hot}"] = lambda s_hot=s_hot: streams.both(
                 lambda s: one(hot, s, s_hot), lambda s: one(cold, s, sms - s_hot))
+            modes[f"cold on {sms - s_hot} SMs first, hot on {s_hot}"] = lambda s_hot=s_hot: streams.both(
+                lambda s: one(cold, s, sms - s_hot), lambda s: one(hot, s, s_hot))
             for d in args.cold_delay_us:
                 modes[f"hot on {s_hot} SMs first, cold on {sms - s_hot} after {d:g} us"] = \
                     lambda s_hot=s_hot, d=d: streams.both(
@@ -76,7 +78,7 @@ def main(argv=None):
                         lambda s: (spin((1,), (32,), (np.uint64(d * 1000),), stream=s), one(cold, s, sms - s_hot)))
             modes[f"hot alone on {s_hot} SMs"] = lambda s_hot=s_hot: one(hot, main_s, s_hot)
             modes[f"cold alone on {sms - s_hot} SMs"] = lambda s_hot=s_hot: one(cold, main_s, sms - s_hot)
-        writes = {m: (class_rows(case.counts, cold[1]) if m.startswith("cold") else
+        writes = {m: (class_rows(case.counts, cold[1]) if m.startswith(("cold alone", "cold class alone")) else
                       class_rows(case.counts, hot[1]) if m.startswith(("hot class alone", "hot alone")) else
                       np.ones(case.rows, bool)) for m in modes}
         got = bench.time_modes(case, modes, writes, "shipped, two streams (cold issued first)", args.iterations,
