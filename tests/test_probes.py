@@ -110,3 +110,30 @@ def test_coresident_probe_narrow_tiles_fit_beside_the_small_tile():
                 + SMEM_PER_CTA_RESERVED
             assert used <= SM_SMEM, (cfg, used)
 
+
+
+@needs_nvcc
+def test_green_ctx_probe_resource_struct_matches_cuda_h(tmp_path):
+    """green_ctx_probe passes CUdevResource by pointer through ctypes: its size and the SM fields'
+    offsets must be those of the installed cuda.h."""
+    import ctypes
+
+    mod = load(ROOT / "scripts/probes/green_ctx_probe.py")
+    include = Path(shutil.which("nvcc")).resolve().parent.parent / "include"
+    if not (include / "cuda.h").exists():
+        include = next((p for p in Path("/usr/local").glob("cuda*/include") if (p / "cuda.h").exists()), None)
+    if include is None:
+        pytest.skip("no cuda.h beside nvcc")
+    src = tmp_path / "layout.c"
+    src.write_text("#include <stddef.h>\n#include <stdio.h>\n#include <cuda.h>\n"
+                   "int main(void) { printf(\"%zu %zu %zu %zu\", sizeof(CUdevResource), offsetof(CUdevResource, sm),"
+                   " offsetof(CUdevSmResource, minSmPartitionSize), offsetof(CUdevSmResource, smCoscheduledAlignment));"
+                   " return 0; }\n")
+    exe = tmp_path / "layout"
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    subprocess.run([cc, f"-I{include}", str(src), "-o", str(exe)], check=True, capture_output=True)
+    got = [int(v) for v in subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()]
+    assert got == [ctypes.sizeof(mod.DevResource), mod.DevResource.sm.offset,
+                   mod.SmResource.minSmPartitionSize.offset, mod.SmResource.smCoscheduledAlignment.offset]
