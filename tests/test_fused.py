@@ -120,6 +120,11 @@ def test_fused_layer_runs_its_large_class_on_image_tiles_under_skew():
     from lab.variants import fused_layer
 
     assert fused_layer.FusedLayer().large == "staged" and fused_layer.FusedLayer().hot_tokens == fused_layer.HOT_TOKENS
+    for bad in (-1, 2.5, None, True):
+        with pytest.raises(ValueError, match="hot_tokens"):
+            fused_layer.FusedLayer(hot_tokens=bad)
+    with pytest.raises(ValueError, match="large"):
+        fused_layer.FusedLayer(large="register")
     for skew in (0.6, 0.8, 1.2):
         layer = _split_layer(skew)
         one = _one_tile(layer)

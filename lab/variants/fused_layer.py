@@ -93,6 +93,8 @@ class FusedLayer:
     def __init__(self, large: str | None = "staged", hot_tokens: int = HOT_TOKENS):
         if large not in ("swiglu", "staged", None):
             raise ValueError(f"large: expected 'staged', 'swiglu' or None, got {large!r}")
+        if isinstance(hot_tokens, bool) or not isinstance(hot_tokens, (int, np.integer)) or hot_tokens < 0:
+            raise ValueError(f"hot_tokens: expected an int >= 0 (tokens on the largest expert), got {hot_tokens!r}")
         self.graph = None
         self.large = large
         self.hot_tokens = hot_tokens
