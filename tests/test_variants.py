@@ -360,8 +360,8 @@ def test_fused_epilogues_on_image_tiles_are_bitwise_equal_to_separate(name, toke
 
 
 # E=288, H=1024, I=512, top 8, mean 8, skew 0.8: both GEMMs split at 16 tokens and the large class
-# passes 64 tokens, past HOT_TOKENS (12 of 12 seeds checked), so fused-layer runs its large class on the image tiles
-# beside the small class's persistent layer on the side stream (hot_image_plan)
+# passes 64 tokens, past HOT_TOKENS (12 of 12 seeds checked), so fused-layer runs its large class on
+# the image tiles beside the small class's persistent layer on the side stream (hot_image_plan)
 TWO_FORM_CASE = (MoEProblem(288, 1024, 512, 8), dict(tokens=288, skew=0.8))
 
 

@@ -110,7 +110,8 @@ class FusedLayer:
         self.fusion = fusion_for(runner, layer, part.gate_global, part.up_global, out_bf16=part.out_bf16)
         self.hot = (hot_image_plan(layer, self.cfg, self.launches, self.hot_tokens, same_layout=self.large == "swiglu")
                     if self.large else None)
-        self.hot_fusion = fusion_for(runner, layer, part.gate_global, part.up_global)  # (swiglu: no out_bf16)
+        if self.large == "swiglu":  # (w13's SwiGLU epilogue: no out_bf16)
+            self.hot_fusion = fusion_for(runner, layer, part.gate_global, part.up_global)
         self.run(runner, layer)  # compiles, and checks the launch's arguments once
         self.graph = runner.capture(lambda: self._launch(runner, layer))
 
@@ -137,8 +138,9 @@ class FusedLayer:
             else:
                 gg.swiglu_gemm(self.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, self.hot_fusion,
                                w13_hot, stream=runner.stream, counts_in=counts_in)
-            gg.grouped_gemm(part.w2 if self.large == "staged" else self.w2, part.a_packed, part.a_scales, part.offsets, part.w2_alpha, part.out_bf16,
-                            w2_hot, stream=runner.stream, nonfinite=runner.counter, counts_in=counts_in)
+            w2 = part.w2 if self.large == "staged" else self.w2  # (staged: separate's weights, any layout)
+            gg.grouped_gemm(w2, part.a_packed, part.a_scales, part.offsets, part.w2_alpha, part.out_bf16, w2_hot,
+                            stream=runner.stream, nonfinite=runner.counter, counts_in=counts_in)
             if len(self.launches) == 2:
                 runner.join()
 
