@@ -17,6 +17,9 @@ rows are also checked against float64 on the busiest experts. --out swiglu (w13 
 w13 GEMM with its SwiGLU + quantize epilogue (fused-swiglu's launch, on gate/up-paired weights:
 in the consumers' registers on the 128- and 160-token tiles) and compares its NVFP4 codes and
 scales; a scale byte left at its poison (0xFF, an e4m3 NaN no block scale takes) is unwritten.
+--skew routes with that skew; --plan then times the GEMM as the layer launches it, gemm_plan's
+launches (a split's size classes on two streams, the small class issued first, as
+separate.run_plan does), and each size class's launch alone (out "class LO-HI", its rows only).
 
 Only the kernels come from the trees: launches are sized by this checkout's Python (GemmConfig:
 shared memory, threads, grid). A tree whose Config<> lays out more shared memory than this
@@ -36,7 +39,8 @@ from tabulate import tabulate
 from lab.ceilings import measure_tensor_peak
 from lab.checks import format_rel
 from lab.device_info import setup_info
-from lab.gemm_bench import CONFIG_HELP, GemmBench, config_of, log, parse_config, problem_of, study_parser, write_json
+from lab.gemm_bench import (CONFIG_HELP, GemmBench, StreamPair, class_rows, config_of, log, parse_config, problem_of,
+                            study_parser, write_json)
 from lab.gpu import require_gpu, run_script
 from lab.kernels import grouped_gemm as gg
 from lab.kernels import jit
@@ -72,6 +76,70 @@ def compare_rounds(ms: dict[str, list[float]], base: str) -> dict[str, dict]:
     return out
 
 
+def plan_rows(bench: GemmBench, case, names: list[str], trees: dict, args, bad: list[str]) -> list[dict]:
+    """--plan: gemm_plan's launches of one GEMM as the layer runs them ("plan": a split's classes on
+    two streams) and each size class alone ("class LO-HI"), for every tree: the written rows bit
+    for bit against the base tree's (the plan's also against float64 on the busiest experts), then
+    timed in rounds that alternate the trees' order."""
+    cp = bench.cp
+    plan = gg.gemm_plan(case.n, case.k, case.counts)
+    prep = bench.prepared(case.gemm, (plan[0][0].block_rows, plan[0][0].k_step))
+    streams = StreamPair(cp)
+
+    def launch(cfg, counts_in, stream):
+        gg.grouped_gemm(prep, case.d_xp, case.d_xs, case.d_off, case.d_alpha, case.out, cfg, stream=stream,
+                        counts_in=counts_in)
+
+    if len(plan) == 2:
+        forms = {"plan": (lambda: streams.both(lambda s: launch(*plan[0], s), lambda s: launch(*plan[1], s)),
+                          np.ones(case.rows, bool))}
+    else:
+        forms = {"plan": (lambda: launch(*plan[0], streams.main), np.ones(case.rows, bool))}
+    for cfg, counts_in in plan:
+        if counts_in is not None:
+            lo, hi = counts_in
+            forms[f"class {lo}-{hi if hi < 1 << 30 else 'max'}"] = (
+                lambda cfg=cfg, counts_in=counts_in: launch(cfg, counts_in, streams.main),
+                class_rows(case.counts, counts_in))
+    flops = 2.0 * case.rows * case.n * case.k
+    rows = []
+    for form, (run, written) in forms.items():
+        row = {"gemm": case.gemm, "mean_tokens": case.mean_tokens, "skew": args.skew, "out": form, "act": "nvfp4",
+               "rows": case.rows, "rows_written": int(written.sum()), "max_count": int(case.counts.max()),
+               "plan": gg.plan_record(plan), "config": plan[-1][0].__dict__, "trees": {}}
+        first = None
+        for name in names:
+            with jit.use_tree(trees[name]):
+                case.out.fill(cp.nan)
+                run()
+                cp.cuda.Device().synchronize()
+            bits = case.out.view(cp.uint32)[cp.asarray(written)]
+            t = {"unwritten": int(cp.isnan(bits.view(cp.float32)).sum()), "nonfinite": None}
+            if first is None:
+                first, t["equal_base"] = bits.copy(), True
+            else:
+                t["equal_base"] = bool(cp.array_equal(first, bits))
+            if name == names[0] and form == "plan":
+                t["rel_frobenius"] = bench.check(case, np.argsort(case.counts)[-4:])
+            rel = t.get("rel_frobenius", 0.0)
+            if t["unwritten"] or not t["equal_base"] or rel is None or rel > 1e-5:
+                bad.append(f"{case.gemm} mean {case.mean_tokens:g} skew {args.skew:g} {form} tree {name}: {t}")
+            row["trees"][name] = t
+        ms = {n: [] for n in names}
+        for r in range(-args.warmup_rounds, args.rounds):
+            for name in (names if r % 2 == 0 else names[::-1]):
+                with jit.use_tree(trees[name]):
+                    round_ms = time_cuda(run, iterations=args.iterations, stream=streams.main).median_ms
+                if r >= 0:
+                    ms[name].append(round_ms)
+        for name, c in compare_rounds(ms, names[0]).items():
+            row["trees"][name].update(c, tensor_pct=100 * flops / (c["ms"] * 1e-3) / 1e12 / args.tensor_tflops)
+        rows.append(row)
+        log(TAG, f"{case.gemm} mean {case.mean_tokens:g} skew {args.skew:g} {form}: " + ", ".join(
+            f"{n} {row['trees'][n]['ms']:.4f} ms (x{row['trees'][n]['x_base']:.4f})" for n in names))
+    return rows
+
+
 def trees_of(given: list[tuple[str, Path]]) -> dict[str, Path]:
     """The trees to compare, the base first: the working tree twice when none is given."""
     if not given:
@@ -94,6 +162,10 @@ def main(argv=None) -> int:
                          "and/or (w13) the SwiGLU epilogue's NVFP4 a")
     ap.add_argument("--act", choices=["nvfp4", "bf16"], default="nvfp4", help="activations: NVFP4 (W4A4) or bf16 (W4A16)")
     ap.add_argument("--config", type=parse_config, help=CONFIG_HELP)
+    ap.add_argument("--skew", type=float, default=0.0, help="routing skew: 0 uniform, else p ~ 1/rank**skew")
+    ap.add_argument("--plan", action="store_true",
+                    help="time gemm_plan's launches (a split's size classes on two streams) and each class alone, "
+                         "instead of one launch of the heuristic's tile (fp32 output, NVFP4 activations)")
     ap.add_argument("--rounds", type=int, default=4, help="timing rounds; each times every tree once, order alternating")
     ap.add_argument("--warmup-rounds", type=int, default=1,
                     help="rounds run first and not kept (the first timing after the checks runs fast: clocks up "
@@ -108,19 +180,28 @@ def main(argv=None) -> int:
                  f"{args.iterations} and {args.warmup_rounds}")
     if ("bf16" in args.out or "swiglu" in args.out) and args.act == "bf16":
         ap.error("--out bf16 and swiglu: NVFP4-activation (W4A4) epilogues here; use --act nvfp4")
+    if args.plan and (args.out != ["fp32"] or args.act != "nvfp4" or args.config):
+        ap.error("--plan: the plan's fp32 output with NVFP4 activations only (no --out bf16/swiglu, --act bf16 "
+                 "or --config)")
+    if not (np.isfinite(args.skew) and args.skew >= 0):
+        ap.error(f"--skew: expected a finite value >= 0, got {args.skew}")
     problem = problem_of(args)
     cp = require_gpu(TAG)
     setup = setup_info()
     log(TAG, f"setup: {setup}")
     tensor = measure_tensor_peak(iterations=max(3, args.iterations // 2))
     log(TAG, f"tensor peak {tensor['tflops']:.0f} TFLOP/s (dense fp16 cuBLAS)")
+    args.tensor_tflops = tensor["tflops"]
     bench = GemmBench(problem, args.seed, TAG)
     names = list(trees)
     base = names[0]
     rows, bad = [], []
     for mean in args.mean_tokens:
         for gemm in args.gemm:
-            case = bench.case(gemm, mean)
+            case = bench.case(gemm, mean, args.skew)
+            if args.plan:
+                rows += plan_rows(bench, case, names, trees, args, bad)
+                continue
             cfg = gg.heuristic(case.n, case.k, case.counts, act=args.act)
             if args.config:
                 cfg = config_of(args.config, cfg)
@@ -158,7 +239,7 @@ def main(argv=None) -> int:
                     else:
                         gg.grouped_gemm(prep, xs[0], xs[1], case.d_off, xs[2], buf, cfg, nonfinite=counter)
 
-                row = {"gemm": gemm, "mean_tokens": mean, "out": out, "act": args.act, "rows": case.rows,
+                row = {"gemm": gemm, "mean_tokens": mean, "skew": args.skew, "out": out, "act": args.act, "rows": case.rows,
                        "max_count": int(case.counts.max()), "config": run_cfg.__dict__, "trees": {}}
                 first = None
                 for name in names:

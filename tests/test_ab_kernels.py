@@ -94,3 +94,14 @@ def test_rounds_compare_fastest_and_median_and_say_when_they_overlap():
     assert abs(got["same"]["x_base_median"] - 1.15 / 1.1) < 1e-12 and got["same"]["overlaps_base"]
     assert not got["slow"]["overlaps_base"] and abs(got["slow"]["median_ms"] - 1.35) < 1e-12
     assert got["slow"]["round_ms"] == [1.3, 1.4, 1.35]
+
+
+def test_plan_and_skew_arguments_refused_before_the_gpu(capsys):
+    """--plan times the plan's fp32 output with NVFP4 activations; --skew is a finite value >= 0."""
+    ab = load_script()
+    for argv, what in ((["--plan", "--out", "bf16"], "--plan"), (["--plan", "--act", "bf16"], "--plan"),
+                       (["--plan", "--config", "8,2,128,3,20,1"], "--plan"), (["--skew", "-1"], "--skew"),
+                       (["--skew", "nan"], "--skew")):
+        with pytest.raises(SystemExit) as e:
+            ab.main(argv)
+        assert e.value.code == 2 and what in capsys.readouterr().err, argv

@@ -719,6 +719,40 @@ def test_split_launches_write_their_experts_as_their_tiles_do(hot_from):
     assert checks.rel_error(got, ref) <= 1e-5, f"seed {seed}"
 
 
+@pytest.mark.gpu
+def test_a_size_class_of_more_experts_than_threads_sorts_them_all():
+    """An image tile's size-class launch sorts its experts heaviest first (scheduler.cuh,
+    heaviest_first) before it splits them into units: with more experts in the class than the CTA
+    has threads, and most of them tied, every expert of the class is computed once, bit for bit
+    what the unfiltered launch writes, and no other row is written."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    counts = np.r_[rng.integers(65, 68, 430), rng.integers(100, 300, 6), rng.integers(0, 17, 40)]
+    rng.shuffle(counts)
+    e, n, k = len(counts), 256, 256
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    rows = int(offsets[-1])
+    packed, scales = random_nvfp4(rng, (e, n, k))
+    xq, xs = random_nvfp4(rng, (rows, k))
+    alpha = rng.uniform(0.5, 2, e).astype(np.float32)
+    counts_in = (17, gg.ALL_COUNTS[1])
+    cfg = gg.heuristic(n, k, np.where(counts >= 17, counts, 0))
+    assert cfg.image and cfg.threads < int((counts >= 17).sum()), cfg
+    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
+    args = (cp.asarray(xq), cp.asarray(xs), cp.asarray(offsets), cp.asarray(alpha))
+    alone, whole = cp.full((rows, n), cp.nan, cp.float32), cp.full((rows, n), cp.nan, cp.float32)
+    gg.grouped_gemm(prep, *args, alone, cfg, counts_in=counts_in)
+    gg.grouped_gemm(prep, *args, whole, cfg)
+    mine = np.repeat(counts >= 17, counts)
+    a = alone.get()
+    assert np.isnan(a[~mine]).all(), f"seed {seed}: rows of other experts written"
+    ok, msg = checks.compare_bits(a[mine].view(np.uint32), whole.get()[mine].view(np.uint32))
+    assert ok, f"seed {seed}: {msg}"
+
+
 def test_each_size_class_counts_its_units_on_its_own_counters(monkeypatch):
     """A split's launches may run side by side on two streams (separate.run_plan): each size class
     gets its own unit and readiness counters for the same output and offsets; the same class
