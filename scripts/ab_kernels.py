@@ -85,6 +85,9 @@ def plan_rows(bench: GemmBench, case, names: list[str], trees: dict, args, bad: 
     plan = gg.gemm_plan(case.n, case.k, case.counts)
     prep = bench.prepared(case.gemm, (plan[0][0].block_rows, plan[0][0].k_step))
     streams = StreamPair(cp)
+    # (the pair's streams do not wait on the legacy stream that prepared the weights and poisons
+    # the output: every run below starts after a device-wide synchronize)
+    cp.cuda.Device().synchronize()
 
     def launch(cfg, counts_in, stream):
         gg.grouped_gemm(prep, case.d_xp, case.d_xs, case.d_off, case.d_alpha, case.out, cfg, stream=stream,
@@ -111,6 +114,7 @@ def plan_rows(bench: GemmBench, case, names: list[str], trees: dict, args, bad: 
         for name in names:
             with jit.use_tree(trees[name]):
                 case.out.fill(cp.nan)
+                cp.cuda.Device().synchronize()
                 run()
                 cp.cuda.Device().synchronize()
             bits = case.out.view(cp.uint32)[cp.asarray(written)]

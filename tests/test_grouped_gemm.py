@@ -720,11 +720,11 @@ def test_split_launches_write_their_experts_as_their_tiles_do(hot_from):
 
 
 @pytest.mark.gpu
-def test_a_size_class_of_more_experts_than_threads_sorts_them_all():
-    """An image tile's size-class launch sorts its experts heaviest first (scheduler.cuh,
-    heaviest_first) before it splits them into units: with more experts in the class than the CTA
-    has threads, and most of them tied, every expert of the class is computed once, bit for bit
-    what the unfiltered launch writes, and no other row is written."""
+def test_a_size_class_of_more_experts_than_threads_computes_them_all():
+    """An image tile's size-class launch with more experts in the class than the CTA has threads
+    (the compaction and the split-unit scan each take them in several rounds), most of them of
+    equal counts: every expert of the class is computed once, bit for bit what the unfiltered
+    launch writes, and no other row is written."""
     from lab.gpu import require_gpu
 
     cp = require_gpu("test")

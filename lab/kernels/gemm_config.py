@@ -135,9 +135,8 @@ class GemmConfig:
 
     def launch_smem(self, experts: int) -> int:
         """Dynamic shared memory of a launch: the pipeline plus the compacted expert list (and on
-        image tiles two more as long: the prefix sums of their split units, and the scratch of the
-        heaviest-first sort that a size class's launch runs first)."""
-        return self.smem_bytes + (3 if self.image else 1) * 16 * ((4 * experts + 15) // 16)
+        image tiles the prefix sums of their split units, as long)."""
+        return self.smem_bytes + (2 if self.image else 1) * 16 * ((4 * experts + 15) // 16)
 
     @property
     def stage_bytes(self) -> int:

@@ -103,8 +103,7 @@ struct Config {
   // the 160-token tile's w13 1.5% / 4.9% faster, w2 1.9% / 6.6%; the 128-token one level.
   static constexpr int GS = PRODUCER_WARPS > 1 ? 2 : ROW_TILES >= 4 || (DECODER_WARPS == 0 && MAX_FRAGS * ROW_TILES >= 24) ? 1 : MODE == Mode::layer ? 2 : 4;
   // Image tiles split units by token block (scheduler.cuh, split_units); their dynamic shared
-  // memory holds two more lists after the compacted experts (GemmConfig.launch_smem): the split
-  // units' prefix sums, and the sort's scratch (heaviest_first)
+  // memory holds a second list after the compacted experts (GemmConfig.launch_smem)
   static constexpr bool SPLIT = DECODER_WARPS == 0;
   // Consumer stages per mainloop call: two on image tiles past 64 tokens with an even ring
   // (GemmConfig.validate asks K for an even number of K_STEP chunks there). bench_gemm at 2f96693,
@@ -211,9 +210,6 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
   __shared__ int n_active0_s;
   compact_experts<C::THREADS, COUNTS_IN>(offsets0, offsets1, num_experts0, num_experts1, count_lo, count_hi, active, warp_count,
                               n_active_s, n_active0_s, warp, lane);
-  if constexpr (COUNTS_IN && C::SPLIT)  // (the split list and its scratch follow the compacted one)
-    heaviest_first<C::THREADS>(active, active + num_experts0 + num_experts1, active + 2 * (num_experts0 + num_experts1),
-                               n_active_s, n_active0_s, offsets0, offsets1);
   const int n_active0 = n_active0_s;
   const int n_units0 = n_active0 * NB0;
   const int n_units = n_units0 + (n_active_s - n_active0) * NB1;

@@ -52,35 +52,6 @@ __device__ __forceinline__ void compact_experts(const int* offsets0, const int* 
 struct Unit {
   int p, e, nb;
 };
-// Heaviest experts first, on an image tile launched over one size class (COUNTS_IN): CTAs claim
-// units in list order, and in expert order the units of a 200-token expert can come last, a tail
-// of one long unit on a few SMs while the rest idle. A stable rank sort of the compacted list by
-// token count, descending, within each problem (problem 0's stay first: the layer's dependency
-// order). The whole CTA sorts, each thread ranking its entries against every other in shared
-// memory: n^2 / THREADS steps, a few hundred cycles for the ~20 experts of a skewed large class.
-// keys and sorted: scratch of n_active ints each. Ends with the CTA in step.
-template <int THREADS>
-__device__ __forceinline__ void heaviest_first(int* active, int* keys, int* sorted, int n_active, int n_active0,
-                                               const int* offsets0, const int* offsets1) {
-  for (int i = threadIdx.x; i < n_active; i += THREADS) {
-    const int p = i >= n_active0;
-    const int* offsets = LAB_P(offsets);
-    const int e = active[i];
-    keys[i] = offsets[e + 1] - offsets[e];
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < n_active; i += THREADS) {
-    const int lo = i >= n_active0 ? n_active0 : 0, hi = i >= n_active0 ? n_active : n_active0;
-    const int key = keys[i];
-    int rank = lo;
-    for (int j = lo; j < hi; ++j) rank += keys[j] > key || (keys[j] == key && j < i);
-    sorted[rank] = active[i];
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < n_active; i += THREADS) active[i] = sorted[i];
-  __syncthreads();
-}
-
 // An image tile's unit: the same and its token block (a type of its own, so that the other
 // tiles' producers compile as they did before split units)
 struct SplitUnit {
