@@ -275,16 +275,16 @@ class GemmBench:
         `hot_from` (one bound or several; after one poisoned run whose unwritten elements are
         counted); the row's "config" is the first launch's, "plan" every launch's; `wgmma=False`
         keeps both on mma.sync tiles (gemm_plan's split). `streams=2`
-        with two size classes: the small experts' launch on a second stream, issued first, beside
-        the rest, as the layer's graph variants run a split (separate.run_plan); the row's
-        "streams" says which ran."""
+        with two or more size classes: the small experts' launch on a second stream, issued first,
+        beside the rest in order on the first, as the layer's graph variants run a split of two
+        (separate.run_plan); the row's "streams" says which ran."""
         plan = gg.split_configs(case.n, case.k, case.counts, hot_from, act=act, wgmma=wgmma)
         layouts = {(c.block_rows, c.k_step) for c, _ in plan}
         assert len(layouts) == 1, plan  # (one prepared layout: the heuristic's for this N and K)
         prep = self.prepared(case.gemm, layouts.pop())
         xs = (case.d_xb, None, case.d_alpha_bf16) if act == "bf16" else (case.d_xp, case.d_xs, case.d_alpha)
 
-        streams = 2 if streams == 2 and len(plan) == 2 else 1
+        streams = 2 if streams == 2 and len(plan) >= 2 else 1
         main_s = self.cp.cuda.get_current_stream()
         side = self.cp.cuda.Stream(non_blocking=True)
         fork, join = self.cp.cuda.Event(disable_timing=True), self.cp.cuda.Event(disable_timing=True)

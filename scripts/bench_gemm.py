@@ -68,8 +68,9 @@ def main(argv=None) -> int:
                          "gemm_config.split_configs); one row per value, and "
                          "one more with both on mma.sync tiles (as gemm_plan splits) where they differ")
     ap.add_argument("--split-streams", action="store_true",
-                    help="run each two-class split's launches side by side on two streams, as the layer's graph "
-                         "variants do (default: one after the other, as separate does)")
+                    help="run each split's smallest class on a second stream beside the other classes (in order on the "
+                         "first), as the layer's graph variants run a split of two (default: one after the other, "
+                         "as separate does)")
     ap.add_argument("--sustain-ms", type=float, default=0.0,
                     help="also time the flat read and each GEMM after this many ms of back-to-back runs (0: off)")
     args = ap.parse_args(argv)
