@@ -674,6 +674,16 @@ def test_split_configs_take_each_size_class_on_its_tile():
             gg.counts_range(bad)
 
 
+def random_grouped(rng, counts: np.ndarray, n: int, k: int):
+    """A grouped GEMM's random inputs for `counts`: offsets (int32), rows, NVFP4 weights (E, n, k)
+    as packed codes and scales, activations (rows, k) the same way, and per-expert alpha."""
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    rows = int(offsets[-1])
+    packed, scales = random_nvfp4(rng, (len(counts), n, k))
+    xq, xs = random_nvfp4(rng, (rows, k))
+    return offsets, rows, packed, scales, xq, xs, rng.uniform(0.5, 2, len(counts)).astype(np.float32)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("hot_from", [1, 16, 64, 200, (16, 64)], ids=str)
 def test_split_launches_write_their_experts_as_their_tiles_do(hot_from):
@@ -686,12 +696,8 @@ def test_split_launches_write_their_experts_as_their_tiles_do(hot_from):
     seed = int(np.random.default_rng().integers(2**31))
     rng = np.random.default_rng(seed)
     counts = np.array([0, 1, 7, 16, 17, 40, 0, 64, 65, 100, 161, 3, 330])
-    e, n, k = len(counts), 512, 256
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    rows = int(offsets[-1])
-    packed, scales = random_nvfp4(rng, (e, n, k))
-    xq, xs = random_nvfp4(rng, (rows, k))
-    alpha = rng.uniform(0.5, 2, e).astype(np.float32)
+    n, k = 512, 256
+    offsets, rows, packed, scales, xq, xs, alpha = random_grouped(rng, counts, n, k)
     plan = gg.split_configs(n, k, counts, hot_from)
     prep = gg.prepare_weights(packed, scales, xp=cp, layout=(plan[0][0].block_rows, plan[0][0].k_step))
     args = (cp.asarray(xq), cp.asarray(xs), cp.asarray(offsets), cp.asarray(alpha))
@@ -732,12 +738,8 @@ def test_a_size_class_of_more_experts_than_threads_computes_them_all():
     rng = np.random.default_rng(seed)
     counts = np.r_[rng.integers(65, 68, 430), rng.integers(100, 300, 6), rng.integers(0, 17, 40)]
     rng.shuffle(counts)
-    e, n, k = len(counts), 256, 256
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    rows = int(offsets[-1])
-    packed, scales = random_nvfp4(rng, (e, n, k))
-    xq, xs = random_nvfp4(rng, (rows, k))
-    alpha = rng.uniform(0.5, 2, e).astype(np.float32)
+    n, k = 256, 256
+    offsets, rows, packed, scales, xq, xs, alpha = random_grouped(rng, counts, n, k)
     counts_in = (17, gg.ALL_COUNTS[1])
     cfg = gg.heuristic(n, k, np.where(counts >= 17, counts, 0))
     assert cfg.image and cfg.threads < int((counts >= 17).sum()), cfg
