@@ -74,7 +74,8 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc
     dict(n=40, chains=2, rs=True, kind="wgmma"),
     dict(n=8, chains=2, rs=False, kind="wgmma", alu=2, alu_op="lop3v", split=True),
     dict(n=8, chains=2, rs=True, kind="mma", alu=1),
-], ids=["wgmma-rs", "wgmma-ss-split", "mma-sync"])
+    dict(n=64, chains=1, rs=False, kind="wgmma", alu=4, alu_op="stsv", split=True),
+], ids=["wgmma-rs", "wgmma-ss-split", "mma-sync", "wgmma-ss-beside-stores"])
 def test_wgmma_rate_probe_kernels_compile_for_sm90a(tmp_path, case):
     mod = load(ROOT / "scripts/probes/wgmma_rate_probe.py")
     r = _cubin(tmp_path, mod.source(**case))

@@ -40,6 +40,11 @@ ALU_OPS = {
     "lop3v": 'asm volatile("lop3.b32 %0, %0, %1, 0x8E008E00, 0x6c;" : "+r"(wi[x]) : "r"(wi[(x + 1) & 7]));',
     "shfv": 'asm volatile("shf.r.wrap.b32 %0, %0, %1, 3;" : "+r"(wi[x]) : "r"(wi[(x + 1) & 7]));',
     "imadv": 'asm volatile("mad.lo.u32 %0, %0, 0x9E3779B9, %1;" : "+r"(wi[x]) : "r"(wi[(x + 1) & 7]));',
+    # 16 bytes per thread into the shared memory the SS wgmma reads (x picks a 2 KB slice of its
+    # 32 KB): the traffic of warps that would write decoded A tiles beside the tensor work. The
+    # values the wgmma then reads change; the probe times, it does not check them
+    "stsv": 'asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" :: "r"(base + ((threadIdx.x * 16u + x * 2048u) '
+            '& 32767u)), "r"(wi[x]) : "memory");',
 }
 
 
