@@ -76,6 +76,20 @@ def compare_rounds(ms: dict[str, list[float]], base: str) -> dict[str, dict]:
     return out
 
 
+def time_trees(run, trees: dict, args, stream=None) -> dict[str, list[float]]:
+    """{tree: its rounds' median ms}: `run` (launching on `stream`) under each tree in turn,
+    args.rounds rounds after args.warmup_rounds untimed ones, the trees' order alternating."""
+    names = list(trees)
+    ms = {n: [] for n in names}
+    for r in range(-args.warmup_rounds, args.rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            with jit.use_tree(trees[name]):
+                round_ms = time_cuda(run, iterations=args.iterations, stream=stream).median_ms
+            if r >= 0:
+                ms[name].append(round_ms)
+    return ms
+
+
 def plan_rows(bench: GemmBench, case, names: list[str], trees: dict, args, bad: list[str]) -> list[dict]:
     """--plan: gemm_plan's launches of one GEMM as the layer runs them ("plan": a split's classes on
     two streams) and each size class alone ("class LO-HI"), for every tree: the written rows bit
@@ -129,13 +143,7 @@ def plan_rows(bench: GemmBench, case, names: list[str], trees: dict, args, bad: 
             if t["unwritten"] or not t["equal_base"] or rel is None or rel > 1e-5:
                 bad.append(f"{case.gemm} mean {case.mean_tokens:g} skew {args.skew:g} {form} tree {name}: {t}")
             row["trees"][name] = t
-        ms = {n: [] for n in names}
-        for r in range(-args.warmup_rounds, args.rounds):
-            for name in (names if r % 2 == 0 else names[::-1]):
-                with jit.use_tree(trees[name]):
-                    round_ms = time_cuda(run, iterations=args.iterations, stream=streams.main).median_ms
-                if r >= 0:
-                    ms[name].append(round_ms)
+        ms = time_trees(run, trees, args, streams.main)
         for name, c in compare_rounds(ms, names[0]).items():
             row["trees"][name].update(c, tensor_pct=100 * flops / (c["ms"] * 1e-3) / 1e12 / args.tensor_tflops)
         rows.append(row)
@@ -270,13 +278,7 @@ def main(argv=None) -> int:
                         bad.append(f"{gemm} mean {mean:g} {out} tree {name}: {t}")
                     row["trees"][name] = t
                 del first
-                ms = {n: [] for n in names}
-                for r in range(-args.warmup_rounds, args.rounds):
-                    for name in (names if r % 2 == 0 else names[::-1]):
-                        with jit.use_tree(trees[name]):
-                            round_ms = time_cuda(run, iterations=args.iterations).median_ms
-                        if r >= 0:
-                            ms[name].append(round_ms)
+                ms = time_trees(run, trees, args)
                 flops = 2.0 * case.rows * case.n * case.k
                 for name, c in compare_rounds(ms, base).items():
                     row["trees"][name].update(c, tensor_pct=100 * flops / (c["ms"] * 1e-3) / 1e12 / tensor["tflops"])

@@ -105,3 +105,29 @@ def test_plan_and_skew_arguments_refused_before_the_gpu(capsys):
         with pytest.raises(SystemExit) as e:
             ab.main(argv)
         assert e.value.code == 2 and what in capsys.readouterr().err, argv
+
+
+def test_time_trees_alternates_the_order_and_drops_the_warmup_rounds(monkeypatch):
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    ab = load_script()
+    order, active = [], []
+
+    @contextmanager
+    def use_tree(path):
+        active.append(path)
+        yield path
+        active.pop()
+
+    def time_cuda(run, iterations, stream=None):
+        order.append((active[-1], iterations, stream))
+        return SimpleNamespace(median_ms=float(len(order)))
+
+    monkeypatch.setattr(ab.jit, "use_tree", use_tree)
+    monkeypatch.setattr(ab, "time_cuda", time_cuda)
+    args = SimpleNamespace(rounds=3, warmup_rounds=1, iterations=7)
+    ms = ab.time_trees(lambda: None, {"a": "A", "b": "B"}, args, stream="s")
+    assert [t for t, _, _ in order] == ["B", "A", "A", "B", "B", "A", "A", "B"]  # round -1 first: reversed
+    assert all(i == 7 and s == "s" for _, i, s in order)
+    assert ms == {"a": [3.0, 6.0, 7.0], "b": [4.0, 5.0, 8.0]}
