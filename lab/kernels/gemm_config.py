@@ -32,7 +32,10 @@ ACTS = ("nvfp4", "bf16")
 class GemmConfig:
     """warps: consumer warps; row_tiles: 16-row tiles per warp; k_step: K per pipeline stage;
     stages: pipeline depth; max_frags: 8-token fragments held per pass (token tile = 8*max_frags);
-    mma: 0 = mma.sync m16n8k16, 1 = wgmma m64n(8F)k16 (sm_90a, warps a multiple of 4);
+    mma: 0 = mma.sync m16n8k16, 1 = wgmma m64n(8F)k16 (sm_90a, warps a multiple of 4), weights as
+    the register A operand; 2 = wgmma m64n128k16 with tokens as A and the weights as B, both from
+    shared memory: decoder warps of their own decode each stage's weights once into shared memory
+    for both consumer warpgroups (on the activation image; 8 warps x 2 row tiles, 64 tokens);
     mode: one of MODES (the fused ones through `fused_config`); act: one of ACTS;
     ctas_per_sm: at most this many CTAs per SM in the persistent grid (0: as many as fit). Not a
     template argument: it only sizes the grid.
@@ -45,7 +48,7 @@ class GemmConfig:
     k_step: int = 128
     stages: int = 4
     max_frags: int = 2
-    mma: int = 0  # 0: mma.sync per 8-token fragment; 1: wgmma m64n(8F)k16 per warpgroup
+    mma: int = 0  # 0: mma.sync per 8-token fragment; 1: wgmma m64n(8F)k16 per warpgroup; 2: wgmma SS
     mode: str = "plain"
     ctas_per_sm: int = 0
     act: str = "nvfp4"
@@ -77,7 +80,9 @@ class GemmConfig:
         """Activation-decoder warps: a third for 64-token plain tiles, which decode the most per
         stage; two for 32-token tiles and for every fused CTA, whose epilogue warps then complete
         the last group of four; one otherwise (notes/gemm.md, notes/layer.md); none with the
-        activation image."""
+        activation image, except with mma 2, whose four decoder warps decode the weights."""
+        if self.mma == 2:
+            return 4
         if self.image:
             return 0
         if self.max_frags >= 8 and self.mode == "plain":
@@ -127,10 +132,13 @@ class GemmConfig:
         stage_xq = 0 if self.image else tokens * (self.k_step // 2) if self.act == "nvfp4" else tokens * self.k_step * 2
         stage_xs = tokens * (self.k_step // 16) if self.act == "nvfp4" and not self.image else 0
         xf = self.max_frags * ksteps * 32 * 8
-        off_w = 128 * (((3 * self.stages + 2) * 8 + 127) // 128)
+        stage_wb = self.block_rows * self.k_step * 2 if self.mma == 2 else 0
+        dstages = 2 if self.mma == 2 else 0  # Config::DSTAGES, decoded weight stages
+        off_w = 128 * (((3 * self.stages + 2 + 2 * dstages) * 8 + 127) // 128)
         off_xs = off_w + self.stages * (stage_w + stage_xq)
         off_xf = 16 * ((off_xs + self.stages * stage_xs + 15) // 16)
-        off_h = 16 * ((off_xf + self.stages * xf + 15) // 16)
+        off_wb = 128 * ((off_xf + self.stages * xf + 127) // 128) if stage_wb else off_xf + self.stages * xf
+        off_h = 16 * ((off_wb + dstages * stage_wb + 15) // 16)
         return off_h + (tokens * (self.block_rows + 4) * 4 if self.epilogue_warps else 0)
 
     def launch_smem(self, experts: int) -> int:
@@ -154,11 +162,16 @@ class GemmConfig:
                              f"got mode={self.mode!r}, block_rows={self.block_rows}")
         if self.act not in ACTS:
             raise ValueError(f"act must be one of {ACTS}, got {self.act!r}")
-        if self.mma not in (0, 1) or (self.mma and self.warps % 4):
-            raise ValueError(f"mma must be 0 (mma.sync) or 1 (wgmma, warps a multiple of 4), got {self.mma} "
+        if self.mma not in (0, 1, 2) or (self.mma and self.warps % 4):
+            raise ValueError(f"mma must be 0 (mma.sync), 1 or 2 (wgmma, warps a multiple of 4), got {self.mma} "
                              f"with {self.warps} warps")
-        if self.image and (self.mma != 1 or (self.mode != "plain" and not self.swiglu_regs)):
-            raise ValueError(f"image: the activation image needs wgmma (mma=1) and the plain epilogue (or swiglu "
+        if self.mma == 2 and (not self.image or self.mode != "plain" or (self.warps, self.row_tiles, self.max_frags)
+                              != (8, 2, 8)):
+            raise ValueError(f"mma=2 (weights decoded into shared memory) needs image=True, mode='plain', 8 warps, "
+                             f"2 row tiles and max_frags 8, got image={self.image}, mode={self.mode!r}, "
+                             f"warps={self.warps}, row_tiles={self.row_tiles}, max_frags={self.max_frags}")
+        if self.image and (self.mma == 0 or (self.mode != "plain" and not self.swiglu_regs)):
+            raise ValueError(f"image: the activation image needs wgmma (mma=1 or 2) and the plain epilogue (or swiglu "
                              f"on a producer-warpgroup tile with NVFP4 activations), got mma={self.mma}, "
                              f"mode={self.mode!r}")
         if self.k_step not in (64, 128, 256):
@@ -450,6 +463,11 @@ SHIPPED_IMAGE = tuple(GemmConfig(w, r, 128, st, f, 1, act=act, image=True)
                                             (8, 2, 20, 3))
                       for act in ACTS)
 
+
+# The tile with the weights decoded into shared memory (mma 2): 256 rows x 64 tokens, k_step 64,
+# eight raw stages (72 KB of weights in flight) and two decoded ones (205 KB in all). Timed
+# through bench_gemm --config 8,2,64,8,2,0,8,1; not picked by the heuristic.
+SHIPPED_SS = tuple(GemmConfig(8, 2, 64, 8, 8, 2, act=act, image=True) for act in ACTS)
 
 # The fused instantiations the heuristic's tiles lead to (four row tiles per warp up to 16 tokens).
 SHIPPED_FUSED = tuple(fused_config(heuristic(4096, 4096, [8 * f] * 4), mode)

@@ -82,12 +82,20 @@ struct Config {
   static constexpr int KSTEPS = K_STEP / 16;
   static constexpr int TOKEN_TILE = 8 * MAX_FRAGS;
   static constexpr int STAGE_W = WARPS * ROW_TILES * KATOMS * ATOM_BYTES;
+  // The activation image (gemm/act_image.cuh) feeds the tiles with no activation decoders, and
+  // MMA = 2, whose decoder warps decode the weights instead: each stage into a ring of DSTAGES
+  // decoded stages (WB: BLOCK_ROWS x K_STEP fp16 as wgmma B core matrices, mainloop.cuh
+  // decode_w_stage) with barriers of its own, so that the raw ring stays deep (the decoded form
+  // is four times the raw bytes) while the decoded one is only as deep as the decode runs ahead
+  static constexpr bool IMAGE = DECODER_WARPS == 0 || MMA == 2;
+  static constexpr int DSTAGES = MMA == 2 ? 2 : 0;
+  static constexpr int STAGE_WB = MMA == 2 ? BLOCK_ROWS * K_STEP * 2 : 0;
   // activations of one stage: NVFP4 codes and scales, or bf16 values (then no scales)
   // (none with no decoder warps: the producer copies the activation image into XF directly)
-  static constexpr int STAGE_XQ = DECODER_WARPS == 0   ? 0
+  static constexpr int STAGE_XQ = IMAGE               ? 0
                                   : ACT == Act::nvfp4 ? TOKEN_TILE * (K_STEP / 2)
                                                       : TOKEN_TILE * K_STEP * 2;
-  static constexpr int STAGE_XS = ACT == Act::nvfp4 && DECODER_WARPS != 0 ? TOKEN_TILE * (K_STEP / 16) : 0;
+  static constexpr int STAGE_XS = ACT == Act::nvfp4 && !IMAGE ? TOKEN_TILE * (K_STEP / 16) : 0;
   static constexpr int XF = MAX_FRAGS * KSTEPS * 32 * 8;  // fp16 B fragments of one stage
   // Image tiles of 8 warps whose accumulators outgrow the 168 registers 9 warps leave each thread
   // (256 rows x 128 tokens): a producer warpgroup, one warp of it working, hands the consumers its
@@ -104,21 +112,24 @@ struct Config {
   static constexpr int GS = PRODUCER_WARPS > 1 ? 2 : ROW_TILES >= 4 || (DECODER_WARPS == 0 && MAX_FRAGS * ROW_TILES >= 24) ? 1 : MODE == Mode::layer ? 2 : 4;
   // Image tiles split units by token block (scheduler.cuh, split_units); their dynamic shared
   // memory holds a second list after the compacted experts (GemmConfig.launch_smem)
-  static constexpr bool SPLIT = DECODER_WARPS == 0;
+  static constexpr bool SPLIT = IMAGE;
   // Consumer stages per mainloop call: two on image tiles past 64 tokens with an even ring
   // (GemmConfig.validate asks K for an even number of K_STEP chunks there). bench_gemm at 2f96693,
   // one process: the 96-token tile 3% faster at 64-128 tokens per expert and 13% at 512 than
   // unpaired; the 64-token tile 3% slower at 32, so it stays unpaired.
   static constexpr int NS = SPLIT && STAGES % 2 == 0 && MAX_FRAGS > 8 ? 2 : 1;
-  static constexpr int OFF_BAR = 0;  // full, empty, raw per stage; then epi_full, epi_empty
-  static constexpr int OFF_W = 128 * (((3 * STAGES + 2) * 8 + 127) / 128);  // tensor copies: 128-B aligned
+  // full, empty, raw per stage; then epi_full, epi_empty; then dfull, dempty per decoded stage
+  static constexpr int OFF_BAR = 0;
+  static constexpr int OFF_DBAR = (3 * STAGES + 2) * 8;
+  static constexpr int OFF_W = 128 * (((3 * STAGES + 2 + 2 * DSTAGES) * 8 + 127) / 128);  // tensor copies: 128-B aligned
   static constexpr int OFF_XQ = OFF_W + STAGES * STAGE_W;
   static constexpr int OFF_XS = OFF_XQ + STAGES * STAGE_XQ;
   static constexpr int OFF_XF = 16 * ((OFF_XS + STAGES * STAGE_XS + 15) / 16);
   // The fused modes: one pass's h tile, fp32 [token][BLOCK_ROWS + 4] (the pad spreads a
   // fragment's 4 token rows over distinct banks), handed from the consumers to the epilogue warps
   static constexpr int H_STRIDE = BLOCK_ROWS + 4;
-  static constexpr int OFF_H = 16 * ((OFF_XF + STAGES * XF + 15) / 16);
+  static constexpr int OFF_WB = STAGE_WB ? 128 * ((OFF_XF + STAGES * XF + 127) / 128) : OFF_XF + STAGES * XF;
+  static constexpr int OFF_H = 16 * ((OFF_WB + DSTAGES * STAGE_WB + 15) / 16);
   static constexpr int SMEM = OFF_H + (EPILOGUE_WARPS ? TOKEN_TILE * H_STRIDE * 4 : 0);
   static constexpr int THREADS = (WARPS + PRODUCER_WARPS + DECODER_WARPS + EPILOGUE_WARPS) * 32;
 };
@@ -161,12 +172,15 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
   constexpr bool SWIGLU_REGS = MODE == Mode::swiglu && C::PRODUCER_WARPS > 1 && ACT == Act::nvfp4;
   static_assert(DECODER_WARPS >= 1 || (MMA == 1 && (MODE == Mode::plain || SWIGLU_REGS)),
                 "no decoder warps (the activation image): wgmma, and the plain or register SwiGLU epilogue");
+  static_assert(MMA != 2 || (MODE == Mode::plain && DECODER_WARPS >= 1 && WARPS == 8 && ROW_TILES == 2 && MAX_FRAGS == 8),
+                "MMA = 2: weight decoder warps, the plain epilogue, 64 tokens x 2 warpgroups of 128 rows");
   static_assert((MODE == Mode::plain || SWIGLU_REGS) == (EPILOGUE_WARPS == 0),
                 "epilogue warps exactly in the fused modes, but the register SwiGLU epilogue");
   static_assert(C::MODE == Mode::plain || C::BLOCK_ROWS % 32 == 0,
                 "the SwiGLU tile splits BLOCK_ROWS/2 columns into 16-element blocks");
   static_assert(MMA == 0 || WARPS % 4 == 0, "wgmma needs whole warpgroups of consumers");
-  static_assert(MMA == 0 || MMA == 1, "MMA: 0 = mma.sync, 1 = wgmma");
+  static_assert(MMA == 0 || MMA == 1 || MMA == 2,
+                "MMA: 0 = mma.sync, 1 = wgmma (weights from registers), 2 = wgmma (both from shared memory)");
   static_assert(MAX_FRAGS <= 8 || (MMA == 1 && (MODE == Mode::plain || SWIGLU_REGS)),
                 "token tiles past 64 (up to 160): wgmma, plain epilogue only");
   static_assert(MAX_FRAGS <= 20, "wgmma N at most 160 (gemm/wgmma.cuh)");
@@ -198,9 +212,14 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(pipe.full0 + 8 * s, 1 + 32 * C::DECODER_WARPS);  // producer's expect_tx arrive + the decoders
-      mbar_init(pipe.empty0 + 8 * s, WARPS * 32);  // every consumer thread
+      // producer's expect_tx arrive + the activation decoders
+      mbar_init(pipe.full0 + 8 * s, 1 + (MMA == 2 ? 0 : 32 * C::DECODER_WARPS));
+      mbar_init(pipe.empty0 + 8 * s, (WARPS + (MMA == 2 ? DECODER_WARPS : 0)) * 32);  // every consumer (and weight decoder) thread
       mbar_init(pipe.raw0 + 8 * s, 33);        // the producer's cp.async arrivals + lane 0 (unit ring)
+    }
+    for (int d = 0; d < C::DSTAGES; ++d) {  // MMA = 2: decoded stage d ready; consumed
+      mbar_init(smem_addr(smem + C::OFF_DBAR) + 8 * d, DECODER_WARPS * 32);
+      mbar_init(smem_addr(smem + C::OFF_DBAR) + 8 * (C::DSTAGES + d), WARPS * 32);
     }
     mbar_init(pipe.epi_full, WARPS * 32);
     mbar_init(pipe.epi_empty, C::EPILOGUE_WARPS * 32 + (C::EPILOGUE_WARPS == 0));
@@ -249,7 +268,42 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
                         pipe, warp, lane);
     goto finish;
   }
-  if (C::DECODER_WARPS != 0 && warp > WARPS) {  // (none on the image path)
+  if constexpr (MMA == 2) {
+    if (warp > WARPS) {
+      // ---------------- weight decoder warps (MMA = 2) ----------------
+      // Stage s's prepared weights -> fp16 B core matrices in decoded stage d, then arrive on
+      // dfull[d] (the consumers' go) and on empty[s] (the raw weights are done with; the stage's
+      // image rows stay until the consumers arrive there too).
+      int s = 0, kc = 0, pass = 0, kchunks = 1, d = 0, it = 0;
+      uint32_t phase = 0, dphase = 0;
+      const uint32_t dfull0 = smem_addr(smem + C::OFF_DBAR), dempty0 = dfull0 + 8 * C::DSTAGES;
+      for (int useq = 0;; ++it) {
+        mbar_wait(pipe.full0 + 8 * s, phase);
+        if (kc == 0) {
+          const int4 ent = unit_ring[useq % RING];
+          ++useq;
+          if (ent.x < 0) goto finish;
+          const int p = ent.x >> 16;
+          kchunks = LAB_P(K) / K_STEP;
+        }
+        if constexpr (!READ_ONLY) {
+          if (it >= C::DSTAGES) mbar_wait(dempty0 + 8 * d, dphase ^ 1);
+          decode_w_stage<WARPS * ROW_TILES, C::KATOMS, DECODER_WARPS>(smem + C::OFF_W + s * C::STAGE_W,
+                                                                      smem + C::OFF_WB + d * C::STAGE_WB,
+                                                                      warp - WARPS - 1, lane);
+          fence_proxy_async();  // generic-proxy writes read by wgmma
+          mbar_arrive(dfull0 + 8 * d);
+        }
+        mbar_arrive(pipe.empty0 + 8 * s);
+        if (++d == C::DSTAGES) {
+          d = 0;
+          dphase ^= 1;
+        }
+        advance_stage<STAGES>(kc, pass, s, phase, kchunks, 1);
+      }
+    }
+  }
+  if (MMA != 2 && C::DECODER_WARPS != 0 && warp > WARPS) {  // (none on the image path)
     // ---------------- activation decoder warps ----------------
     // Raw NVFP4 activations of stage s -> fp16 B fragments xf[s] (mma.sync fragments, or wgmma
     // core matrices), then arrive on full[s]: consumers never synchronise with each other. Item = (fragment, k16 block, token row), the
@@ -349,8 +403,8 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
   };
   zero_acc();
   int nb = 0, row0 = 0, count = 0, kc = 0, pass = 0, passes = 0, kchunks = 1, N = 0, unit_p = 0, unit_e = 0;
-  int s = 0;
-  uint32_t phase = 0;
+  int s = 0, dst = 0;  // (dst: MMA = 2's decoded stage)
+  uint32_t phase = 0, dphase = 0;
   float out_scale = 0.f;
   float* out = out0;
   int epi_it = 0;    // h tiles handed to the epilogue warps
@@ -397,6 +451,23 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
 
     const uint8_t* wst = smem + C::OFF_W + s * C::STAGE_W;
     const uint8_t* xf = smem + C::OFF_XF + s * C::XF;
+    if constexpr (MMA == 2) {  // one token block per unit: one pass, 64 token rows of A
+      const uint32_t dfull0 = smem_addr(smem + C::OFF_DBAR), dempty0 = dfull0 + 8 * C::DSTAGES;
+      mbar_wait(dfull0 + 8 * dst, dphase);
+      stage_wgmma_ss<C::BLOCK_ROWS, K_STEP, MAX_FRAGS>(acc, xf, smem + C::OFF_WB + dst * C::STAGE_WB, warp >> 2);
+      mbar_arrive(dempty0 + 8 * dst);
+      mbar_arrive(pipe.empty0 + 8 * s);
+      if (++dst == C::DSTAGES) {
+        dst = 0;
+        dphase ^= 1;
+      }
+      if (kc == kchunks - 1) {
+        store_tile_ss<C>(acc, out, out_bf16, N, nb, row0, count, out_scale, warp, g, t4, bad_out);
+        zero_acc();
+      }
+      next_stage();
+      continue;
+    }
     // Image tiles with an even ring take their stages in pairs (s even, s + 1 of the same use and
     // the same unit: kchunks is even), one mainloop call and one drain per pair.
     const uint8_t* wst2 = wst + C::STAGE_W;

@@ -28,7 +28,7 @@ from lab.kernels import jit, tensor_map
 from lab.kernels.gemm_config import (ACTS, counts_range, FUSED_SMALL_STAGES, IMAGE_FRAGS, MAX_FRAGS_CHOICES, MODEL_MARGIN, MODES,  # noqa: F401
                                      SKEWED_DISPERSION,
                                      SHIPPED_CONFIGS, modelled_time,
-                                     SHIPPED_FUSED, SHIPPED_FUSED_W4A16, SHIPPED_IMAGE, SHIPPED_LARGE, SHIPPED_W4A16,
+                                     SHIPPED_FUSED, SHIPPED_FUSED_W4A16, SHIPPED_IMAGE, SHIPPED_LARGE, SHIPPED_SS, SHIPPED_W4A16,
                                      LARGE_FRAGS, SMEM_LIMIT, GemmConfig, frags_for, fused_config, heuristic,
                                      resident_ctas, split_configs, gemm_plan, plan_record, ALL_COUNTS, SPLIT_AT)
 from lab.kernels.gemm_weights import (ATOM_BYTES, ATOM_CODE_BYTES, ATOM_K, ATOM_ROWS, DECODE_MASK,  # noqa: F401
@@ -41,7 +41,7 @@ SOURCE = "grouped_gemm.cu"
 __all__ = [  # the launchers, and what gemm_weights and gemm_config define, under one import
     "SOURCE", "Fusion", "grouped_gemm", "grouped_gemm_pair", "swiglu_gemm", "fused_layer",
     "ACTS", "FUSED_SMALL_STAGES", "IMAGE_FRAGS", "MAX_FRAGS_CHOICES", "MODEL_MARGIN", "MODES", "SKEWED_DISPERSION", "modelled_time", "SHIPPED_CONFIGS", "SHIPPED_FUSED", "SHIPPED_W4A16",
-    "SHIPPED_FUSED_W4A16", "SHIPPED_IMAGE", "SHIPPED_LARGE", "activation_image", "image_bytes", "image_groups", "image_workspace", "LARGE_FRAGS", "SMEM_LIMIT",
+    "SHIPPED_FUSED_W4A16", "SHIPPED_IMAGE", "SHIPPED_LARGE", "SHIPPED_SS", "activation_image", "image_bytes", "image_groups", "image_workspace", "LARGE_FRAGS", "SMEM_LIMIT",
     "GemmConfig", "frags_for", "fused_config", "heuristic", "resident_ctas", "split_configs", "gemm_plan", "plan_record", "ALL_COUNTS", "SPLIT_AT",
     "grouped_gemm_plan",
     "ATOM_BYTES", "ATOM_CODE_BYTES", "ATOM_K", "ATOM_ROWS", "DECODE_MASK", "ENCODE_TABLES", "K_SLOTS",

@@ -1,7 +1,8 @@
 // The GEMM's epilogues, each a function of one pass's accumulators or of one h tile and its
 // EpiTile header, so that an epilogue can change without touching the mainloop.
 //   store_tile:   plain; the consumers write out = (acc * ACC_SCALE) * alpha as fp32
-//                 (store_tile_bf16: as bf16 bits, on image tiles that are asked to).
+//                 (store_tile_bf16: as bf16 bits, on image tiles that are asked to; store_tile_ss:
+//                 either, from the transposed accumulator of the MMA = 2 tile).
 //   handoff_tile: fused; the consumers put the same values into the shared h tile, fp32
 //                 [token][BLOCK_ROWS + 4], for the epilogue warps.
 //   swiglu_regs:  the same from the accumulators, on the producer-warpgroup image tiles
@@ -76,6 +77,36 @@ __device__ __forceinline__ void store_tile_bf16(const float (&acc)[C::ROW_TILES]
             *reinterpret_cast<uint32_t*>(out + (size_t)(row0 + tok) * N + n + 8 * j) = b;
             bad += lab_act::bf16x2_nonfinite(b);
           }
+        }
+      }
+    }
+  }
+}
+
+// MMA = 2 (tokens as D rows, weight rows as D columns): store_tile's values, or store_tile_bf16's
+// bits, from the m64n128 accumulator of warpgroup wg: lane (g, t4) of warp wq (within the
+// warpgroup) holds tokens 16 wq + g and 16 wq + g + 8 of the tile, columns 8 i + 2 t4 and the next
+// of the warpgroup's 128 (d[4 i + c] = acc[i / 8][i % 8][c]): two adjacent outputs per store.
+template <class C>
+__device__ __forceinline__ void store_tile_ss(const float (&acc)[2][8][4], float* out, unsigned short* out_bf16,
+                                              int N, int nb, int row0, int count, float out_scale, int warp, int g,
+                                              int t4, uint32_t& bad) {
+  const int n0 = nb * C::BLOCK_ROWS + (warp >> 2) * 128 + 2 * t4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {  // tokens 16 wq + g, + 8
+    const int tok = (warp & 3) * 16 + g + 8 * h;
+    if (tok < count) {
+      const size_t at = (size_t)(row0 + tok) * N + n0;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const float v0 = (acc[i >> 3][i & 7][2 * h] * C::ACC_SCALE) * out_scale;
+        const float v1 = (acc[i >> 3][i & 7][2 * h + 1] * C::ACC_SCALE) * out_scale;
+        if (out_bf16 != nullptr) {
+          const uint32_t b = lab_act::bf16x2_bits(v0, v1);
+          *reinterpret_cast<uint32_t*>(out_bf16 + at + 8 * i) = b;
+          bad += lab_act::bf16x2_nonfinite(b);
+        } else if (out != nullptr) {
+          *reinterpret_cast<float2*>(out + at + 8 * i) = make_float2(v0, v1);
         }
       }
     }

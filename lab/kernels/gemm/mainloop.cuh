@@ -1,6 +1,8 @@
 // The consumers' mainloop: one pipeline stage of prepared weights (a block of ROW_TILES x WARPS
 // 16-row tiles by K_STEP) against F 8-token fragments of decoded activations, accumulated in
-// fp32 registers, by mma.sync (stage_math) or wgmma (stage_wgmma); and the stage ring's walk.
+// fp32 registers, by mma.sync (stage_math) or wgmma (stage_wgmma); with the weights decoded into
+// shared memory by warps of their own (decode_w_stage) and both operands read from there
+// (stage_wgmma_ss); and the stage ring's walk.
 #pragma once
 #include "decode.cuh"
 #include "wgmma.cuh"
@@ -81,10 +83,15 @@ __device__ __forceinline__ void stage_wgmma(float (&acc)[ROW_TILES][MAX_FRAGS][4
         asm volatile("" ::"r"(h[r][q][0]), "r"(h[r][q][1]), "r"(h[r][q][2]), "r"(h[r][q][3]));
   };
   uint32_t hold[R][GS][4];
+  // Each wgmma's B descriptor is the stage's first plus a compile-time offset (the 14-bit address
+  // field cannot carry: shared addresses stay below 2^18), so that no 64-bit address arithmetic
+  // sits between a group's decode and its wgmmas.
+  const uint64_t desc0 = smem_desc(smem_addr(xf), 128, 256);
+  const uint64_t desc2 = NS == 2 ? smem_desc(smem_addr(xf2), 128, 256) : desc0;
   load(0);
 #pragma unroll
   for (int ka = 0; ka < NS * KATOMS; ++ka) {
-    const uint32_t xf_addr = smem_addr(NS == 2 && ka >= KATOMS ? xf2 : xf);
+    const uint64_t dstage = NS == 2 && ka >= KATOMS ? desc2 : desc0;
     const int kk = NS == 2 && ka >= KATOMS ? ka - KATOMS : ka;  // atom within its stage
 #pragma unroll
     for (int jg = 0; jg < 4 / GS; ++jg) {
@@ -97,7 +104,7 @@ __device__ __forceinline__ void stage_wgmma(float (&acc)[ROW_TILES][MAX_FRAGS][4
       wgmma_fence();
 #pragma unroll
       for (int q = 0; q < GS; ++q) {
-        const uint64_t desc = smem_desc(xf_addr + (kk * 4 + jg * GS + q) * MAX_FRAGS * 256, 128, 256);
+        const uint64_t desc = dstage + (uint64_t)(((kk * 4 + jg * GS + q) * MAX_FRAGS * 256) >> 4);
 #pragma unroll
         for (int r = 0; r < R; ++r)
           Wgmma<F, MAX_FRAGS>::run(acc[r], a[r][q][0], a[r][q][1], a[r][q][2], a[r][q][3], desc);
@@ -117,6 +124,58 @@ __device__ __forceinline__ void stage_wgmma(float (&acc)[ROW_TILES][MAX_FRAGS][4
   keep(hold);
 #pragma unroll
   for (int r = 0; r < R; ++r) fence_acc<MAX_FRAGS>(acc[r]);
+}
+
+// MMA = 2 (tokens as wgmma's A, decoded weights as its B, both from shared memory). The weight
+// decoders' stage: every (16-row tile, k atom) of the stage's prepared weights to fp16 in wb, as
+// B core matrices (8 weight rows x 8 k slots, 128 B) [k16 step][8-row group][k half][row][16 B]:
+// LBO 128 (next k half), SBO 256 (next 8-row group), the activation image's layout with weight
+// rows for tokens. A lane's four decoded registers are 4-byte pieces of four core matrices (rows
+// g, g + 8; k slots 2t.. and 2t + 8..), so each store of a warp fills one 128-byte core matrix:
+// no bank conflicts, and the prepared layout serves both tile families unchanged. Decoder warp
+// dw (of DW) takes the stage's atoms dw, dw + DW, ...
+template <int TILES, int KATOMS, int DW>
+__device__ __forceinline__ void decode_w_stage(const uint8_t* wst, uint8_t* wb, int dw, int lane) {
+  uint8_t* dst = wb + (lane >> 2) * 16 + (lane & 3) * 4;
+#pragma unroll
+  for (int i = 0; i < (TILES * KATOMS + DW - 1) / DW; ++i) {
+    const int atom = i * DW + dw;  // stage order [tile][k atom]
+    if ((TILES * KATOMS) % DW != 0 && atom >= TILES * KATOMS) break;
+    const int tile = atom / KATOMS, ka = atom - tile * KATOMS;
+    const uint8_t* src = wst + atom * ATOM_BYTES;
+    const uint4 code = *reinterpret_cast<const uint4*>(src + lane * 16);
+    const uint2 scl = *reinterpret_cast<const uint2*>(src + ATOM_CODE_BYTES + (lane >> 2) * 8);
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      uint32_t a[4];
+      decode_tile(code, scl, jj, a);
+      uint8_t* at = dst + (ka * 4 + jj) * (TILES * 16 * 32) + tile * 512;
+      *reinterpret_cast<uint32_t*>(at) = a[0];        // rows g,     k slots 2t, 2t + 1
+      *reinterpret_cast<uint32_t*>(at + 256) = a[1];  // rows g + 8
+      *reinterpret_cast<uint32_t*>(at + 128) = a[2];  // rows g,     k slots 2t + 8, 2t + 9
+      *reinterpret_cast<uint32_t*>(at + 384) = a[3];  // rows g + 8
+    }
+  }
+}
+
+// MMA = 2, one consumer warpgroup's stage: per k16 step one wgmma m64n128k16, A = the stage's 64
+// image token rows (rows past the unit's tokens hold stale image data: they only reach D rows
+// that are never stored), B = its warpgroup's 128 decoded weight rows. The descriptors are the
+// stage's first plus compile-time offsets (the 14-bit address field cannot carry: shared
+// addresses stay below 2^18), so no address arithmetic sits between the wgmmas.
+template <int BLOCK_ROWS, int K_STEP, int MAX_FRAGS>
+__device__ __forceinline__ void stage_wgmma_ss(float (&acc)[2][8][4], const uint8_t* xf, const uint8_t* wb, int wg) {
+  static_assert(MAX_FRAGS == 8 && BLOCK_ROWS == 256, "64 tokens x 2 warpgroups of 128 weight rows");
+  const uint64_t da = smem_desc(smem_addr(xf), 128, 256);
+  const uint64_t db = smem_desc(smem_addr(wb) + wg * 128 * 32, 128, 256);
+  wgmma_fence();
+#pragma unroll
+  for (int j = 0; j < K_STEP / 16; ++j)
+    wgmma_ss_n128(acc, da + (uint64_t)((j * MAX_FRAGS * 256) >> 4), db + (uint64_t)((j * BLOCK_ROWS * 32) >> 4));
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_acc<8>(acc[0]);
+  fence_acc<8>(acc[1]);
 }
 
 // The activation decoders' store of one item (fragment f, k16 block j, token row item & 7) into

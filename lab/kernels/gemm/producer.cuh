@@ -56,7 +56,7 @@ __device__ __forceinline__ void producer_warp(const void* wmap0, const void* wma
     for (int kc = 0; kc < kcs; ++kc, ++it) {
       const bool first = pass == 0 && kc == 0;
       if (it >= STAGES) mbar_wait(pipe.empty0 + 8 * s, phase ^ 1);
-      if constexpr (C::DECODER_WARPS == 0) {
+      if constexpr (C::IMAGE) {
         // The activation image (act_image.cuh): one bulk copy per k16 step of the pass's F
         // fragments, straight into the consumers' B operand; the stage's barrier counts both
         // copies' bytes (lane 0 posts them before any lane's copy can complete).

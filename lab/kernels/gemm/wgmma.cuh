@@ -1,5 +1,6 @@
 // wgmma wrappers (sm_90a): fence, commit and wait of the asynchronous warpgroup MMA, the
-// shared-memory matrix descriptor, and wgmma m64n(8F)k16 for every fragment count F.
+// shared-memory matrix descriptor, wgmma m64n(8F)k16 for every fragment count F (A from registers),
+// and m64n128k16 with both operands in shared memory.
 #pragma once
 #include "ptx.cuh"
 
@@ -187,4 +188,12 @@ template <int FMAX> struct Wgmma<20, FMAX> {
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
   }
 };
+// wgmma m64n128k16, f32 += f16 x f16, A and B both from shared memory (K-major, no swizzle) by
+// descriptor: the tile whose decoded weights sit in shared memory (MMA = 2). D's 64 registers are
+// the consumers' acc[2][8][4] in order: d[4i + c] = acc[i / 8][i % 8][c], i the 8-column block.
+__device__ __forceinline__ void wgmma_ss_n128(float (&c)[2][8][4], uint64_t da, uint64_t db) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+               : "+f"(c[0][0][0]), "+f"(c[0][0][1]), "+f"(c[0][0][2]), "+f"(c[0][0][3]), "+f"(c[0][1][0]), "+f"(c[0][1][1]), "+f"(c[0][1][2]), "+f"(c[0][1][3]), "+f"(c[0][2][0]), "+f"(c[0][2][1]), "+f"(c[0][2][2]), "+f"(c[0][2][3]), "+f"(c[0][3][0]), "+f"(c[0][3][1]), "+f"(c[0][3][2]), "+f"(c[0][3][3]), "+f"(c[0][4][0]), "+f"(c[0][4][1]), "+f"(c[0][4][2]), "+f"(c[0][4][3]), "+f"(c[0][5][0]), "+f"(c[0][5][1]), "+f"(c[0][5][2]), "+f"(c[0][5][3]), "+f"(c[0][6][0]), "+f"(c[0][6][1]), "+f"(c[0][6][2]), "+f"(c[0][6][3]), "+f"(c[0][7][0]), "+f"(c[0][7][1]), "+f"(c[0][7][2]), "+f"(c[0][7][3]), "+f"(c[1][0][0]), "+f"(c[1][0][1]), "+f"(c[1][0][2]), "+f"(c[1][0][3]), "+f"(c[1][1][0]), "+f"(c[1][1][1]), "+f"(c[1][1][2]), "+f"(c[1][1][3]), "+f"(c[1][2][0]), "+f"(c[1][2][1]), "+f"(c[1][2][2]), "+f"(c[1][2][3]), "+f"(c[1][3][0]), "+f"(c[1][3][1]), "+f"(c[1][3][2]), "+f"(c[1][3][3]), "+f"(c[1][4][0]), "+f"(c[1][4][1]), "+f"(c[1][4][2]), "+f"(c[1][4][3]), "+f"(c[1][5][0]), "+f"(c[1][5][1]), "+f"(c[1][5][2]), "+f"(c[1][5][3]), "+f"(c[1][6][0]), "+f"(c[1][6][1]), "+f"(c[1][6][2]), "+f"(c[1][6][3]), "+f"(c[1][7][0]), "+f"(c[1][7][1]), "+f"(c[1][7][2]), "+f"(c[1][7][3])
+               : "l"(da), "l"(db));
+}
 }  // namespace lab_gemm
