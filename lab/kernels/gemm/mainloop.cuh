@@ -83,15 +83,10 @@ __device__ __forceinline__ void stage_wgmma(float (&acc)[ROW_TILES][MAX_FRAGS][4
         asm volatile("" ::"r"(h[r][q][0]), "r"(h[r][q][1]), "r"(h[r][q][2]), "r"(h[r][q][3]));
   };
   uint32_t hold[R][GS][4];
-  // Each wgmma's B descriptor is the stage's first plus a compile-time offset (the 14-bit address
-  // field cannot carry: shared addresses stay below 2^18), so that no 64-bit address arithmetic
-  // sits between a group's decode and its wgmmas.
-  const uint64_t desc0 = smem_desc(smem_addr(xf), 128, 256);
-  const uint64_t desc2 = NS == 2 ? smem_desc(smem_addr(xf2), 128, 256) : desc0;
   load(0);
 #pragma unroll
   for (int ka = 0; ka < NS * KATOMS; ++ka) {
-    const uint64_t dstage = NS == 2 && ka >= KATOMS ? desc2 : desc0;
+    const uint32_t xf_addr = smem_addr(NS == 2 && ka >= KATOMS ? xf2 : xf);
     const int kk = NS == 2 && ka >= KATOMS ? ka - KATOMS : ka;  // atom within its stage
 #pragma unroll
     for (int jg = 0; jg < 4 / GS; ++jg) {
@@ -104,7 +99,7 @@ __device__ __forceinline__ void stage_wgmma(float (&acc)[ROW_TILES][MAX_FRAGS][4
       wgmma_fence();
 #pragma unroll
       for (int q = 0; q < GS; ++q) {
-        const uint64_t desc = dstage + (uint64_t)(((kk * 4 + jg * GS + q) * MAX_FRAGS * 256) >> 4);
+        const uint64_t desc = smem_desc(xf_addr + (kk * 4 + jg * GS + q) * MAX_FRAGS * 256, 128, 256);
 #pragma unroll
         for (int r = 0; r < R; ++r)
           Wgmma<F, MAX_FRAGS>::run(acc[r], a[r][q][0], a[r][q][1], a[r][q][2], a[r][q][3], desc);
