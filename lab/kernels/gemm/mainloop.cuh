@@ -131,31 +131,19 @@ __device__ __forceinline__ void stage_wgmma(float (&acc)[ROW_TILES][MAX_FRAGS][4
 // dw (of DW) takes the stage's atoms dw, dw + DW, ...
 template <int TILES, int KATOMS, int DW>
 __device__ __forceinline__ void decode_w_stage(const uint8_t* wst, uint8_t* wb, int dw, int lane) {
-  constexpr int ATOMS = TILES * KATOMS, PER_WARP = (ATOMS + DW - 1) / DW;
   uint8_t* dst = wb + (lane >> 2) * 16 + (lane & 3) * 4;
-  // Every atom's codes and scales first: the stores below may alias the loads as far as the
-  // compiler knows, so a load left after them would wait for them (ncu: the decoders stalled on
-  // their loads, one atom at a time)
-  uint4 code[PER_WARP];
-  uint2 scl[PER_WARP];
 #pragma unroll
-  for (int i = 0; i < PER_WARP; ++i) {
+  for (int i = 0; i < (TILES * KATOMS + DW - 1) / DW; ++i) {
     const int atom = i * DW + dw;  // stage order [tile][k atom]
-    if (ATOMS % DW == 0 || atom < ATOMS) {
-      const uint8_t* src = wst + atom * ATOM_BYTES;
-      code[i] = *reinterpret_cast<const uint4*>(src + lane * 16);
-      scl[i] = *reinterpret_cast<const uint2*>(src + ATOM_CODE_BYTES + (lane >> 2) * 8);
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < PER_WARP; ++i) {
-    const int atom = i * DW + dw;
-    if (ATOMS % DW != 0 && atom >= ATOMS) break;
+    if ((TILES * KATOMS) % DW != 0 && atom >= TILES * KATOMS) break;
     const int tile = atom / KATOMS, ka = atom - tile * KATOMS;
+    const uint8_t* src = wst + atom * ATOM_BYTES;
+    const uint4 code = *reinterpret_cast<const uint4*>(src + lane * 16);
+    const uint2 scl = *reinterpret_cast<const uint2*>(src + ATOM_CODE_BYTES + (lane >> 2) * 8);
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
       uint32_t a[4];
-      decode_tile(code[i], scl[i], jj, a);
+      decode_tile(code, scl, jj, a);
       uint8_t* at = dst + (ka * 4 + jj) * (TILES * 16 * 32) + tile * 512;
       *reinterpret_cast<uint32_t*>(at) = a[0];        // rows g,     k slots 2t, 2t + 1
       *reinterpret_cast<uint32_t*>(at + 256) = a[1];  // rows g + 8
