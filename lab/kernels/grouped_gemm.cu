@@ -18,6 +18,9 @@
 //   activation decoders            their loop below; the e2m1 / e4m3 decode gemm/decode.cuh. None
 //                                  on the image path (large token tiles): a pre-pass decodes the
 //                                  activations once per launch, gemm/act_image.cuh
+//   weight decoders (MMA = 2)      their loop below: each stage's weights once into shared memory
+//                                  (gemm/mainloop.cuh decode_w_stage), tokens then being wgmma's A
+//                                  operand from the image and the decoded weights its B
 //   epilogue warps (fused modes)   gemm/epilogue_warps.cuh, on gemm/epilogue.cuh's tile functions
 // PTX wrappers: gemm/ptx.cuh, gemm/wgmma.cuh. What the roles share (mode, barriers, the h tile's
 // header, the unit ring): gemm/pipeline.cuh. The consumer and decoder loops stay in the kernel
