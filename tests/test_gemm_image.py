@@ -159,7 +159,10 @@ def test_image_workspace_grows_per_stream_and_keeps_what_graphs_may_hold():
 
 def _twin(cfg):
     """The decoder-warp tile of the same shape, where the lab compiles one; else (the 256-row
-    tiles past 96 tokens, with a producer warpgroup) the 96-token image tile of the same rows."""
+    tiles past 96 tokens, with a producer warpgroup) the 96-token image tile of the same rows; for
+    mma 2, the register-A 64-token image tile."""
+    if cfg.mma == 2:
+        return gg.GemmConfig(8, 2, 128, 4, 8, 1, act=cfg.act, image=True)
     dec = replace(cfg, image=False)
     known = set(gg.SHIPPED_CONFIGS) | set(gg.SHIPPED_LARGE) | set(gg.SHIPPED_W4A16)
     if dec in known:
@@ -168,12 +171,13 @@ def _twin(cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", gg.SHIPPED_IMAGE, ids=IDS)
+@pytest.mark.parametrize("cfg", gg.SHIPPED_IMAGE + gg.SHIPPED_SS, ids=IDS)
 def test_image_tiles_match_float64_and_their_decoder_twins_bit_for_bit(cfg):
     """Counts around each token tile and past it (several passes), empty experts included:
     relative error <= 1e-5 against float64, every element written, the same bits on a second
     run, and the same bits as the decoder-warp tile of the same shape (the image holds exactly
-    what the decoders write) or, for the producer-warpgroup tiles, as the 96-token image tile."""
+    what the decoders write) or, for the producer-warpgroup tiles, as the 96-token image tile;
+    for the tile with the weights decoded into shared memory (mma 2), as the register-A one."""
     import cupy as cp
 
     seed = int(np.random.default_rng().integers(2**31))
@@ -186,12 +190,12 @@ def test_image_tiles_match_float64_and_their_decoder_twins_bit_for_bit(cfg):
     scales = rng.integers(1, 127, (e, n, k // 16)).astype(np.uint8)
     offsets, xq, xs, xf = _problem(rng, cfg.act, counts, k)
     alpha = rng.uniform(0.5, 2, e).astype(np.float32)
-    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
     args = (cp.asarray(xq), None if xs is None else cp.asarray(xs), cp.asarray(offsets), cp.asarray(alpha))
     outs = []
     for c in (cfg, cfg, _twin(cfg)):
         if c is None:
             continue
+        prep = gg.prepare_weights(packed, scales, xp=cp, layout=(c.block_rows, c.k_step))
         out = cp.full((xq.shape[0], n), cp.nan, cp.float32)
         gg.grouped_gemm(prep, args[0], args[1], args[2], args[3], out, c)
         outs.append(out.get())
@@ -207,7 +211,8 @@ def test_image_tiles_match_float64_and_their_decoder_twins_bit_for_bit(cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [c for c in gg.SHIPPED_IMAGE if c.warps == 8 and c.row_tiles == 2], ids=IDS)
+@pytest.mark.parametrize("cfg", [c for c in gg.SHIPPED_IMAGE if c.warps == 8 and c.row_tiles == 2] + [gg.SHIPPED_SS[0]],
+                         ids=IDS)
 def test_image_tiles_write_bf16_as_the_conversion_rounds_it(cfg):
     """A uint16 out: the bits of the fp32 output through swiglu_quant.to_bf16, and the same count
     of non-finite outputs (an expert with alpha = inf makes them: inf, and NaN where the sum is
