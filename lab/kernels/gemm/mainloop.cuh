@@ -131,11 +131,11 @@ __device__ __forceinline__ void stage_wgmma(float (&acc)[ROW_TILES][MAX_FRAGS][4
 // dw (of DW) takes the stage's atoms dw, dw + DW, ...
 template <int TILES, int KATOMS, int DW>
 __device__ __forceinline__ void decode_w_stage(const uint8_t* wst, uint8_t* wb, int dw, int lane) {
+  static_assert((TILES * KATOMS) % DW == 0, "every decoder warp takes as many atoms");
   uint8_t* dst = wb + (lane >> 2) * 16 + (lane & 3) * 4;
 #pragma unroll
-  for (int i = 0; i < (TILES * KATOMS + DW - 1) / DW; ++i) {
+  for (int i = 0; i < TILES * KATOMS / DW; ++i) {
     const int atom = i * DW + dw;  // stage order [tile][k atom]
-    if ((TILES * KATOMS) % DW != 0 && atom >= TILES * KATOMS) break;
     const int tile = atom / KATOMS, ka = atom - tile * KATOMS;
     const uint8_t* src = wst + atom * ATOM_BYTES;
     const uint4 code = *reinterpret_cast<const uint4*>(src + lane * 16);
