@@ -53,12 +53,16 @@ __device__ __forceinline__ bool bf16_nonfinite(uint32_t b) { return (b & 0x7f80u
 // Two of bf16_bits at once, v0 in the low half: cvt.rn.bf16x2.f32 rounds to nearest even,
 // keeps subnormals and overflows to Inf exactly as bf16_bits does, in one instruction for the
 // pair (the w2 epilogue is issue bound: ~5 us of fused-layer went to the per-value form). Its
-// NaN is canonical, so a pair holding a NaN takes bf16_bits' path.
+// NaN is canonical, so a NaN half takes bf16_bits' quiet NaN (the value's top 16 bits, quiet bit
+// set) by a select, not a branch: a branch per pair made the image tiles' bf16 epilogue ~3000
+// instructions of short blocks (BSSY/BSYNC, instruction-cache misses), 1.9x the fp32 epilogue's
+// count (Nsight Compute, notes/gemm.md v31).
 __device__ __forceinline__ uint32_t bf16x2_bits(float v0, float v1) {
   uint32_t r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(v1), "f"(v0));  // first source -> high half
-  if (v0 != v0 || v1 != v1) r = bf16_bits(v0) | (bf16_bits(v1) << 16);
-  return r;
+  const uint32_t quiet = __byte_perm(__float_as_uint(v0), __float_as_uint(v1), 0x7632) | 0x00400040u;
+  const uint32_t nan = (v0 != v0 ? 0x0000ffffu : 0u) | (v1 != v1 ? 0xffff0000u : 0u);
+  return (r & ~nan) | (quiet & nan);
 }
 __device__ __forceinline__ uint32_t bf16x2_nonfinite(uint32_t b) {
   return ((b & 0x7f80u) == 0x7f80u) + ((b & 0x7f800000u) == 0x7f800000u);
