@@ -64,9 +64,10 @@ def test_image_groups_of_experts_never_overlap(seed):
 
 
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
+@pytest.mark.parametrize("bf16_out", [False, True], ids=["fp32-out", "bf16-out"])
 @pytest.mark.parametrize("cfg", gg.SHIPPED_IMAGE, ids=IDS)
-def test_image_tiles_compile_without_spills(cfg):
-    info = jit.ptxas_report(gg.SOURCE, cfg.expression)
+def test_image_tiles_compile_without_spills(cfg, bf16_out):
+    info = jit.ptxas_report(gg.SOURCE, cfg.expression_for(False, bf16_out=bf16_out))
     assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
     assert info.registers <= 65536 // (4 * 32 * -(-cfg.threads // 128)), info
     assert not info.wgmma_serialized and not info.setmaxnreg_ignored, info
@@ -301,3 +302,14 @@ def test_bf16_out_is_refused_where_it_cannot_run():
         gg.grouped_gemm(prep, xq, xs, off, alpha, bf, img, nonfinite=cp.zeros(2, cp.uint32))
     with pytest.raises(ValueError, match="out"):
         gg.grouped_gemm(prep, xq, xs, off, alpha, cp.zeros((rows, n + 1), cp.uint16), img, nonfinite=c)
+
+
+def test_bf16_output_is_an_instantiation_of_its_own():
+    """A register-A image tile's bf16 output compiles apart (BF16_OUT), the fp32 one keeps the
+    twelve-argument name; the MMA = 2 tile chooses its output at run time."""
+    cfg = gg.SHIPPED_IMAGE[-1]
+    assert cfg.expression_for(False).endswith("false, false>")
+    assert cfg.expression_for(False, bf16_out=True).endswith("false, false, true>")
+    assert cfg.expression_for(False, True, bf16_out=True).endswith("false, true, true>")
+    ss = gg.SHIPPED_SS[0]
+    assert ss.expression_for(False, bf16_out=True) == ss.expression_for(False)

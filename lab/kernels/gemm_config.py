@@ -115,13 +115,16 @@ class GemmConfig:
     def expression(self) -> str:
         return self.expression_for(read_only=False)
 
-    def expression_for(self, read_only: bool, counts_in: bool = False) -> str:
+    def expression_for(self, read_only: bool, counts_in: bool = False, bf16_out: bool = False) -> str:
         """The kernel's instantiation; `counts_in`: the one that takes a size class of experts
-        (grouped_gemm's counts_in), a separate compile so the others keep their code."""
+        (grouped_gemm's counts_in), a separate compile so the others keep their code; `bf16_out`:
+        a register-A image tile's bf16 output (BF16_OUT), likewise."""
         b = {True: "true", False: "false"}
+        tail = ", true" if bf16_out and self.mma == 1 else ""  # (the MMA = 2 tile chooses at run time)
         return (f"lab_gemm::grouped_gemm_nvfp4<{self.warps}, {self.row_tiles}, {self.k_step}, {self.stages}, "
                 f"{self.max_frags}, {self.mma}, {self.decoder_warps}, {self.epilogue_warps}, "
-                f"lab_gemm::Mode::{self.mode}, lab_gemm::Act::{self.act}, {b[bool(read_only)]}, {b[bool(counts_in)]}>")
+                f"lab_gemm::Mode::{self.mode}, lab_gemm::Act::{self.act}, {b[bool(read_only)]}, {b[bool(counts_in)]}"
+                f"{tail}>")
 
 
     @property

@@ -140,9 +140,12 @@ struct Config {
 // READ_ONLY = true runs the same grid, pipeline and copies but skips decode, MMA and stores:
 // the achievable read rate of exactly this access pattern. COUNTS_IN = true takes only the experts
 // of count_lo..count_hi tokens (a launch over one size class: grouped_gemm's counts_in); false
-// ignores both arguments and compiles to the same code as a kernel without them.
+// ignores both arguments and compiles to the same code as a kernel without them. BF16_OUT = true
+// (register-A image tiles, Mode::plain): problem 0's output as bf16 bits in out_bf16, its own
+// instantiation, so that neither output form carries the other's epilogue (each is unrolled over
+// every fragment count: ~1700 and ~3000 instructions, cold in the instruction cache once a unit).
 template <int WARPS, int ROW_TILES, int K_STEP, int STAGES, int MAX_FRAGS, int MMA, int DECODER_WARPS,
-          int EPILOGUE_WARPS, Mode MODE, Act ACT, bool READ_ONLY, bool COUNTS_IN>
+          int EPILOGUE_WARPS, Mode MODE, Act ACT, bool READ_ONLY, bool COUNTS_IN, bool BF16_OUT = false>
 __global__ void __launch_bounds__(
     Config<WARPS, ROW_TILES, K_STEP, STAGES, MAX_FRAGS, MMA, DECODER_WARPS, EPILOGUE_WARPS, MODE, ACT>::THREADS, 1)
 grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single problem) the same
@@ -161,9 +164,10 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
     // Mode::layer (problem 1 = w2 of the same experts): a unit of expert e starts reading its
     // activations once ready[e] counts every (w13 block, pass, warp) of e; problem 1's output
     // goes to out_bf16 as bf16 bits, written by the epilogue warps (out1 is not written).
-    // Mode::plain on an image tile, one problem: out_bf16 non-null takes problem 0's output as bf16
-    // bits instead of out0 (the consumers round as the separate conversion does, and count the
-    // outputs that are not finite in *nonfinite).
+    // Mode::plain on an image tile, one problem: BF16_OUT (or, on the MMA = 2 tile, out_bf16
+    // non-null) takes problem 0's output as bf16 bits in out_bf16 instead of out0 (the consumers
+    // round as the separate conversion does, and count the outputs that are not finite in
+    // *nonfinite).
     int* __restrict__ ready, unsigned short* __restrict__ out_bf16,
     unsigned int* __restrict__ nonfinite,  // SwiGLU values or bf16 outputs that are not finite
     // COUNTS_IN: the experts this launch computes are those of count_lo..count_hi tokens
@@ -188,6 +192,8 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
                 "token tiles past 64 (up to 160): wgmma, plain epilogue only");
   static_assert(MAX_FRAGS <= 20, "wgmma N at most 160 (gemm/wgmma.cuh)");
   static_assert(!(READ_ONLY && C::MODE != Mode::plain), "the read-only pattern has no epilogue to fuse");
+  static_assert(!BF16_OUT || (C::SPLIT && MMA == 1 && MODE == Mode::plain && !READ_ONLY),
+                "BF16_OUT: the plain epilogue of a register-A image tile");
   static_assert(STAGES < RING, "unit ring too small");
   const int NB0 = N0 / C::BLOCK_ROWS, NB1 = N1 / C::BLOCK_ROWS;
   const int warp = threadIdx.x >> 5;
@@ -527,11 +533,8 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
       if constexpr (SWIGLU_REGS) {
         swiglu_regs<C>(acc, gate_global[unit_e], up_global[unit_e], act_global, six_g, N / 2, a_packed, a_scales, nb,
                        row0, tok0, count, frags, out_scale, warp, g, t4, bad_out);
-      } else if constexpr (C::SPLIT) {
-        if (out_bf16 != nullptr)
-          store_tile_bf16<C>(acc, out_bf16, N, nb, row0, tok0, count, frags, out_scale, warp, g, t4, bad_out);
-        else
-          store_tile<C>(acc, out, N, nb, row0, tok0, count, frags, out_scale, warp, g, t4);
+      } else if constexpr (BF16_OUT) {
+        store_tile_bf16<C>(acc, out_bf16, N, nb, row0, tok0, count, frags, out_scale, warp, g, t4, bad_out);
       } else {
         store_tile<C>(acc, out, N, nb, row0, tok0, count, frags, out_scale, warp, g, t4);
       }

@@ -274,7 +274,7 @@ def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fu
                         for i, (prep, x_packed, x_scales, offsets, alpha, out) in enumerate(problems)]
     experts = sum(pr[0].experts for pr in problems)
     smem = cfg.launch_smem(experts)
-    fn = jit.kernel(SOURCE, cfg.expression_for(read_only, counts_in != ALL_COUNTS), smem)
+    fn = jit.kernel(SOURCE, cfg.expression_for(read_only, counts_in != ALL_COUNTS, bf16_out=nonfinite is not None), smem)
     units = sum(pr[0].experts * (pr[0].n // cfg.block_rows) for pr in problems)
     grid = (min(units, (sms or jit.sm_count()) * resident_ctas(cfg, experts, fn.num_regs)),)
     args = []
