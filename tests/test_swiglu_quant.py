@@ -91,7 +91,7 @@ def kernel_e4m3_decode(c: np.ndarray) -> np.ndarray:
 
 
 def kernel_bf16(x, xp=np):
-    """swiglu_quant.cu bf16_bits (NumPy or CuPy)."""
+    """nvfp4_act.cuh bf16x2_bits, one value at a time (NumPy or CuPy)."""
     u = x.astype(xp.float32).view(xp.uint32).astype(xp.uint64)
     nan = (u & 0x7FFFFFFF) > 0x7F800000
     r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF

@@ -42,21 +42,13 @@ __device__ __forceinline__ uint32_t e2m1_encode(float q) {
   return i | ((__float_as_uint(q) >> 28) & 0x8u);
 }
 
-// fp32 -> bf16 bits, RNE (overflow goes to Inf as in ml_dtypes); NaN -> quiet NaN, sign kept.
-__device__ __forceinline__ uint32_t bf16_bits(float v) {
-  const uint32_t u = __float_as_uint(v);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
-  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-}
-__device__ __forceinline__ bool bf16_nonfinite(uint32_t b) { return (b & 0x7f80u) == 0x7f80u; }
-
-// Two of bf16_bits at once, v0 in the low half: cvt.rn.bf16x2.f32 rounds to nearest even,
-// keeps subnormals and overflows to Inf exactly as bf16_bits does, in one instruction for the
-// pair (the w2 epilogue is issue bound: ~5 us of fused-layer went to the per-value form). Its
-// NaN is canonical, so a NaN half takes bf16_bits' quiet NaN (the value's top 16 bits, quiet bit
-// set) by a select, not a branch: a branch per pair made the image tiles' bf16 epilogue ~3000
-// instructions of short blocks (BSSY/BSYNC, instruction-cache misses), 1.9x the fp32 epilogue's
-// count (Nsight Compute, notes/gemm.md v31).
+// fp32 -> bf16 bits, two at a time, v0 in the low half: round to nearest even (subnormals kept,
+// overflow to Inf as in ml_dtypes), a NaN as a quiet NaN with its sign and top payload bits (the
+// value's top 16 bits, quiet bit set). cvt.rn.bf16x2.f32 does the rounding for the pair in one
+// instruction (the w2 epilogue is issue bound: ~5 us of fused-layer went to a per-value form); its
+// NaN is canonical, so a NaN half takes the quiet form by a select, not a branch: a branch per
+// pair made the image tiles' bf16 epilogue ~3000 instructions of short blocks (BSSY/BSYNC,
+// instruction-cache misses), 1.9x the fp32 epilogue's count (Nsight Compute, notes/gemm.md v31).
 __device__ __forceinline__ uint32_t bf16x2_bits(float v0, float v1) {
   uint32_t r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(v1), "f"(v0));  // first source -> high half
