@@ -25,6 +25,9 @@ Only the kernels come from the trees: launches are sized by this checkout's Pyth
 shared memory, threads, grid). A tree whose Config<> lays out more shared memory than this
 checkout's GemmConfig.smem_bytes says would run past its allocation, so run the script from the
 checkout whose layout is the largest (a kernel given more than it uses runs as it would).
+The instantiation names come from this checkout too: --out bf16 names the kernel's BF16_OUT
+argument (31d8ca5), which a tree from before it lacks; add `bool BF16_OUT = false` to that tree's
+kernel template (ignored there: its run-time branch still picks the bf16 epilogue) to time it.
 """
 
 from __future__ import annotations
