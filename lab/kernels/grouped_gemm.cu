@@ -477,34 +477,82 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
       next_stage();
       continue;
     }
-    // Image tiles with an even ring take their stages in pairs (s even, s + 1 of the same use and
-    // the same unit: kchunks is even), one mainloop call and one drain per pair.
-    const uint8_t* wst2 = wst + C::STAGE_W;
-    const uint8_t* xf2 = xf + C::XF;
-    if constexpr (C::NS == 2) mbar_wait(pipe.full0 + 8 * (s + 1), phase);
-    // One dispatch per stage to a body with a compile-time fragment count: no per-MMA predicates
-    // (each cost an ISETP and a WARPSYNC) and, for wgmma, a single instruction shape.
-    switch (frags) {
+    if constexpr (C::SPLIT && MMA == 1 && MODE == Mode::plain) {
+      // Register-A image tiles, plain epilogue: a unit is one pass of kchunks stages, so one
+      // dispatch per pass to a loop over its stages with a compile-time fragment count, where the
+      // other tiles dispatch per stage: at 512 tokens per expert (K 2048) the per-stage switch
+      // (compares, a jump table, branch targets cold in the instruction cache) held ~7% of the
+      // consumers' stall samples (notes/gemm.md v31). The full pass is tested first, outside the
+      // switch (inside it, the 160-token tile spilled ~0.8 KB; the register SwiGLU spills and
+      // serializes its wgmma in either form, so it keeps the per-stage dispatch). The loop leaves
+      // with the pass's last stage released and kc on it, for the epilogue below. Rings of an
+      // even length take their stages in pairs (s even, s + 1 of the same use and the same unit:
+      // kchunks is even), one mainloop call and one drain per pair.
+      auto pass_stages = [&](auto frags_c) {
+        constexpr int F = decltype(frags_c)::value;
+        for (bool first = true;; first = false) {
+          if (!first) mbar_wait(pipe.full0 + 8 * s, phase);
+          const uint8_t* w = smem + C::OFF_W + s * C::STAGE_W;
+          const uint8_t* x = smem + C::OFF_XF + s * C::XF;
+          if constexpr (C::NS == 2) mbar_wait(pipe.full0 + 8 * (s + 1), phase);
+          stage_wgmma<WARPS, ROW_TILES, K_STEP, MAX_FRAGS, C::GS, F, C::NS>(acc, w, x, warp, lane, w + C::STAGE_W,
+                                                                         x + C::XF);
+          mbar_arrive(pipe.empty0 + 8 * s);
+          if constexpr (C::NS == 2) {
+            mbar_arrive(pipe.empty0 + 8 * (s + 1));
+            next_stage();
+          }
+          if (kc == kchunks - 1) break;
+          next_stage();
+        }
+      };
+      if (frags == MAX_FRAGS) {
+        pass_stages(FragCount<MAX_FRAGS>{});
+      } else {
+        switch (frags) {  // (1..MAX_FRAGS: every unit holds at least one token)
+#define LAB_PASS_CASE(F)                                                     \
+          case F:                                                            \
+            if constexpr (F < MAX_FRAGS) pass_stages(FragCount<F>{});        \
+            break;
+          LAB_PASS_CASE(1) LAB_PASS_CASE(2) LAB_PASS_CASE(3) LAB_PASS_CASE(4)
+          LAB_PASS_CASE(5) LAB_PASS_CASE(6) LAB_PASS_CASE(7) LAB_PASS_CASE(8)
+          LAB_PASS_CASE(9) LAB_PASS_CASE(10) LAB_PASS_CASE(11) LAB_PASS_CASE(12)
+          LAB_PASS_CASE(13) LAB_PASS_CASE(14) LAB_PASS_CASE(15) LAB_PASS_CASE(16)
+          LAB_PASS_CASE(17) LAB_PASS_CASE(18) LAB_PASS_CASE(19) LAB_PASS_CASE(20)
+#undef LAB_PASS_CASE
+          default: break;
+        }
+      }
+    } else {
+      // Image tiles with an even ring take their stages in pairs (s even, s + 1 of the same use and
+      // the same unit: kchunks is even), one mainloop call and one drain per pair.
+      const uint8_t* wst2 = wst + C::STAGE_W;
+      const uint8_t* xf2 = xf + C::XF;
+      if constexpr (C::NS == 2) mbar_wait(pipe.full0 + 8 * (s + 1), phase);
+      // One dispatch per stage to a body with a compile-time fragment count: no per-MMA predicates
+      // (each cost an ISETP and a WARPSYNC) and, for wgmma, a single instruction shape.
+      switch (frags) {
 #define LAB_STAGE_CASE(F)                                                                                  \
-      case F:                                                                                              \
-        if constexpr (F <= MAX_FRAGS) {                                                                    \
-          if constexpr (MMA == 0) stage_math<WARPS, ROW_TILES, K_STEP, MAX_FRAGS, F>(acc, wst, xf, warp, lane);   \
-          else stage_wgmma<WARPS, ROW_TILES, K_STEP, MAX_FRAGS, C::GS, F, C::NS>(acc, wst, xf, warp, lane, \
-                                                                               wst2, xf2);                 \
-        }                                                                                                  \
-        break;
-      LAB_STAGE_CASE(1) LAB_STAGE_CASE(2) LAB_STAGE_CASE(3) LAB_STAGE_CASE(4)
-      LAB_STAGE_CASE(5) LAB_STAGE_CASE(6) LAB_STAGE_CASE(7) LAB_STAGE_CASE(8)
-      LAB_STAGE_CASE(9) LAB_STAGE_CASE(10) LAB_STAGE_CASE(11) LAB_STAGE_CASE(12)
-      LAB_STAGE_CASE(13) LAB_STAGE_CASE(14) LAB_STAGE_CASE(15) LAB_STAGE_CASE(16)
-      LAB_STAGE_CASE(17) LAB_STAGE_CASE(18) LAB_STAGE_CASE(19) LAB_STAGE_CASE(20)
+        case F:                                                                                              \
+          if constexpr (F <= MAX_FRAGS) {                                                                    \
+            if constexpr (MMA == 0) stage_math<WARPS, ROW_TILES, K_STEP, MAX_FRAGS, F>(acc, wst, xf, warp, lane);   \
+            else stage_wgmma<WARPS, ROW_TILES, K_STEP, MAX_FRAGS, C::GS, F, C::NS>(acc, wst, xf, warp, lane, \
+                                                                                 wst2, xf2);                 \
+          }                                                                                                  \
+          break;
+        LAB_STAGE_CASE(1) LAB_STAGE_CASE(2) LAB_STAGE_CASE(3) LAB_STAGE_CASE(4)
+        LAB_STAGE_CASE(5) LAB_STAGE_CASE(6) LAB_STAGE_CASE(7) LAB_STAGE_CASE(8)
+        LAB_STAGE_CASE(9) LAB_STAGE_CASE(10) LAB_STAGE_CASE(11) LAB_STAGE_CASE(12)
+        LAB_STAGE_CASE(13) LAB_STAGE_CASE(14) LAB_STAGE_CASE(15) LAB_STAGE_CASE(16)
+        LAB_STAGE_CASE(17) LAB_STAGE_CASE(18) LAB_STAGE_CASE(19) LAB_STAGE_CASE(20)
 #undef LAB_STAGE_CASE
-      default: break;
-    }
-    mbar_arrive(pipe.empty0 + 8 * s);
-    if constexpr (C::NS == 2) {  // the pair's second stage: its release, and the walk to it
-      mbar_arrive(pipe.empty0 + 8 * (s + 1));
-      next_stage();
+        default: break;
+      }
+      mbar_arrive(pipe.empty0 + 8 * s);
+      if constexpr (C::NS == 2) {  // the pair's second stage: its release, and the walk to it
+        mbar_arrive(pipe.empty0 + 8 * (s + 1));
+        next_stage();
+      }
     }
 
     if constexpr (C::EPILOGUE_WARPS != 0) {
