@@ -191,14 +191,14 @@ __device__ __forceinline__ void store_b_fragments(uint8_t* xf, int item, int f, 
   }
 }
 
-// A decoder's or consumer's next stage: its k chunk and pass within the unit (by increments: no
-// division on run-time values), the ring slot and that slot's parity.
 // A fragment count as a type, for the consumer loop's dispatch to a generic lambda.
 template <int F>
 struct FragCount {
   static constexpr int value = F;
 };
 
+// A decoder's or consumer's next stage: its k chunk and pass within the unit (by increments: no
+// division on run-time values), the ring slot and that slot's parity.
 template <int STAGES>
 __device__ __forceinline__ void advance_stage(int& kc, int& pass, int& s, uint32_t& phase, int kchunks, int passes) {
   if (++kc == kchunks) {
