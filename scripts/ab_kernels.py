@@ -8,6 +8,9 @@ one process to the next; only a comparison inside one process counts (notes/gemm
     python scripts/ab_kernels.py --tree base=/tmp/base/lab/kernels --tree work=lab/kernels \\
         --gemm w2 --mean-tokens 512 2048 --out fp32 bf16 --json results/ab_<what>.json
 
+--json is rewritten after every row ("complete": false until the last one), so a run that a
+timeout stops keeps the rows it finished.
+
 With no --tree the working tree runs against itself: the method's noise floor. The first tree is
 the base: the table gives each tree's time as a ratio to it (of the fastest rounds and of the
 median ones, marked ~ where the two trees' rounds overlap), and the script exits 1 when a tree's
@@ -211,11 +214,18 @@ def main(argv=None) -> int:
     names = list(trees)
     base = names[0]
     rows, bad = [], []
+
+    def save(complete: bool) -> None:
+        # after every row too: a run that its caller's timeout stops keeps the rows it finished
+        write_json(args.json, "scripts/ab_kernels.py", setup=setup, tensor_peak=tensor,
+                   trees={n: str(p) for n, p in trees.items()}, rows=rows, failed=bad, complete=complete)
+
     for mean in args.mean_tokens:
         for gemm in args.gemm:
             case = bench.case(gemm, mean, args.skew)
             if args.plan:
                 rows += plan_rows(bench, case, names, trees, args, bad)
+                save(complete=False)
                 continue
             cfg = gg.heuristic(case.n, case.k, case.counts, act=args.act)
             if args.config:
@@ -286,8 +296,10 @@ def main(argv=None) -> int:
                 for name, c in compare_rounds(ms, base).items():
                     row["trees"][name].update(c, tensor_pct=100 * flops / (c["ms"] * 1e-3) / 1e12 / tensor["tflops"])
                 rows.append(row)
+                save(complete=False)
                 log(TAG, f"{gemm} mean {mean:g} {out}: " + ", ".join(
-                    f"{n} {row['trees'][n]['ms']:.4f} ms (x{row['trees'][n]['x_base']:.4f})" for n in names))
+                    f"{n} {row['trees'][n]['ms']:.4f} ms (x{row['trees'][n]['x_base']:.4f} / "
+                    f"x{row['trees'][n]['x_base_median']:.4f})" for n in names))
     print(f"tensor peak: {tensor['tflops']:.0f} TFLOP/s (dense fp16 x fp16 -> fp32, cuBLAS); trees: "
           + ", ".join(f"{n} = {p}" for n, p in trees.items()))
     table = [[r["gemm"], r["mean_tokens"], r["out"], f"{r['config']['max_frags'] * 8}"]
@@ -300,8 +312,7 @@ def main(argv=None) -> int:
     print("~: the tree's rounds overlap the base's (a difference within round-to-round noise)")
     for b in bad:
         print(f"FAILED: {b}")
-    write_json(args.json, "scripts/ab_kernels.py", setup=setup, tensor_peak=tensor,
-               trees={n: str(p) for n, p in trees.items()}, rows=rows, failed=bad)
+    save(complete=True)
     return 1 if bad else 0
 
 
