@@ -97,6 +97,11 @@ def test_serialized_wgmma_counts_for_the_function_it_names_only():
     # printed apart from the blocks, it still names its function
     assert jit._parse_ptxas(msg.format(SWIGLU) + SWIGLU_REPORT, "lab_act::swiglu_quant").wgmma_serialized
     assert not jit._parse_ptxas(msg.format(DIV_CHECK) + SWIGLU_REPORT, "lab_act::swiglu_quant").wgmma_serialized
+    # C7512 (register resources) says "for the function", and nvcc prints it before the entry's block
+    regs = ("ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
+            "to insufficient register resources for the function '{}'\n")
+    assert jit._parse_ptxas(regs.format(SWIGLU) + SWIGLU_REPORT, "lab_act::swiglu_quant").wgmma_serialized
+    assert not jit._parse_ptxas(regs.format(DIV_CHECK) + SWIGLU_REPORT, "lab_act::swiglu_quant").wgmma_serialized
 
 
 def test_a_report_without_the_kernels_block_raises_instead_of_reading_another():

@@ -239,10 +239,12 @@ def _parse_ptxas(text: str, expression: str) -> PtxasInfo:
         raise RuntimeError(f"could not parse ptxas output for {expression}:\n{block[:2000]}")
     smem = re.search(r"(\d+) bytes smem", regs.group(0))
     # The message names the function it is about (the entry, or a device function the entry's
-    # block compiles), and the report may print it apart from that entry's block.
+    # block compiles), and the report may print it apart from that entry's block: C7515 (a
+    # pipeline stage's accumulators) "in the function", C7512 (register resources, printed before
+    # the entry's block) "for the function".
     serialized = (re.search(r"wgmma\S* instructions are serialized", block) or
-                  re.search(r"wgmma\S* instructions are serialized[^\n]*in the function '" + re.escape(mangled) + "'",
-                            text))
+                  re.search(r"wgmma\S* instructions are serialized[^\n]*(?:in|for) the function '"
+                            + re.escape(mangled) + "'", text))
     return PtxasInfo(expression, int(regs.group(1)), int(frame.group(1)), int(frame.group(2)),
                      int(frame.group(3)), int(smem.group(1)) if smem else 0, serialized is not None,
                      "'setmaxnreg' ignored" in text)
