@@ -514,11 +514,7 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
           case F:                                                            \
             if constexpr (F < MAX_FRAGS) pass_stages(FragCount<F>{});        \
             break;
-          LAB_PASS_CASE(1) LAB_PASS_CASE(2) LAB_PASS_CASE(3) LAB_PASS_CASE(4)
-          LAB_PASS_CASE(5) LAB_PASS_CASE(6) LAB_PASS_CASE(7) LAB_PASS_CASE(8)
-          LAB_PASS_CASE(9) LAB_PASS_CASE(10) LAB_PASS_CASE(11) LAB_PASS_CASE(12)
-          LAB_PASS_CASE(13) LAB_PASS_CASE(14) LAB_PASS_CASE(15) LAB_PASS_CASE(16)
-          LAB_PASS_CASE(17) LAB_PASS_CASE(18) LAB_PASS_CASE(19) LAB_PASS_CASE(20)
+          LAB_FRAG_CASES(LAB_PASS_CASE)
 #undef LAB_PASS_CASE
           default: break;
         }
@@ -540,11 +536,7 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
                                                                                  wst2, xf2);                 \
           }                                                                                                  \
           break;
-        LAB_STAGE_CASE(1) LAB_STAGE_CASE(2) LAB_STAGE_CASE(3) LAB_STAGE_CASE(4)
-        LAB_STAGE_CASE(5) LAB_STAGE_CASE(6) LAB_STAGE_CASE(7) LAB_STAGE_CASE(8)
-        LAB_STAGE_CASE(9) LAB_STAGE_CASE(10) LAB_STAGE_CASE(11) LAB_STAGE_CASE(12)
-        LAB_STAGE_CASE(13) LAB_STAGE_CASE(14) LAB_STAGE_CASE(15) LAB_STAGE_CASE(16)
-        LAB_STAGE_CASE(17) LAB_STAGE_CASE(18) LAB_STAGE_CASE(19) LAB_STAGE_CASE(20)
+        LAB_FRAG_CASES(LAB_STAGE_CASE)
 #undef LAB_STAGE_CASE
         default: break;
       }

@@ -197,6 +197,12 @@ struct FragCount {
   static constexpr int value = F;
 };
 
+// CASE(F) for every fragment count a tile may have (1..20: 8-token fragments up to 160 tokens),
+// for the consumer loop's switches on the run-time count.
+#define LAB_FRAG_CASES(CASE)                                                                       \
+  CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12) \
+  CASE(13) CASE(14) CASE(15) CASE(16) CASE(17) CASE(18) CASE(19) CASE(20)
+
 // A decoder's or consumer's next stage: its k chunk and pass within the unit (by increments: no
 // division on run-time values), the ring slot and that slot's parity.
 template <int STAGES>
