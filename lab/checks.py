@@ -1,6 +1,6 @@
 """Correctness checks of a layer run against lab.reference, shared by run_layer.py and the tests.
 
-    check_separate(runner, layer, x, experts)   separate's stages one by one, each against the
+    check_separate(runner, layer, experts)      separate's stages one by one, each against the
                                                 reference fed the device's own input to that stage:
         x_q   bitwise  nvfp4.quantize(x[row_token], w13_input_scale)                  all rows
         h     rel      reference.w13(x_q)                                              sampled experts
@@ -8,8 +8,13 @@
         a_q   bitwise  nvfp4.quantize(the kernel's fp32 SwiGLU, w2_input_scale)        all rows
         out   rel      reference.w2(a_q as computed)                                   sampled experts
         bf16  bitwise  ml_dtypes bf16 of out                                           all rows
-        layer rel      reference.layer(x) end to end (reported, not a pass/fail)       sampled experts
+        layer rel      the reference layer on x end to end (reported, not a pass/fail) sampled experts
     compare_bits(got, want)                     bitwise equality with the first differing index
+
+The host memory of a check is bounded whatever the batch: the float64 work holds only the sampled
+experts' rows (the references run on those rows alone, with offsets that give every other expert
+none), and the all-rows comparisons copy CHECK_CHUNK_ROWS rows at a time (lab/memory.py,
+check_host_parts, counts both).
 
 Relative errors are Frobenius norms in float64 (rel_error): against an all-zero reference a
 relative error is undefined, and is None (JSON null, "undefined" in tables), never 0.
@@ -31,6 +36,7 @@ OUT_TOL = 1e-5
 
 
 UNDEFINED = "undefined (zero reference)"
+CHECK_CHUNK_ROWS = 8192  # rows per copy in check_separate's all-rows comparisons
 
 
 def rel_error(got, want) -> float | None:
@@ -101,30 +107,94 @@ def _host_x(layer) -> np.ndarray:
     return x.view(ml_dtypes.bfloat16) if x.dtype == np.uint16 else x
 
 
+def compact_offsets(offsets, experts) -> np.ndarray:
+    """Offsets (E+1,) of the rows of `experts` alone, in expert order (every other expert holds
+    none): the reference functions then run on expert_rows(offsets, sorted(experts)) and nothing
+    else."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    counts = np.zeros(len(offsets) - 1, np.int64)
+    sel = np.asarray(sorted(experts), dtype=np.int64)
+    counts[sel] = offsets[sel + 1] - offsets[sel]
+    return np.concatenate([[0], np.cumsum(counts)])
+
+
+def _host_rows(dev, offsets, experts) -> np.ndarray:
+    """The rows of `experts` (increasing) of a device array, copied to the host one expert's
+    slice at a time."""
+    parts = [dev[int(offsets[e]):int(offsets[e + 1])].get() for e in experts]
+    return np.concatenate(parts) if parts else np.zeros((0, *dev.shape[1:]), dev.dtype)
+
+
+def _compare_chunks(rows: int, pairs) -> list[tuple[bool, str]]:
+    """compare_bits over rows [0, rows) in chunks of CHECK_CHUNK_ROWS: pairs(r0, r1) gives a list
+    of (got, want) for those rows, one per compared array. Returns (equal, message) per array; a
+    message counts every differing element and names the first."""
+    state = None
+    for r0 in range(0, rows, CHECK_CHUNK_ROWS):
+        r1 = min(rows, r0 + CHECK_CHUNK_ROWS)
+        chunk = pairs(r0, r1)
+        if state is None:
+            state = [{"differ": 0, "total": 0, "first": None, "shape": None} for _ in chunk]
+        for st, (got, want) in zip(state, chunk):
+            if st["shape"] is not None:
+                continue
+            if got.shape != want.shape:
+                st["shape"] = f"shapes differ at rows {r0}..{r1}: {got.shape} vs {want.shape}"
+                continue
+            diff = got != want
+            st["total"] += diff.size
+            n = int(diff.sum())
+            if n and st["first"] is None:
+                at = tuple(int(i) for i in np.argwhere(diff)[0])
+                st["first"] = f"({', '.join(str(i) for i in (r0 + at[0], *at[1:]))}): {got[at]!r} vs {want[at]!r}"
+            st["differ"] += n
+    out = []
+    for st in state or []:
+        if st["shape"] is not None:
+            out.append((False, st["shape"]))
+        elif st["differ"] == 0:
+            out.append((True, "bitwise equal"))
+        else:
+            out.append((False, f"{st['differ']} of {st['total']} differ, first at {st['first']}"))
+    return out
+
+
 def check_separate(runner, layer, experts) -> dict:
     """Check the buffers a checked run of `separate` left in `layer`, stage by stage.
 
     Returns a dict with one entry per stage ({"ok", "value", "detail"}), "experts", "ok" (all
-    stage checks passed) and "layer_rel" / "layer_rel_bf16" (end to end vs float64).
+    stage checks passed), "layer_rel" / "layer_rel_bf16" (end to end vs float64) and "reference":
+    the float64 layer's x_q, h, a, a_q and out on "rows" (the sampled experts' grouped rows, in
+    order), one row each.
     """
     w = layer.weights.host
     routing = layer.routing
     offsets = layer.offsets_host
+    experts = sorted(int(e) for e in experts)
     rows_sel = expert_rows(offsets, experts)
+    offs_c = compact_offsets(offsets, experts)
+    rows, I = layer.rows, layer.problem.intermediate
     x = _host_x(layer)
-    res: dict = {"experts": [int(e) for e in experts]}
+    res: dict = {"experts": experts}
 
-    ref = reference.layer(x, routing, w, experts=experts)
-    got_p, got_s = layer.x_packed.get(), layer.x_scales.get()
-    ok_p, msg_p = compare_bits(got_p, ref["x_q"].packed)
-    ok_s, msg_s = compare_bits(got_s, ref["x_q"].scales)
+    def host_rows(dev):
+        return _host_rows(dev, offsets, experts)
+
+    # x_q on every row, a chunk at a time (the quantization is row by row, its global static)
+    def x_q_pairs(r0, r1):
+        want = reference.quantize_activations(x[routing.row_token[r0:r1]], w.w13_input_scale)
+        return [(layer.x_packed[r0:r1].get(), want.packed), (layer.x_scales[r0:r1].get(), want.scales)]
+
+    (ok_p, msg_p), (ok_s, msg_s) = _compare_chunks(rows, x_q_pairs)
     res["x_q"] = {"ok": ok_p and ok_s, "detail": f"codes {msg_p}; scales {msg_s}"}
 
-    h = layer.h.get()
-    res["h"] = _rel("h", h[rows_sel], ref["h"][rows_sel], H_TOL)
+    # the float64 layer on the sampled rows alone (what reference.layer computes there)
+    x_q = reference.quantize_activations(x[routing.row_token[rows_sel]], w.w13_input_scale)
+    h_ref = reference.w13(x_q, offs_c, w, experts)
+    h = host_rows(layer.h)
+    res["h"] = _rel("h", h, h_ref, H_TOL)
 
     # the kernel's fp32 SwiGLU values, by a second launch that also writes them out
-    rows, I = layer.rows, layer.problem.intermediate
     a32 = runner.buffer("check/a32", (rows, I), np.float32)
     ap = runner.buffer("check/a_packed", (rows, I // 2), np.uint8)
     as_ = runner.buffer("check/a_scales", (rows, I // 16), np.uint8)
@@ -133,39 +203,44 @@ def check_separate(runner, layer, experts) -> dict:
         sq.swiglu_quant(layer.h, layer.offsets, layer.weights.gate_global, layer.weights.up_global,
                         layer.weights.w2_input_scale, ap, as_, runner.counter, a_out=a32, stream=runner.stream)
     bad = runner.read_counter()
-    a = a32.get()
-    a_ref = reference.swiglu(h.astype(np.float64), offsets, w.gate_global, w.up_global, experts=experts)
-    res["a"] = _rel("a", a[rows_sel], a_ref[rows_sel], A_TOL)
+    a = host_rows(a32)
+    a_ref = reference.swiglu(h, offs_c, w.gate_global, w.up_global, experts)
+    res["a"] = _rel("a", a, a_ref, A_TOL)
+    del a_ref
     if bad:
         res["a"] = {"ok": False, "value": None, "detail": f"{bad} non-finite values in h or a"}
-    a_p, a_s = layer.a_packed.get(), layer.a_scales.get()
-    want = nvfp4.quantize(a, w.w2_input_scale) if not bad else None
-    if want is None:
         res["a_q"] = {"ok": False, "detail": "skipped: non-finite a"}
     else:
-        ok_p, msg_p = compare_bits(a_p, want.packed)
-        ok_s, msg_s = compare_bits(a_s, want.scales)
-        same_p, _ = compare_bits(ap.get(), a_p)
-        same_s, _ = compare_bits(as_.get(), a_s)
-        res["a_q"] = {"ok": ok_p and ok_s and same_p and same_s,
-                      "detail": f"codes {msg_p}; scales {msg_s}; a_out launch identical: {same_p and same_s}"}
+        def a_q_pairs(r0, r1):
+            want = nvfp4.quantize(a32[r0:r1].get(), w.w2_input_scale)
+            return [(layer.a_packed[r0:r1].get(), want.packed), (layer.a_scales[r0:r1].get(), want.scales)]
 
-    out = layer.out.get()
-    a_q_dev = nvfp4.NVFP4Tensor(a_p, a_s, np.float32(w.w2_input_scale))
-    out_ref = reference.w2(a_q_dev, offsets, w, experts=experts)
-    res["out"] = _rel("out", out[rows_sel], out_ref[rows_sel], OUT_TOL)
+        (ok_p, msg_p), (ok_s, msg_s) = _compare_chunks(rows, a_q_pairs)
+        same = bool((ap == layer.a_packed).all()) and bool((as_ == layer.a_scales).all())
+        res["a_q"] = {"ok": ok_p and ok_s and same,
+                      "detail": f"codes {msg_p}; scales {msg_s}; a_out launch identical: {same}"}
 
-    bf16 = layer.out_bf16.get()
-    ok, msg = compare_bits(bf16, out.astype(ml_dtypes.bfloat16).view(np.uint16))
+    a_p, a_s = host_rows(layer.a_packed), host_rows(layer.a_scales)
+    out = host_rows(layer.out)
+    out_ref = reference.w2(nvfp4.NVFP4Tensor(a_p, a_s, np.float32(w.w2_input_scale)), offs_c, w, experts)
+    res["out"] = _rel("out", out, out_ref, OUT_TOL)
+    del out_ref
+
+    ((ok, msg),) = _compare_chunks(rows, lambda r0, r1: [(
+        layer.out_bf16[r0:r1].get(), layer.out[r0:r1].get().astype(ml_dtypes.bfloat16).view(np.uint16))])
     res["bf16"] = {"ok": ok, "detail": msg}
 
     stages = ("x_q", "h", "a", "a_q", "out", "bf16")
     res["ok"] = all(res[s]["ok"] for s in stages)
-    res["layer_rel"] = rel_error(out[rows_sel], ref["out"][rows_sel])
-    res["layer_rel_bf16"] = rel_error(bf16.view(ml_dtypes.bfloat16)[rows_sel].astype(np.float64), ref["out"][rows_sel])
-    codes_ref = nvfp4.unpack_nibbles(ref["a_q"].packed[rows_sel])
-    res["a_q_codes_differing_from_float64"] = int((nvfp4.unpack_nibbles(a_p[rows_sel]) != codes_ref).sum())
-    res["reference"] = ref
+    a_chain = reference.swiglu(h_ref, offs_c, w.gate_global, w.up_global, experts)
+    a_q_chain = reference.quantize_activations(a_chain, w.w2_input_scale, offs_c, experts)
+    out_chain = reference.w2(a_q_chain, offs_c, w, experts)
+    res["layer_rel"] = rel_error(out, out_chain)
+    bf16 = host_rows(layer.out_bf16)
+    res["layer_rel_bf16"] = rel_error(bf16.view(ml_dtypes.bfloat16).astype(np.float64), out_chain)
+    res["a_q_codes_differing_from_float64"] = int((nvfp4.unpack_nibbles(a_p) !=
+                                                   nvfp4.unpack_nibbles(a_q_chain.packed)).sum())
+    res["reference"] = {"rows": rows_sel, "x_q": x_q, "h": h_ref, "a": a_chain, "a_q": a_q_chain, "out": out_chain}
     return res
 
 
@@ -183,8 +258,8 @@ def _rel(name, got, want, tol) -> dict:
     return {"ok": err <= tol, "value": err, "detail": f"{name}: rel Frobenius {err:.2e} (bound {tol:.0e})"}
 
 
-def approx_error(layer, reference_out, rows_sel) -> float | None:
-    """Relative Frobenius error of the layer's fp32 output on `rows_sel` against float64 (None:
+def approx_error(layer, reference_out, experts) -> float | None:
+    """Relative Frobenius error of the layer's fp32 output on the rows of `experts` against
+    float64, `reference_out` holding those rows in order (check_separate's "reference"; None:
     undefined, the reference is zero or there are no rows)."""
-    out = layer.out.get()
-    return rel_error(out[rows_sel], reference_out[rows_sel])
+    return rel_error(_host_rows(layer.out, layer.offsets_host, sorted(int(e) for e in experts)), reference_out)

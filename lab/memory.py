@@ -84,9 +84,30 @@ def routing_host(problem: MoEProblem, means) -> Estimate:
     return Estimate("host", {"routings": sum(kept), "drawing a routing": extra})
 
 
-def run_layer_memory(problem: MoEProblem, means, variants=(), check: bool = True, skew: float = 0.0) -> RunMemory:
+def check_host_parts(problem: MoEProblem, rows: int, tokens: int, sample_rows: int) -> dict[str, int]:
+    """Host bytes of checking one mean, by part: lab/checks.check_separate's ("check: ...") and
+    what run_layer keeps beside it ("run_layer: ..."). The float64 layer and the copies it is
+    compared with hold the sampled experts' rows only (32 H + 80 I bytes a row covers the peaks
+    measured with tracemalloc in tests/test_checks.py, 25-35 H + 55-68 I, plus one expert's
+    dequantized float64 weights); the all-rows bitwise comparisons hold CHECK_CHUNK_ROWS rows at a
+    time (a quantization's 16.8 bytes an element and the copies beside it)."""
+    from .checks import CHECK_CHUNK_ROWS
+
+    h, i = problem.hidden, problem.intermediate
+    sample_rows = min(rows, sample_rows)
+    return {"check: float64 layer on the sampled rows": sample_rows * (32 * h + 80 * i) + 2 * (2 * i * h * 8),
+            "check: all-rows comparisons, a chunk at a time": min(rows, CHECK_CHUNK_ROWS) * 24 * max(h, i),
+            "check: the device's x": tokens * h * 4,
+            "run_layer: bf16 outputs of the baseline and of the variant compared": rows * 2 * h * 2,
+            "run_layer: the unquantized float64 layer on the sample": sample_rows * (8 * h + 40 * i)}
+
+
+def run_layer_memory(problem: MoEProblem, means, variants=(), check: bool = True, skew: float = 0.0,
+                     check_rows: dict | None = None) -> RunMemory:
     """Host and device memory at the peak of run_layer's GPU run: weights, routings, one mean's
-    batch at a time (the largest), the layouts `variants` add, and the flat read."""
+    batch at a time (the largest), the layouts `variants` add, and the flat read. `check_rows`
+    ({mean: rows}) gives the rows of the experts each mean's check samples; a mean it leaves out
+    is counted as checking every row."""
     e, h, i = problem.experts, problem.hidden, problem.intermediate
     w = weight_bytes(problem)
     means = list(means)
@@ -102,8 +123,8 @@ def run_layer_memory(problem: MoEProblem, means, variants=(), check: bool = True
     for m in means:
         rows, t = rows_tokens(m)
         b = t * h * ACT_PEAK_PER_ELEMENT
-        if check:  # lab/checks.check_separate: float64 reference of every row, and device copies
-            b += rows * (h * 26 + i * 38) + 2 * (2 * i * h * 8)
+        if check:
+            b += sum(check_host_parts(problem, rows, t, (check_rows or {}).get(m, rows)).values())
         batch_host = max(batch_host, b)
     host = Estimate("host", {"weights": w, "routings": rout.parts["routings"], "one mean's batch": batch_host})
 
