@@ -23,6 +23,9 @@ relative error is undefined, and is None (JSON null, "undefined" in tables), nev
 from __future__ import annotations
 
 import hashlib
+import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes
 import numpy as np
@@ -36,7 +39,8 @@ OUT_TOL = 1e-5
 
 
 UNDEFINED = "undefined (zero reference)"
-CHECK_CHUNK_ROWS = 8192  # rows per copy in check_separate's all-rows comparisons
+CHECK_CHUNK_ROWS = 4096  # rows per copy in check_separate's all-rows comparisons
+CHECK_WORKERS = max(1, min(8, os.cpu_count() or 1))  # threads that compute those chunks' references
 
 
 def rel_error(got, want) -> float | None:
@@ -125,37 +129,48 @@ def _host_rows(dev, offsets, experts) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros((0, *dev.shape[1:]), dev.dtype)
 
 
-def _compare_chunks(rows: int, pairs) -> list[tuple[bool, str]]:
-    """compare_bits over rows [0, rows) in chunks of CHECK_CHUNK_ROWS: pairs(r0, r1) gives a list
-    of (got, want) for those rows, one per compared array. Returns (equal, message) per array; a
-    message counts every differing element and names the first."""
-    state = None
-    for r0 in range(0, rows, CHECK_CHUNK_ROWS):
-        r1 = min(rows, r0 + CHECK_CHUNK_ROWS)
-        chunk = pairs(r0, r1)
-        if state is None:
-            state = [{"differ": 0, "total": 0, "first": None, "shape": None} for _ in chunk]
-        for st, (got, want) in zip(state, chunk):
-            if st["shape"] is not None:
-                continue
+def _compare_chunks(rows: int, fetch, pairs) -> list[tuple[bool, str]]:
+    """compare_bits over rows [0, rows) in chunks of CHECK_CHUNK_ROWS. fetch(r0, r1) copies what
+    those rows need from the device (on this thread: every device copy stays on it); pairs(fetched)
+    gives a list of (got, want), one per compared array, on CHECK_WORKERS threads (the host
+    quantizations dominate at large batches: ~30 M elements a second each; NumPy lets threads run
+    them side by side). At most CHECK_WORKERS + 1 chunks are held at once. Returns (equal,
+    message) per array; a message counts every differing element and names the first."""
+    def summary(r0, r1, fetched):
+        out = []
+        for got, want in pairs(fetched):
             if got.shape != want.shape:
-                st["shape"] = f"shapes differ at rows {r0}..{r1}: {got.shape} vs {want.shape}"
+                out.append((0, 0, None, f"shapes differ at rows {r0}..{r1}: {got.shape} vs {want.shape}"))
                 continue
             diff = got != want
-            st["total"] += diff.size
             n = int(diff.sum())
-            if n and st["first"] is None:
+            first = None
+            if n:
                 at = tuple(int(i) for i in np.argwhere(diff)[0])
-                st["first"] = f"({', '.join(str(i) for i in (r0 + at[0], *at[1:]))}): {got[at]!r} vs {want[at]!r}"
-            st["differ"] += n
+                first = f"({', '.join(str(i) for i in (r0 + at[0], *at[1:]))}): {got[at]!r} vs {want[at]!r}"
+            out.append((n, diff.size, first, None))
+        return out
+
+    chunks = [(r0, min(rows, r0 + CHECK_CHUNK_ROWS)) for r0 in range(0, rows, CHECK_CHUNK_ROWS)] or [(0, 0)]
+    results = []
+    with ThreadPoolExecutor(max_workers=CHECK_WORKERS) as pool:
+        pending: deque = deque()
+        for r0, r1 in chunks:
+            if len(pending) >= CHECK_WORKERS:
+                results.append(pending.popleft().result())
+            pending.append(pool.submit(summary, r0, r1, fetch(r0, r1)))
+        results.extend(f.result() for f in pending)
     out = []
-    for st in state or []:
-        if st["shape"] is not None:
-            out.append((False, st["shape"]))
-        elif st["differ"] == 0:
+    for per_array in zip(*results):
+        shape = next((m for _, _, _, m in per_array if m is not None), None)
+        differ = sum(n for n, _, _, _ in per_array)
+        if shape is not None:
+            out.append((False, shape))
+        elif differ == 0:
             out.append((True, "bitwise equal"))
         else:
-            out.append((False, f"{st['differ']} of {st['total']} differ, first at {st['first']}"))
+            first = next(f for _, _, f, _ in per_array if f is not None)
+            out.append((False, f"{differ} of {sum(t for _, t, _, _ in per_array)} differ, first at {first}"))
     return out
 
 
@@ -181,11 +196,13 @@ def check_separate(runner, layer, experts) -> dict:
         return _host_rows(dev, offsets, experts)
 
     # x_q on every row, a chunk at a time (the quantization is row by row, its global static)
-    def x_q_pairs(r0, r1):
-        want = reference.quantize_activations(x[routing.row_token[r0:r1]], w.w13_input_scale)
-        return [(layer.x_packed[r0:r1].get(), want.packed), (layer.x_scales[r0:r1].get(), want.scales)]
+    def x_q_pairs(fetched):
+        packed, scales, row_token = fetched
+        want = reference.quantize_activations(x[row_token], w.w13_input_scale)
+        return [(packed, want.packed), (scales, want.scales)]
 
-    (ok_p, msg_p), (ok_s, msg_s) = _compare_chunks(rows, x_q_pairs)
+    (ok_p, msg_p), (ok_s, msg_s) = _compare_chunks(rows, lambda r0, r1: (
+        layer.x_packed[r0:r1].get(), layer.x_scales[r0:r1].get(), routing.row_token[r0:r1]), x_q_pairs)
     res["x_q"] = {"ok": ok_p and ok_s, "detail": f"codes {msg_p}; scales {msg_s}"}
 
     # the float64 layer on the sampled rows alone (what reference.layer computes there)
@@ -211,11 +228,13 @@ def check_separate(runner, layer, experts) -> dict:
         res["a"] = {"ok": False, "value": None, "detail": f"{bad} non-finite values in h or a"}
         res["a_q"] = {"ok": False, "detail": "skipped: non-finite a"}
     else:
-        def a_q_pairs(r0, r1):
-            want = nvfp4.quantize(a32[r0:r1].get(), w.w2_input_scale)
-            return [(layer.a_packed[r0:r1].get(), want.packed), (layer.a_scales[r0:r1].get(), want.scales)]
+        def a_q_pairs(fetched):
+            a_chunk, packed, scales = fetched
+            want = nvfp4.quantize(a_chunk, w.w2_input_scale)
+            return [(packed, want.packed), (scales, want.scales)]
 
-        (ok_p, msg_p), (ok_s, msg_s) = _compare_chunks(rows, a_q_pairs)
+        (ok_p, msg_p), (ok_s, msg_s) = _compare_chunks(rows, lambda r0, r1: (
+            a32[r0:r1].get(), layer.a_packed[r0:r1].get(), layer.a_scales[r0:r1].get()), a_q_pairs)
         same = bool((ap == layer.a_packed).all()) and bool((as_ == layer.a_scales).all())
         res["a_q"] = {"ok": ok_p and ok_s and same,
                       "detail": f"codes {msg_p}; scales {msg_s}; a_out launch identical: {same}"}
@@ -226,8 +245,8 @@ def check_separate(runner, layer, experts) -> dict:
     res["out"] = _rel("out", out, out_ref, OUT_TOL)
     del out_ref
 
-    ((ok, msg),) = _compare_chunks(rows, lambda r0, r1: [(
-        layer.out_bf16[r0:r1].get(), layer.out[r0:r1].get().astype(ml_dtypes.bfloat16).view(np.uint16))])
+    ((ok, msg),) = _compare_chunks(rows, lambda r0, r1: (layer.out_bf16[r0:r1].get(), layer.out[r0:r1].get()),
+                                   lambda f: [(f[0], f[1].astype(ml_dtypes.bfloat16).view(np.uint16))])
     res["bf16"] = {"ok": ok, "detail": msg}
 
     stages = ("x_q", "h", "a", "a_q", "out", "bf16")

@@ -90,13 +90,15 @@ def check_host_parts(problem: MoEProblem, rows: int, tokens: int, sample_rows: i
     compared with hold the sampled experts' rows only (32 H + 80 I bytes a row covers the peaks
     measured with tracemalloc in tests/test_checks.py, 25-35 H + 55-68 I, plus one expert's
     dequantized float64 weights); the all-rows bitwise comparisons hold CHECK_CHUNK_ROWS rows at a
-    time (a quantization's 16.8 bytes an element and the copies beside it)."""
-    from .checks import CHECK_CHUNK_ROWS
+    time on each of CHECK_WORKERS threads, and one more fetched (a quantization's 16.8 bytes an element
+    and the copies beside it)."""
+    from .checks import CHECK_CHUNK_ROWS, CHECK_WORKERS
 
     h, i = problem.hidden, problem.intermediate
     sample_rows = min(rows, sample_rows)
     return {"check: float64 layer on the sampled rows": sample_rows * (32 * h + 80 * i) + 2 * (2 * i * h * 8),
-            "check: all-rows comparisons, a chunk at a time": min(rows, CHECK_CHUNK_ROWS) * 24 * max(h, i),
+            "check: all-rows comparisons, a chunk at a time": (CHECK_WORKERS + 1) * min(rows, CHECK_CHUNK_ROWS)
+            * 24 * max(h, i),
             "check: the device's x": tokens * h * 4,
             "run_layer: bf16 outputs of the baseline and of the variant compared": rows * 2 * h * 2,
             "run_layer: the unquantized float64 layer on the sample": sample_rows * (8 * h + 40 * i)}
