@@ -341,4 +341,22 @@ class GemmBench:
             tr = time_cuda(lambda: run(True), iterations=iterations)
             row.update({"read_pattern_ms": tr.median_ms, "pattern_pct": 100 * tr.median_ms / t.median_ms,
                         "read_pattern_roof_pct": 100 * t_roof / tr.median_ms})
+        row.update(self.image_pass(case, prep, cfg, t.median_ms, roofline_gbps, iterations))
         return row
+
+    def image_pass(self, case: GemmCase, prep: gg.PreparedWeights, cfg: gg.GemmConfig, gemm_ms: float,
+                   roofline_gbps: float, iterations: int) -> dict:
+        """The activation-image pre-pass that an image tile's launch runs first (grouped_gemm's
+        act_image), timed alone on the same inputs: its ms, its share of the GEMM's ms (which
+        includes it), and its rate against the read roofline for what it must move (the
+        activations read, the fp16 image written). None for tiles without the image."""
+        if not cfg.image:
+            return {"image_ms": None, "image_pct_of_gemm": None, "image_roof_pct": None}
+        if cfg.act == "bf16":
+            x, xs, xbytes = case.d_xb, None, case.x_bf16.nbytes
+        else:
+            x, xs, xbytes = case.d_xp, case.d_xs, case.xq.packed.nbytes + case.xq.scales.nbytes
+        nbytes = xbytes + gg.image_bytes(case.rows, prep.experts, case.k)
+        t = time_cuda(lambda: gg.activation_image(prep, x, xs, case.d_off, cfg.act), iterations=iterations)
+        return {"image_ms": t.median_ms, "image_pct_of_gemm": 100 * t.median_ms / gemm_ms,
+                "image_roof_pct": 100 * nbytes / (roofline_gbps * 1e9) * 1e3 / t.median_ms}

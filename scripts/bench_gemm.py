@@ -7,7 +7,10 @@ For w13 and w2 of the study's problem at each mean tokens per expert it times
     achievable read rate of exactly this access pattern),
   - the GEMM itself,
 and prints one table (gemm, tokens, ms, GB/s, % of the read roofline, TFLOP/s, % of the tensor
-peak, % of same-pattern read). Past ~64 tokens per expert the tensor ceiling binds.
+peak, % of same-pattern read). Past ~64 tokens per expert the tensor ceiling binds. On tiles that
+read the activation image, the GEMM's time includes its pre-pass (act_image: the activations
+decoded to fp16 once per launch); the pre-pass is also timed alone, as its share of the GEMM and
+its rate against the read roofline for the activations it reads and the image it writes.
 Every figure is a burst (20 runs between host-side checks). With `--sustain-ms` the flat read
 and each GEMM are also timed after that long of back-to-back runs: held load trips the H200's
 700 W power cap, which slows the GEMM by ~10% and the flat read not at all (notes/gemm.md v15).
@@ -174,7 +177,8 @@ def main(argv=None) -> int:
               tile(r["config"]) if "plan" not in r else f"split at {','.join(map(str, r['split']))}{'' if r['wgmma'] else ', mma.sync'}{', two streams' if r.get('streams') == 2 else ''}: " + " + ".join(
                   f"{tile(p['config'])} on {p['counts_in'][0]}..{p['counts_in'][1]}" for p in r["plan"]),
               f"{r['ms']:.3f}", f"{r['gbps']:.0f}", f"{r['roof_pct']:.1f}", f"{r['tflops']:.0f}",
-              f"{r['tensor_pct']:.1f}", fmt(r["pattern_pct"], ".1f"), fmt(r["read_pattern_ms"], ".3f")]
+              f"{r['tensor_pct']:.1f}", fmt(r["pattern_pct"], ".1f"), fmt(r["read_pattern_ms"], ".3f"),
+              fmt(r.get("image_ms"), ".3f"), fmt(r.get("image_pct_of_gemm"), ".1f"), fmt(r.get("image_roof_pct"), ".1f")]
              + ([fmt(r.get("sustained_ms"), ".3f"), fmt(r.get("sustained_roof_pct"), ".1f")] if args.sustain_ms else [])
              for r in rows_out]
     print(f"tensor peak: {tensor['tflops']:.0f} TFLOP/s (dense fp16 x fp16 -> fp32, cuBLAS)")
@@ -182,7 +186,8 @@ def main(argv=None) -> int:
           + (f"; {roof['sustained']['gbps']:.0f} GB/s after {args.sustain_ms:g} ms of back-to-back reads"
              if args.sustain_ms else ""))
     print(tabulate(table, headers=["gemm", "activations", "tokens/expert", "tile warps,row_tiles,k_step,stages,max_frags,mma,ctas_per_sm", "ms", "GB/s", "% roofline",
-                                   "TFLOP/s", "% tensor peak", "% same-pattern read", "read-pattern ms"]
+                                   "TFLOP/s", "% tensor peak", "% same-pattern read", "read-pattern ms",
+                                   "image pre-pass ms", "pre-pass % of ms", "pre-pass % roofline"]
                    + (["sustained ms", "sustained % roofline"] if args.sustain_ms else [])))
     for c in checks:
         print(f"check {c['gemm']} ({c['act']}) mean {c['mean']}: rel Frobenius {format_rel(c['rel_frobenius'])} on "
