@@ -9,7 +9,9 @@ one process to the next; only a comparison inside one process counts (notes/gemm
         --gemm w2 --mean-tokens 512 2048 --out fp32 bf16 --json results/ab_<what>.json
 
 --json is rewritten after every row ("complete": false until the last one), so a run that a
-timeout stops keeps the rows it finished.
+timeout stops keeps the rows it finished. Each row's rounds follow --hold-ms (default 1000) of
+back-to-back runs of the base, so that they all run at the clocks the power cap leaves under
+held load, as the layer's GEMMs do.
 
 With no --tree the working tree runs against itself: the method's noise floor. The first tree is
 the base: the table gives each tree's time as a ratio to it (of the fastest rounds and of the
@@ -51,7 +53,7 @@ from lab.gpu import require_gpu, run_script
 from lab.kernels import grouped_gemm as gg
 from lab.kernels import jit
 from lab.problem import W2_INPUT_SCALE
-from lab.timing import time_cuda
+from lab.timing import time_cuda, time_sustained
 
 TAG = "ab_kernels"
 BF16_POISON = 0xFFFF  # a NaN's bits: no finite product of finite inputs rounds to it
@@ -84,9 +86,17 @@ def compare_rounds(ms: dict[str, list[float]], base: str) -> dict[str, dict]:
 
 def time_trees(run, trees: dict, args, stream=None) -> dict[str, list[float]]:
     """{tree: its rounds' median ms}: `run` (launching on `stream`) under each tree in turn,
-    args.rounds rounds after args.warmup_rounds untimed ones, the trees' order alternating."""
+    args.rounds rounds after args.warmup_rounds untimed ones, the trees' order alternating, all
+    after args.hold_ms of back-to-back runs of the first tree."""
     names = list(trees)
     ms = {n: [] for n in names}
+    if getattr(args, "hold_ms", 0) > 0:
+        # Held load first, so that every round runs at the clocks the power cap leaves: from an idle
+        # start the first rounds run 5-15% fast, and the fastest-round ratio then rewards whichever
+        # tree the alternation put first (notes/gemm.md v33)
+        with jit.use_tree(trees[names[0]]):
+            once = time_cuda(run, iterations=3, stream=stream).median_ms
+            time_sustained(run, once, args.hold_ms, iterations=1, stream=stream)
     for r in range(-args.warmup_rounds, args.rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
             with jit.use_tree(trees[name]):
@@ -185,6 +195,9 @@ def main(argv=None) -> int:
                     help="time gemm_plan's launches (a split's size classes on two streams) and each class alone, "
                          "instead of one launch of the heuristic's tile (fp32 output, NVFP4 activations)")
     ap.add_argument("--rounds", type=int, default=4, help="timing rounds; each times every tree once, order alternating")
+    ap.add_argument("--hold-ms", type=float, default=1000.0,
+                    help="back-to-back runs of the base before each row's rounds, so that every round runs at the "
+                         "clocks held load leaves (0: none; the first rounds after idle host work run fast)")
     ap.add_argument("--warmup-rounds", type=int, default=1,
                     help="rounds run first and not kept (the first timing after the checks runs fast: clocks up "
                          "after the idle host work)")
@@ -193,6 +206,8 @@ def main(argv=None) -> int:
         trees = trees_of(args.tree)
     except ValueError as e:
         ap.error(str(e))
+    if not (np.isfinite(args.hold_ms) and 0 <= args.hold_ms <= 60_000):
+        ap.error(f"--hold-ms: expected 0..60000 ms, got {args.hold_ms:g}")
     if args.rounds < 1 or args.iterations < 1 or args.warmup_rounds < 0:
         ap.error(f"--rounds and --iterations must be >= 1 and --warmup-rounds >= 0, got {args.rounds}, "
                  f"{args.iterations} and {args.warmup_rounds}")

@@ -84,6 +84,10 @@ def test_script_refuses_one_tree_before_the_gpu(tmp_path, capsys):
     with pytest.raises(SystemExit):
         ab.main(["--warmup-rounds", "-1"])
     assert "--warmup-rounds >= 0" in capsys.readouterr().err
+    for bad in ("-1", "nan", "61000"):
+        with pytest.raises(SystemExit):
+            ab.main(["--hold-ms", bad])
+        assert "--hold-ms: expected 0..60000 ms" in capsys.readouterr().err
 
 
 def test_rounds_compare_fastest_and_median_and_say_when_they_overlap():
@@ -131,3 +135,36 @@ def test_time_trees_alternates_the_order_and_drops_the_warmup_rounds(monkeypatch
     assert [t for t, _, _ in order] == ["B", "A", "A", "B", "B", "A", "A", "B"]  # round -1 first: reversed
     assert all(i == 7 and s == "s" for _, i, s in order)
     assert ms == {"a": [3.0, 6.0, 7.0], "b": [4.0, 5.0, 8.0]}
+
+
+def test_time_trees_holds_the_load_on_the_base_before_its_rounds(monkeypatch):
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    ab = load_script()
+    events, active = [], []
+
+    @contextmanager
+    def use_tree(path):
+        active.append(path)
+        yield path
+        active.pop()
+
+    def time_cuda(run, iterations, stream=None):
+        events.append(("time", active[-1], iterations))
+        return SimpleNamespace(median_ms=2.0)
+
+    def time_sustained(run, run_ms, sustain_ms, iterations, stream=None):
+        events.append(("hold", active[-1], run_ms, sustain_ms))
+
+    monkeypatch.setattr(ab.jit, "use_tree", use_tree)
+    monkeypatch.setattr(ab, "time_cuda", time_cuda)
+    monkeypatch.setattr(ab, "time_sustained", time_sustained)
+    args = SimpleNamespace(rounds=1, warmup_rounds=0, iterations=5, hold_ms=750.0)
+    ab.time_trees(lambda: None, {"a": "A", "b": "B"}, args)
+    assert events[:2] == [("time", "A", 3), ("hold", "A", 2.0, 750.0)]  # the base, before any round
+    assert events[2:] == [("time", "A", 5), ("time", "B", 5)]
+    events.clear()
+    ab.time_trees(lambda: None, {"a": "A", "b": "B"}, SimpleNamespace(rounds=1, warmup_rounds=0, iterations=5,
+                                                                      hold_ms=0.0))
+    assert [e[0] for e in events] == ["time", "time"]
