@@ -111,33 +111,9 @@ def test_plan_and_skew_arguments_refused_before_the_gpu(capsys):
         assert e.value.code == 2 and what in capsys.readouterr().err, argv
 
 
-def test_time_trees_alternates_the_order_and_drops_the_warmup_rounds(monkeypatch):
-    from contextlib import contextmanager
-    from types import SimpleNamespace
-
-    ab = load_script()
-    order, active = [], []
-
-    @contextmanager
-    def use_tree(path):
-        active.append(path)
-        yield path
-        active.pop()
-
-    def time_cuda(run, iterations, stream=None):
-        order.append((active[-1], iterations, stream))
-        return SimpleNamespace(median_ms=float(len(order)))
-
-    monkeypatch.setattr(ab.jit, "use_tree", use_tree)
-    monkeypatch.setattr(ab, "time_cuda", time_cuda)
-    args = SimpleNamespace(rounds=3, warmup_rounds=1, iterations=7)
-    ms = ab.time_trees(lambda: None, {"a": "A", "b": "B"}, args, stream="s")
-    assert [t for t, _, _ in order] == ["B", "A", "A", "B", "B", "A", "A", "B"]  # round -1 first: reversed
-    assert all(i == 7 and s == "s" for _, i, s in order)
-    assert ms == {"a": [3.0, 6.0, 7.0], "b": [4.0, 5.0, 8.0]}
-
-
-def test_time_trees_holds_the_load_on_the_base_before_its_rounds(monkeypatch):
+def fake_timing(monkeypatch):
+    """The script with its tree switch and timers recorded: events gets ("time", tree, iterations,
+    stream) per timing (its median is the event's number) and ("hold", tree, run_ms, sustain_ms)."""
     from contextlib import contextmanager
     from types import SimpleNamespace
 
@@ -151,8 +127,8 @@ def test_time_trees_holds_the_load_on_the_base_before_its_rounds(monkeypatch):
         active.pop()
 
     def time_cuda(run, iterations, stream=None):
-        events.append(("time", active[-1], iterations))
-        return SimpleNamespace(median_ms=2.0)
+        events.append(("time", active[-1], iterations, stream))
+        return SimpleNamespace(median_ms=float(len(events)))
 
     def time_sustained(run, run_ms, sustain_ms, iterations, stream=None):
         events.append(("hold", active[-1], run_ms, sustain_ms))
@@ -160,10 +136,28 @@ def test_time_trees_holds_the_load_on_the_base_before_its_rounds(monkeypatch):
     monkeypatch.setattr(ab.jit, "use_tree", use_tree)
     monkeypatch.setattr(ab, "time_cuda", time_cuda)
     monkeypatch.setattr(ab, "time_sustained", time_sustained)
+    return ab, events
+
+
+def test_time_trees_alternates_the_order_and_drops_the_warmup_rounds(monkeypatch):
+    from types import SimpleNamespace
+
+    ab, order = fake_timing(monkeypatch)
+    args = SimpleNamespace(rounds=3, warmup_rounds=1, iterations=7)
+    ms = ab.time_trees(lambda: None, {"a": "A", "b": "B"}, args, stream="s")
+    assert [t for _, t, _, _ in order] == ["B", "A", "A", "B", "B", "A", "A", "B"]  # round -1 first: reversed
+    assert all(i == 7 and s == "s" for _, _, i, s in order)
+    assert ms == {"a": [3.0, 6.0, 7.0], "b": [4.0, 5.0, 8.0]}
+
+
+def test_time_trees_holds_the_load_on_the_base_before_its_rounds(monkeypatch):
+    from types import SimpleNamespace
+
+    ab, events = fake_timing(monkeypatch)
     args = SimpleNamespace(rounds=1, warmup_rounds=0, iterations=5, hold_ms=750.0)
     ab.time_trees(lambda: None, {"a": "A", "b": "B"}, args)
-    assert events[:2] == [("time", "A", 3), ("hold", "A", 2.0, 750.0)]  # the base, before any round
-    assert events[2:] == [("time", "A", 5), ("time", "B", 5)]
+    assert events[:2] == [("time", "A", 3, None), ("hold", "A", 1.0, 750.0)]  # the base, before any round
+    assert events[2:] == [("time", "A", 5, None), ("time", "B", 5, None)]
     events.clear()
     ab.time_trees(lambda: None, {"a": "A", "b": "B"}, SimpleNamespace(rounds=1, warmup_rounds=0, iterations=5,
                                                                       hold_ms=0.0))
