@@ -206,10 +206,9 @@ def check_separate(runner, layer, experts) -> dict:
     res["x_q"] = {"ok": ok_p and ok_s, "detail": f"codes {msg_p}; scales {msg_s}"}
 
     # the float64 layer on the sampled rows alone (what reference.layer computes there)
-    x_q = reference.quantize_activations(x[routing.row_token[rows_sel]], w.w13_input_scale)
-    h_ref = reference.w13(x_q, offs_c, w, experts)
+    ref = reference.layer_rows(x[routing.row_token[rows_sel]], offs_c, w, experts)
     h = host_rows(layer.h)
-    res["h"] = _rel("h", h, h_ref, H_TOL)
+    res["h"] = _rel("h", h, ref["h"], H_TOL)
 
     # the kernel's fp32 SwiGLU values, by a second launch that also writes them out
     a32 = runner.buffer("check/a32", (rows, I), np.float32)
@@ -251,15 +250,12 @@ def check_separate(runner, layer, experts) -> dict:
 
     stages = ("x_q", "h", "a", "a_q", "out", "bf16")
     res["ok"] = all(res[s]["ok"] for s in stages)
-    a_chain = reference.swiglu(h_ref, offs_c, w.gate_global, w.up_global, experts)
-    a_q_chain = reference.quantize_activations(a_chain, w.w2_input_scale, offs_c, experts)
-    out_chain = reference.w2(a_q_chain, offs_c, w, experts)
-    res["layer_rel"] = rel_error(out, out_chain)
+    res["layer_rel"] = rel_error(out, ref["out"])
     bf16 = host_rows(layer.out_bf16)
-    res["layer_rel_bf16"] = rel_error(bf16.view(ml_dtypes.bfloat16).astype(np.float64), out_chain)
+    res["layer_rel_bf16"] = rel_error(bf16.view(ml_dtypes.bfloat16).astype(np.float64), ref["out"])
     res["a_q_codes_differing_from_float64"] = int((nvfp4.unpack_nibbles(a_p) !=
-                                                   nvfp4.unpack_nibbles(a_q_chain.packed)).sum())
-    res["reference"] = {"rows": rows_sel, "x_q": x_q, "h": h_ref, "a": a_chain, "a_q": a_q_chain, "out": out_chain}
+                                                   nvfp4.unpack_nibbles(ref["a_q"].packed)).sum())
+    res["reference"] = {"rows": rows_sel, **ref}
     return res
 
 

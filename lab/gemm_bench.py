@@ -266,8 +266,12 @@ class GemmBench:
         """What the GEMM must move: weights of experts with tokens, the activations (NVFP4, or
         bf16), fp32 out."""
         wbytes = int((case.counts > 0).sum()) * case.n * case.k * 9 // 16
-        xbytes = case.xq.packed.nbytes + case.xq.scales.nbytes if act == "nvfp4" else case.x_bf16.nbytes
-        return wbytes + xbytes + case.rows * case.n * 4
+        return wbytes + self.activation_bytes(case, act) + case.rows * case.n * 4
+
+    @staticmethod
+    def activation_bytes(case: GemmCase, act: str = "nvfp4") -> int:
+        """The GEMM's activations as it reads them: NVFP4 codes and scales, or bf16."""
+        return case.xq.packed.nbytes + case.xq.scales.nbytes if act == "nvfp4" else case.x_bf16.nbytes
 
     def measure_split(self, case: GemmCase, hot_from, roofline_gbps: float, iterations: int,
                       act: str = "nvfp4", wgmma: bool = True, streams: int = 1) -> dict:
@@ -352,11 +356,8 @@ class GemmBench:
         activations read, the fp16 image written). None for tiles without the image."""
         if not cfg.image:
             return {"image_ms": None, "image_pct_of_gemm": None, "image_roof_pct": None}
-        if cfg.act == "bf16":
-            x, xs, xbytes = case.d_xb, None, case.x_bf16.nbytes
-        else:
-            x, xs, xbytes = case.d_xp, case.d_xs, case.xq.packed.nbytes + case.xq.scales.nbytes
-        nbytes = xbytes + gg.image_bytes(case.rows, prep.experts, case.k)
+        x, xs = (case.d_xb, None) if cfg.act == "bf16" else (case.d_xp, case.d_xs)
+        nbytes = self.activation_bytes(case, cfg.act) + gg.image_bytes(case.rows, prep.experts, case.k)
         t = time_cuda(lambda: gg.activation_image(prep, x, xs, case.d_off, cfg.act), iterations=iterations)
         return {"image_ms": t.median_ms, "image_pct_of_gemm": 100 * t.median_ms / gemm_ms,
                 "image_roof_pct": 100 * nbytes / (roofline_gbps * 1e9) * 1e3 / t.median_ms}

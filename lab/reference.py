@@ -179,20 +179,21 @@ def layer(x, routing: Routing, weights: MoEWeights, experts=None) -> dict:
         raise ValueError(f"x must be (T, H) = ({routing.tokens}, {weights.hidden}), got {x.shape}")
     if routing.experts != weights.experts:
         raise ValueError(f"routing has {routing.experts} experts, weights {weights.experts}")
-    offsets = routing.offsets
-    x_q = quantize_activations(x[routing.row_token], weights.w13_input_scale)
+    ref = layer_rows(x[routing.row_token], routing.offsets, weights, experts)
+    ref["out_bf16"] = ref["out"].astype(ml_dtypes.bfloat16)
+    return ref
+
+
+def layer_rows(x_rows, offsets, weights: MoEWeights, experts=None) -> dict:
+    """layer()'s stages on grouped rows given directly: x_rows (rows, H) in expert order, offsets
+    (E+1,) over them. Offsets that give every expert but a sample no rows (lab/checks
+    compact_offsets) run the float64 layer on that sample's rows alone. Returns x_q, h, a, a_q,
+    out as layer() does."""
+    x_q = quantize_activations(x_rows, weights.w13_input_scale)
     h = w13(x_q, offsets, weights, experts)
     a = swiglu(h, offsets, weights.gate_global, weights.up_global, experts)
     a_q = quantize_activations(a, weights.w2_input_scale, offsets, experts)
-    out = w2(a_q, offsets, weights, experts)
-    return {
-        "x_q": x_q,
-        "h": h,
-        "a": a,
-        "a_q": a_q,
-        "out": out,
-        "out_bf16": out.astype(ml_dtypes.bfloat16),
-    }
+    return {"x_q": x_q, "h": h, "a": a, "a_q": a_q, "out": w2(a_q, offsets, weights, experts)}
 
 
 def layer_unquantized(x, routing: Routing, weights: MoEWeights, experts=None) -> tuple[np.ndarray, np.ndarray]:
