@@ -323,12 +323,13 @@ class GemmBench:
         prep = self.prepared(case.gemm, (cfg.block_rows, cfg.k_step))
         cfg.validate(case.n, case.k)
 
-        def run(read_only=False):
+        def run(read_only=False, prepass=None):
             if cfg.act == "bf16":
-                gg.grouped_gemm(prep, case.d_xb, None, case.d_off, case.d_alpha_bf16, case.out, cfg, read_only=read_only)
+                gg.grouped_gemm(prep, case.d_xb, None, case.d_off, case.d_alpha_bf16, case.out, cfg, read_only=read_only,
+                                prepass=prepass)
             else:
                 gg.grouped_gemm(prep, case.d_xp, case.d_xs, case.d_off, case.d_alpha, case.out, cfg,
-                                read_only=read_only)
+                                read_only=read_only, prepass=prepass)
 
         case.out.fill(self.cp.nan)
         run()
@@ -345,15 +346,30 @@ class GemmBench:
             tr = time_cuda(lambda: run(True), iterations=iterations)
             row.update({"read_pattern_ms": tr.median_ms, "pattern_pct": 100 * tr.median_ms / t.median_ms,
                         "read_pattern_roof_pct": 100 * t_roof / tr.median_ms})
-        row.update(self.image_pass(case, prep, cfg, t.median_ms, roofline_gbps, iterations))
+        gemm_ms = t.median_ms
+        if cfg.builders:  # the image written inside the launch: the same launch with the pre-pass beside it
+            first = case.out.copy()
+            case.out.fill(self.cp.nan)
+            run(prepass=True)
+            self.cp.cuda.Device().synchronize()
+            same = bool(self.cp.array_equal(first.view(self.cp.uint32), case.out.view(self.cp.uint32)))
+            tp = time_cuda(lambda: run(prepass=True), iterations=iterations)
+            gemm_ms = tp.median_ms
+            row.update({"builders": True, "prepass_ms": tp.median_ms, "prepass_roof_pct": 100 * t_roof / tp.median_ms,
+                        "prepass_same_bits": same})
+            del first
+        else:
+            row["builders"] = False
+        row.update(self.image_pass(case, prep, cfg, gemm_ms, roofline_gbps, iterations))
         return row
 
     def image_pass(self, case: GemmCase, prep: gg.PreparedWeights, cfg: gg.GemmConfig, gemm_ms: float,
                    roofline_gbps: float, iterations: int) -> dict:
         """The activation-image pre-pass that an image tile's launch runs first (grouped_gemm's
-        act_image), timed alone on the same inputs: its ms, its share of the GEMM's ms (which
-        includes it), and its rate against the read roofline for what it must move (the
-        activations read, the fp16 image written). None for tiles without the image."""
+        act_image), timed alone on the same inputs: its ms, its share of `gemm_ms` (the GEMM's with
+        the pre-pass, which includes it; on the tiles that write the image themselves, their launch
+        with the pre-pass instead), and its rate against the read roofline for what it must move
+        (the activations read, the fp16 image written). None for tiles without the image."""
         if not cfg.image:
             return {"image_ms": None, "image_pct_of_gemm": None, "image_roof_pct": None}
         x, xs = (case.d_xb, None) if cfg.act == "bf16" else (case.d_xp, case.d_xs)

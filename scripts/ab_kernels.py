@@ -38,6 +38,7 @@ kernel template (ignored there: its run-time branch still picks the bf16 epilogu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -84,6 +85,14 @@ def compare_rounds(ms: dict[str, list[float]], base: str) -> dict[str, dict]:
     return out
 
 
+def use(trees: dict, name: str, args):
+    """Launches as tree `name` makes them: its kernels, and the image pre-pass where --prepass names it."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(jit.use_tree(trees[name]))
+    stack.enter_context(gg.use_prepass(name in (getattr(args, "prepass", None) or ())))
+    return stack
+
+
 def time_trees(run, trees: dict, args, stream=None) -> dict[str, list[float]]:
     """{tree: its rounds' median ms}: `run` (launching on `stream`) under each tree in turn,
     args.rounds rounds after args.warmup_rounds untimed ones, the trees' order alternating, all
@@ -94,12 +103,12 @@ def time_trees(run, trees: dict, args, stream=None) -> dict[str, list[float]]:
         # Held load first, so that every round runs at the clocks the power cap leaves: from an idle
         # start the first rounds run 5-15% fast, and the fastest-round ratio then rewards whichever
         # tree the alternation put first (notes/gemm.md v33)
-        with jit.use_tree(trees[names[0]]):
+        with use(trees, names[0], args):
             once = time_cuda(run, iterations=3, stream=stream).median_ms
             time_sustained(run, once, args.hold_ms, iterations=1, stream=stream)
     for r in range(-args.warmup_rounds, args.rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
-            with jit.use_tree(trees[name]):
+            with use(trees, name, args):
                 round_ms = time_cuda(run, iterations=args.iterations, stream=stream).median_ms
             if r >= 0:
                 ms[name].append(round_ms)
@@ -142,7 +151,7 @@ def plan_rows(bench: GemmBench, case, names: list[str], trees: dict, args, bad: 
                "plan": gg.plan_record(plan), "config": plan[-1][0].__dict__, "trees": {}}
         first = None
         for name in names:
-            with jit.use_tree(trees[name]):
+            with use(trees, name, args):
                 case.out.fill(cp.nan)
                 cp.cuda.Device().synchronize()
                 run()
@@ -184,6 +193,9 @@ def main(argv=None) -> int:
     ap = study_parser(__doc__, [512], 20)
     ap.add_argument("--tree", type=parse_tree, action="append", default=[],
                     help="NAME=DIR, a kernel tree laid out as lab/kernels; repeat (the first is the base)")
+    ap.add_argument("--prepass", action="append", default=[], metavar="NAME",
+                    help="the tree NAME writes the activation image with the pre-pass kernel even on the tiles that "
+                         "write it themselves (GemmConfig.builders); repeat for several trees")
     ap.add_argument("--gemm", nargs="+", choices=["w13", "w2"], default=["w13", "w2"], help="which GEMMs")
     ap.add_argument("--out", nargs="+", choices=["fp32", "bf16", "swiglu"], default=["fp32"],
                     help="the output: fp32, and/or bf16 bits (image tiles only: past 64 tokens per expert), "
@@ -206,6 +218,9 @@ def main(argv=None) -> int:
         trees = trees_of(args.tree)
     except ValueError as e:
         ap.error(str(e))
+    unknown = [n for n in args.prepass if n not in trees]
+    if unknown:
+        ap.error(f"--prepass: {unknown} name no --tree (trees: {list(trees)})")
     if not (np.isfinite(args.hold_ms) and 0 <= args.hold_ms <= 60_000):
         ap.error(f"--hold-ms: expected 0..60000 ms, got {args.hold_ms:g}")
     if args.rounds < 1 or args.iterations < 1 or args.warmup_rounds < 0:
@@ -233,7 +248,8 @@ def main(argv=None) -> int:
     def save(complete: bool) -> None:
         # after every row too: a run that its caller's timeout stops keeps the rows it finished
         write_json(args.json, "scripts/ab_kernels.py", setup=setup, tensor_peak=tensor,
-                   trees={n: str(p) for n, p in trees.items()}, rows=rows, failed=bad, complete=complete)
+                   trees={n: str(p) for n, p in trees.items()}, prepass=args.prepass, rows=rows, failed=bad,
+                   complete=complete)
 
     for mean in args.mean_tokens:
         for gemm in args.gemm:
@@ -283,7 +299,7 @@ def main(argv=None) -> int:
                        "max_count": int(case.counts.max()), "config": run_cfg.__dict__, "trees": {}}
                 first = None
                 for name in names:
-                    with jit.use_tree(trees[name]):
+                    with use(trees, name, args):
                         buf.fill(cp.nan if out == "fp32" else BF16_POISON if out == "bf16" else SCALE_POISON)
                         if counter is not None:
                             counter.fill(0)

@@ -1,6 +1,7 @@
-"""The activation image (gemm/act_image.cuh): the GEMM's B operand decoded once per launch by a
-pre-pass, for tiles without decoder warps (GemmConfig.image). Its layout, the tiles that use it,
-and that they compute what the decoder-warp tiles compute, bit for bit."""
+"""The activation image (gemm/act_image.cuh): the GEMM's B operand decoded once per launch, by a
+pre-pass or (GemmConfig.builders) by the launch's own producer warpgroup, for tiles without
+decoder warps (GemmConfig.image). Its layout, the tiles that use it, and that they compute what
+the decoder-warp tiles compute, bit for bit."""
 
 from __future__ import annotations
 
@@ -68,6 +69,41 @@ def test_image_groups_of_experts_never_overlap(seed):
 @pytest.mark.parametrize("cfg", gg.SHIPPED_IMAGE, ids=IDS)
 def test_image_tiles_compile_without_spills(cfg, bf16_out):
     info = jit.ptxas_report(gg.SOURCE, cfg.expression_for(False, bf16_out=bf16_out))
+    assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
+    assert info.registers <= 65536 // (4 * 32 * -(-cfg.threads // 128)), info
+    assert not info.wgmma_serialized and not info.setmaxnreg_ignored, info
+
+
+BUILDER_TILES = [c for c in gg.SHIPPED_IMAGE if c.builders]
+
+
+def test_builder_tiles_are_the_producer_warpgroup_ones():
+    """The in-kernel image (BUILDERS) exists for the register-A image tiles with a producer
+    warpgroup (its three idle warps build), and is refused by name for any other tile."""
+    assert {(c.max_frags, c.act) for c in BUILDER_TILES} == {(f, a) for f in (16, 20) for a in gg.ACTS}
+    assert all(c.producer_warps == 4 for c in BUILDER_TILES)
+    assert not any(c.builders for c in gg.SHIPPED_IMAGE if c.producer_warps == 1)
+    assert not any(c.builders for c in gg.SHIPPED_SS + gg.SHIPPED_CONFIGS)
+    cfg = BUILDER_TILES[-1]
+    assert cfg.expression_for(False, builders=True).endswith("false, false, false, true>")
+    assert cfg.expression_for(False, True, bf16_out=True, builders=True).endswith("false, true, true, true>")
+    with pytest.raises(ValueError, match="builders"):
+        gg.SHIPPED_IMAGE[0].expression_for(False, builders=True)
+
+
+@pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
+@pytest.mark.parametrize("form", ["fp32-out", "bf16-out", "counts-in", "read-only", "swiglu"])
+@pytest.mark.parametrize("cfg", BUILDER_TILES, ids=IDS)
+def test_builder_tiles_compile_without_spills(cfg, form):
+    """Every instantiation a launch with the in-kernel image can ask for: no spills (the builder
+    warps hold the producer warpgroup's 56 registers), no serialized wgmma."""
+    if form == "swiglu":
+        if cfg.act != "nvfp4":
+            pytest.skip("the register SwiGLU epilogue takes NVFP4 activations")
+        expr = gg.fused_config(cfg, "swiglu").expression_for(False, builders=True)
+    else:
+        expr = cfg.expression_for(form == "read-only", form == "counts-in", bf16_out=form == "bf16-out", builders=True)
+    info = jit.ptxas_report(gg.SOURCE, expr)
     assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
     assert info.registers <= 65536 // (4 * 32 * -(-cfg.threads // 128)), info
     assert not info.wgmma_serialized and not info.setmaxnreg_ignored, info
@@ -313,3 +349,65 @@ def test_bf16_output_is_an_instantiation_of_its_own():
     assert cfg.expression_for(False, True, bf16_out=True).endswith("false, true, true>")
     ss = gg.SHIPPED_SS[0]
     assert ss.expression_for(False, bf16_out=True) == ss.expression_for(False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", BUILDER_TILES, ids=IDS)
+def test_in_kernel_image_is_the_pre_pass_image_and_leaves_its_flags_at_zero(cfg):
+    """The builder warps write, for every expert's groups, exactly the bytes the pre-pass writes
+    (a poisoned workspace, read back after the launch); the launch computes the same bits as with
+    the pre-pass, alone, as a size class (counts_in), and as the second problem of a pair launch;
+    and every launch leaves its unit counter, piece counter and readiness flags at zero."""
+    import cupy as cp
+
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    tt = cfg.token_tile
+    counts = np.array([0, 1, 7, 9, tt - 1, tt, tt + 1, 2 * tt + 3, 0, 300, 40])
+    e, n, k = counts.size, 256, 512
+    packed = rng.integers(0, 256, (e, n, k // 2), np.uint8)
+    scales = rng.integers(1, 127, (e, n, k // 16)).astype(np.uint8)
+    offsets, xq, xs, _ = _problem(rng, cfg.act, counts, k)
+    alpha = rng.uniform(0.5, 2, e).astype(np.float32)
+    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
+    args = (cp.asarray(xq), None if xs is None else cp.asarray(xs), cp.asarray(offsets), cp.asarray(alpha))
+    rows = xq.shape[0]
+    stream = cp.cuda.Stream(non_blocking=True)
+    nbytes = gg.image_bytes(rows, e, k)
+    with stream:
+        space = gg.image_workspace(nbytes, stream)
+        want_img = gg.activation_image(prep, args[0], args[1], args[2], cfg.act, cp.empty(nbytes, cp.uint8)).get()
+        space[:nbytes].fill(0xFF)
+        got = cp.full((rows, n), cp.nan, cp.float32)
+        gg.grouped_gemm(prep, *args, got, cfg, stream=stream)
+        img = space[:nbytes].get()
+        want = cp.full_like(got, cp.nan)
+        gg.grouped_gemm(prep, *args, want, cfg, stream=stream, prepass=True)
+        stream.synchronize()
+    groups = gg.image_groups(rows, e)
+    g0 = offsets[:-1] // 8 + np.arange(e)
+    owned = np.zeros(groups, bool)
+    for ex in range(e):
+        owned[g0[ex]:g0[ex] + -(-counts[ex] // 8)] = True
+    shape = (k // 16, groups, 256)
+    assert np.array_equal(img.reshape(shape)[:, owned], want_img.reshape(shape)[:, owned]), f"seed {seed}: image bytes"
+    assert np.isfinite(got.get()).all(), f"seed {seed}: unwritten outputs"
+    ok, msg = checks.compare_bits(got.get().view(np.uint32), want.get().view(np.uint32))
+    assert ok, f"seed {seed}: against the pre-pass: {msg}"
+    # a size class of the same launch: those experts' rows, the same bits
+    part = cp.full_like(got, cp.nan)
+    gg.grouped_gemm(prep, *args, part, cfg, counts_in=(tt, 2 * tt + 3))
+    mine = np.repeat((counts >= tt) & (counts <= 2 * tt + 3), counts)
+    p = part.get()
+    assert np.isnan(p[~mine]).all(), f"seed {seed}: rows of other experts written"
+    assert checks.compare_bits(p[mine].view(np.uint32), want.get()[mine].view(np.uint32))[0], f"seed {seed}: class"
+    # two problems in one launch (the one-launch form): each problem's pieces and flags apart
+    first, second = cp.full_like(got, cp.nan), cp.full_like(got, cp.nan)
+    gg.grouped_gemm_pair((prep, *args, first), (prep, *args, second), cfg)
+    for out in (first, second):
+        assert checks.compare_bits(out.get().view(np.uint32), want.get().view(np.uint32))[0], f"seed {seed}: pair"
+    cp.cuda.Device().synchronize()
+    for sched, ready in gg._SCHED.values():
+        assert not sched.get().any(), "unit or piece counters not reset by the launch"
+    for kept in gg._IMAGE_READY.values():
+        assert not kept[-1].get().any(), "image readiness flags not reset by the launch"

@@ -106,6 +106,13 @@ class GemmConfig:
         return self.mode == "swiglu" and self.image and self.producer_warps > 1 and self.act == "nvfp4"
 
     @property
+    def builders(self) -> bool:
+        """Config::BUILDERS can be asked of this tile: a register-A image tile with a producer
+        warpgroup, whose three idle warps write the activation image inside the GEMM
+        (gemm/act_image.cuh, image_builders) instead of a pre-pass kernel before it."""
+        return self.image and self.mma == 1 and self.producer_warps == 4
+
+    @property
     def paired_stages(self) -> bool:
         """Config::NS == 2: an image tile past 64 tokens with an even ring takes its stages in
         pairs (one drain of the wgmma groups per two stages), so K holds K_STEP chunks in pairs."""
@@ -115,12 +122,19 @@ class GemmConfig:
     def expression(self) -> str:
         return self.expression_for(read_only=False)
 
-    def expression_for(self, read_only: bool, counts_in: bool = False, bf16_out: bool = False) -> str:
+    def expression_for(self, read_only: bool, counts_in: bool = False, bf16_out: bool = False,
+                       builders: bool = False) -> str:
         """The kernel's instantiation; `counts_in`: the one that takes a size class of experts
         (grouped_gemm's counts_in), a separate compile so the others keep their code; `bf16_out`:
-        a register-A image tile's bf16 output (BF16_OUT), likewise."""
+        a register-A image tile's bf16 output (BF16_OUT), likewise; `builders`: the image written
+        inside the launch (BUILDERS, where `self.builders` allows it)."""
+        if builders and not self.builders:
+            raise ValueError(f"builders: the in-kernel image needs a register-A image tile with a producer "
+                             f"warpgroup, got {self}")
         b = {True: "true", False: "false"}
         tail = ", true" if bf16_out and self.mma == 1 else ""  # (the MMA = 2 tile chooses at run time)
+        if builders:
+            tail = f", {b[bool(bf16_out)]}, true"
         return (f"lab_gemm::grouped_gemm_nvfp4<{self.warps}, {self.row_tiles}, {self.k_step}, {self.stages}, "
                 f"{self.max_frags}, {self.mma}, {self.decoder_warps}, {self.epilogue_warps}, "
                 f"lab_gemm::Mode::{self.mode}, lab_gemm::Act::{self.act}, {b[bool(read_only)]}, {b[bool(counts_in)]}"

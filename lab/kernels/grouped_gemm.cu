@@ -145,7 +145,8 @@ struct Config {
 // instantiation, so that neither output form carries the other's epilogue (each is unrolled over
 // every fragment count: ~1700 and ~3000 instructions, cold in the instruction cache once a unit).
 template <int WARPS, int ROW_TILES, int K_STEP, int STAGES, int MAX_FRAGS, int MMA, int DECODER_WARPS,
-          int EPILOGUE_WARPS, Mode MODE, Act ACT, bool READ_ONLY, bool COUNTS_IN, bool BF16_OUT = false>
+          int EPILOGUE_WARPS, Mode MODE, Act ACT, bool READ_ONLY, bool COUNTS_IN, bool BF16_OUT = false,
+          bool BUILDERS = false>
 __global__ void __launch_bounds__(
     Config<WARPS, ROW_TILES, K_STEP, STAGES, MAX_FRAGS, MMA, DECODER_WARPS, EPILOGUE_WARPS, MODE, ACT>::THREADS, 1)
 grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single problem) the same
@@ -172,7 +173,12 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
     unsigned int* __restrict__ nonfinite,  // SwiGLU values or bf16 outputs that are not finite
     // COUNTS_IN: the experts this launch computes are those of count_lo..count_hi tokens
     // (count_lo >= 1; both problems). The rest keep their output as it was.
-    int count_lo, int count_hi) {
+    int count_lo, int count_hi,
+    // BUILDERS: xq / xs are the raw activations (NVFP4 codes and scales, or bf16 rows); the
+    // producer warpgroup's idle warps write their image into image0 / image1 piece by piece,
+    // publishing each in image_ready (zero before the launch, zero after; sched[2] hands out the
+    // pieces), and the producer copies from there (gemm/act_image.cuh, image_builders).
+    uint8_t* __restrict__ image0, uint8_t* __restrict__ image1, int* __restrict__ image_ready) {
   using C = Config<WARPS, ROW_TILES, K_STEP, STAGES, MAX_FRAGS, MMA, DECODER_WARPS, EPILOGUE_WARPS, MODE, ACT>;
   // The SwiGLU epilogue in the consumers' registers (gemm/epilogue.cuh, swiglu_regs) on the
   // producer-warpgroup tiles; every other fused tile hands its h tile to epilogue warps.
@@ -195,6 +201,8 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
   static_assert(!BF16_OUT || (C::SPLIT && MMA == 1 && MODE == Mode::plain && !READ_ONLY),
                 "BF16_OUT: the plain epilogue of a register-A image tile");
   static_assert(STAGES < RING, "unit ring too small");
+  static_assert(!BUILDERS || (C::SPLIT && MMA == 1 && C::PRODUCER_WARPS == 4),
+                "BUILDERS: a register-A image tile with a producer warpgroup (its three idle warps build)");
   const int NB0 = N0 / C::BLOCK_ROWS, NB1 = N1 / C::BLOCK_ROWS;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
@@ -254,7 +262,15 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
   if (C::PRODUCER_WARPS > 1 ? warp >= WARPS : warp == WARPS) {
     if constexpr (C::PRODUCER_WARPS > 1) {  // the producer warpgroup (image tiles: no other roles)
       setmaxnreg_dec<C::PRODUCER_REGS>();
-      if (warp > WARPS) goto finish;
+      if (warp > WARPS) {
+        if constexpr (BUILDERS) {  // the activation image, once the producer's unit scan is in shared memory
+          named_bar_sync<1, 128>();
+          image_builders<C>(xq0, xq1, xs0, xs1, offsets0, offsets1, K0, K1, num_experts0, num_experts1, NB0, NB1,
+                            image0, image1, image_ready, sched, active, active + num_experts0 + num_experts1,
+                            n_active_s, n_active0, lane);
+        }
+        goto finish;
+      }
     }
     if constexpr (C::SPLIT) {  // units by token block (scheduler.cuh), planned by this warp alone
       int* unit_end = active + num_experts0 + num_experts1;
@@ -262,8 +278,22 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
       const int n_split = split_units<C::TOKEN_TILE>(active, n_active, n_active0, offsets0, offsets1, NB0, NB1,
                                                      unit_end, lane);
       auto split_of = [&](int u) { return split_unit_of(u, active, unit_end, n_active, n_active0, NB0, NB1); };
-      producer_warp<C>(wmap0, wmap1, xq0, xq1, xs0, xs1, offsets0, offsets1, K0, K1, num_experts0, num_experts1,
-                       ready, pipe, split_of, n_split, NB0, NB1, sched, lane);
+      if constexpr (BUILDERS) {
+        named_bar_arrive<1, 128>();  // (split_units ends with __syncwarp: unit_end is written)
+        int n_pieces0;
+        image_pieces<K_STEP>(unit_end, n_active, n_active0, K0, K1, NB0, NB1, n_pieces0);
+        auto piece_of = [&](const SplitUnit& un, int kc) {
+          const int p = un.p;
+          return image_piece0<K_STEP>(unit_end, un.i, p, n_active0, n_pieces0, LAB_P(NB), LAB_P(K)) + kc * un.blocks +
+                 un.tb;
+        };
+        producer_warp<C, true>(wmap0, wmap1, xq0, xq1, xs0, xs1, offsets0, offsets1, K0, K1, num_experts0,
+                               num_experts1, ready, pipe, split_of, n_split, NB0, NB1, sched, lane, image0, image1,
+                               image_ready, piece_of);
+      } else {
+        producer_warp<C>(wmap0, wmap1, xq0, xq1, xs0, xs1, offsets0, offsets1, K0, K1, num_experts0, num_experts1,
+                         ready, pipe, split_of, n_split, NB0, NB1, sched, lane);
+      }
     } else {
       producer_warp<C>(wmap0, wmap1, xq0, xq1, xs0, xs1, offsets0, offsets1, K0, K1, num_experts0, num_experts1, ready,
                        pipe, unit_of, n_units,
@@ -587,6 +617,26 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
 finish:  // The last CTA to finish leaves the unit counter (and the readiness counters) at zero for the
   // next launch or graph replay: every thread of every CTA is past its last use of them.
   __syncthreads();
+  if constexpr (BUILDERS) {  // the same, and the image's piece counter and flags (by the whole CTA)
+    __shared__ int last_cta;
+    if (threadIdx.x == 0) {
+      __threadfence();
+      last_cta = atomicAdd(&sched[1], 1) == (int)gridDim.x - 1;
+    }
+    __syncthreads();
+    if (last_cta) {
+      int n_pieces0;
+      const int n_pieces = image_pieces<K_STEP>(active + num_experts0 + num_experts1, n_active_s, n_active0, K0, K1,
+                                                NB0, NB1, n_pieces0);
+      for (int i = threadIdx.x; i < n_pieces; i += C::THREADS) image_ready[i] = 0;
+      if (threadIdx.x == 0) {
+        atomicExch(&sched[0], 0);
+        atomicExch(&sched[1], 0);
+        atomicExch(&sched[2], 0);
+      }
+    }
+    return;
+  }
   if (threadIdx.x == 0) {
     __threadfence();
     if (atomicAdd(&sched[1], 1) == (int)gridDim.x - 1) {

@@ -20,6 +20,7 @@ one import).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -41,7 +42,7 @@ SOURCE = "grouped_gemm.cu"
 __all__ = [  # the launchers, and what gemm_weights and gemm_config define, under one import
     "SOURCE", "Fusion", "grouped_gemm", "grouped_gemm_pair", "swiglu_gemm", "fused_layer",
     "ACTS", "FUSED_SMALL_STAGES", "IMAGE_FRAGS", "MAX_FRAGS_CHOICES", "MODEL_MARGIN", "MODES", "SKEWED_DISPERSION", "modelled_time", "SHIPPED_CONFIGS", "SHIPPED_FUSED", "SHIPPED_W4A16",
-    "SHIPPED_FUSED_W4A16", "SHIPPED_IMAGE", "SHIPPED_LARGE", "SHIPPED_SS", "activation_image", "image_bytes", "image_groups", "image_workspace", "LARGE_FRAGS", "SMEM_LIMIT",
+    "SHIPPED_FUSED_W4A16", "SHIPPED_IMAGE", "SHIPPED_LARGE", "SHIPPED_SS", "activation_image", "image_bytes", "image_groups", "image_pieces", "image_workspace", "use_prepass", "LARGE_FRAGS", "SMEM_LIMIT",
     "GemmConfig", "frags_for", "fused_config", "heuristic", "resident_ctas", "split_configs", "gemm_plan", "plan_record", "ALL_COUNTS", "SPLIT_AT",
     "grouped_gemm_plan",
     "ATOM_BYTES", "ATOM_CODE_BYTES", "ATOM_K", "ATOM_ROWS", "DECODE_MASK", "ENCODE_TABLES", "K_SLOTS",
@@ -83,7 +84,7 @@ def _check_activation(x_packed, x_scales, offsets, alpha, out, prep: PreparedWei
 
 def grouped_gemm(prep: PreparedWeights, x_packed, x_scales, offsets, alpha, out,
                  cfg: GemmConfig, stream=None, read_only: bool = False, nonfinite=None,
-                 counts_in: tuple[int, int] | None = None, sms: int | None = None) -> None:
+                 counts_in: tuple[int, int] | None = None, sms: int | None = None, prepass: bool | None = None) -> None:
     """Launch the grouped GEMM on `stream` (CuPy stream or None for the current one).
 
     `cfg` comes from `heuristic` (it needs the host-side token counts, which the caller has when
@@ -107,6 +108,12 @@ def grouped_gemm(prep: PreparedWeights, x_packed, x_scales, offsets, alpha, out,
     `sms`: launch as many CTAs as fit on that many SMs (None: on every SM). The units are handed
     out by a counter, so any grid computes every unit; a launch on part of the SMs leaves the
     rest to a launch on another stream.
+
+    On the tiles that can (``cfg.builders``: the 128- and 160-token image tiles) the activation
+    image is written inside the launch by the producer warpgroup's idle warps, piece by piece as
+    the units need it; `prepass` = True writes it with the pre-pass kernel before the launch
+    instead, as on the other image tiles (the same bits: for same-process comparisons); None takes
+    `use_prepass`'s setting (off unless a caller turned it on).
     """
     import cupy as cp
 
@@ -123,7 +130,7 @@ def grouped_gemm(prep: PreparedWeights, x_packed, x_scales, offsets, alpha, out,
     if sms is not None and not (isinstance(sms, (int, np.integer)) and 1 <= sms <= jit.sm_count()):
         raise ValueError(f"sms: expected an int from 1 to the device's SM count, got {sms!r}")
     _launch([(prep, x_packed, x_scales, offsets, alpha, out)], cfg, stream, read_only, nonfinite=nonfinite,
-            counts_in=counts_range(counts_in), sms=sms)
+            counts_in=counts_range(counts_in), sms=sms, prepass=prepass)
 
 
 def grouped_gemm_plan(prep: PreparedWeights, x_packed, x_scales, offsets, alpha, out, plan,
@@ -236,7 +243,8 @@ def fused_layer(w13: PreparedWeights, x_packed, x_scales, offsets, w13_alpha, w2
 
 
 def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fusion | None = None,
-            nonfinite=None, counts_in: tuple[int, int] = ALL_COUNTS, sms: int | None = None) -> None:
+            nonfinite=None, counts_in: tuple[int, int] = ALL_COUNTS, sms: int | None = None,
+            prepass: bool | None = None) -> None:
     import cupy as cp
 
     if fusion is not None:
@@ -264,17 +272,23 @@ def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fu
         problems.append((PreparedWeights(prep.data, 0, prep.n, prep.k, prep.block_rows, prep.k_step),
                          x_packed, x_scales, offsets, alpha, out))
     stream = stream if stream is not None else cp.cuda.get_current_stream()
+    builders = cfg.builders and not (_PREPASS[-1] if prepass is None else prepass)
+    images = [_NULL, _NULL]
     if cfg.image:  # the activations as their fp16 image, decoded once for every row block
         sizes = [image_bytes(pr[1].shape[0], pr[0].experts, pr[0].k) if pr[0].experts else 0 for pr in problems]
         with stream:
             space = image_workspace(sum(sizes), stream)  # (both problems' images live at once)
             at = np.cumsum([0] + sizes)
-            problems = [(prep, activation_image(prep, x_packed, x_scales, offsets, cfg.act, space[at[i]:], counts_in),
-                         None, offsets, alpha, out) if prep.experts else (prep, x_packed, x_scales, offsets, alpha, out)
-                        for i, (prep, x_packed, x_scales, offsets, alpha, out) in enumerate(problems)]
+            if builders:  # written by the launch itself (gemm/act_image.cuh, image_builders)
+                images = [space[at[i]:at[i + 1]] if sizes[i] else _NULL for i in range(2)]
+            else:
+                problems = [(prep, activation_image(prep, x_packed, x_scales, offsets, cfg.act, space[at[i]:], counts_in),
+                             None, offsets, alpha, out) if prep.experts else (prep, x_packed, x_scales, offsets, alpha, out)
+                            for i, (prep, x_packed, x_scales, offsets, alpha, out) in enumerate(problems)]
     experts = sum(pr[0].experts for pr in problems)
     smem = cfg.launch_smem(experts)
-    fn = jit.kernel(SOURCE, cfg.expression_for(read_only, counts_in != ALL_COUNTS, bf16_out=nonfinite is not None), smem)
+    fn = jit.kernel(SOURCE, cfg.expression_for(read_only, counts_in != ALL_COUNTS, bf16_out=nonfinite is not None,
+                                               builders=builders), smem)
     units = sum(pr[0].experts * (pr[0].n // cfg.block_rows) for pr in problems)
     grid = (min(units, (sms or jit.sm_count()) * resident_ctas(cfg, experts, fn.num_regs)),)
     args = []
@@ -299,7 +313,27 @@ def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fu
                      _NULL if fusion.a_scales is None else fusion.a_scales, ready if cfg.mode == "layer" else _NULL,
                      _NULL if fusion.out_bf16 is None else fusion.out_bf16, fusion.counter]
         args += [np.int32(counts_in[0]), np.int32(counts_in[1])]
+        if builders:
+            pieces = sum(image_pieces(pr[1].shape[0], pr[0].experts, pr[0].k, cfg) for pr in problems if pr[0].experts)
+            args += images + [_image_ready(cp, sched, pieces)]
+        else:
+            args += [_NULL, _NULL, _NULL]
         fn(grid, (cfg.threads,), tuple(args), shared_mem=smem)
+
+
+_PREPASS = [False]
+
+
+@contextlib.contextmanager
+def use_prepass(on: bool = True):
+    """Launches inside (and graphs captured inside) write the activation image with the pre-pass
+    kernel even on the tiles that write it themselves (`GemmConfig.builders`): the same bits, for
+    same-process comparisons of the two forms (scripts/ab_kernels.py --prepass)."""
+    _PREPASS.append(bool(on))
+    try:
+        yield
+    finally:
+        _PREPASS.pop()
 
 
 IMAGE_QB, IMAGE_THREADS = 4, 128  # gemm/act_image.cuh: k16 blocks per thread, threads per block
@@ -315,6 +349,12 @@ def image_groups(rows: int, experts: int) -> int:
 def image_bytes(rows: int, experts: int, k: int) -> int:
     """Bytes of one problem's activation image: (K/16, groups, 2, 8, 8) fp16."""
     return (k // 16) * image_groups(rows, experts) * 256
+
+
+def image_pieces(rows: int, experts: int, k: int, cfg: GemmConfig) -> int:
+    """At most this many pieces of one problem's image (one per expert, token block and k chunk,
+    gemm/act_image.cuh) for `rows` routed rows: the in-kernel image's readiness flags."""
+    return (rows // cfg.token_tile + experts) * (k // cfg.k_step)
 
 
 def image_workspace(nbytes: int, stream=None):
@@ -374,6 +414,20 @@ def _scheduler_state(cp, out, offsets, out1, experts0: int, counts_in: tuple[int
     key = (cp.cuda.Device().id, out.data.ptr, offsets.data.ptr, None if out1 is None else out1.data.ptr, experts0,
            tuple(counts_in))
     state = _SCHED.get(key)
-    if state is None:
-        state = _SCHED[key] = (cp.zeros(2, dtype=cp.int32), cp.zeros(max(1, experts0), dtype=cp.int32))
+    if state is None:  # [next unit, CTAs done, next image piece, -]
+        state = _SCHED[key] = (cp.zeros(4, dtype=cp.int32), cp.zeros(max(1, experts0), dtype=cp.int32))
     return state
+
+
+_IMAGE_READY: dict = {}
+
+
+def _image_ready(cp, sched, pieces: int):
+    """The in-kernel image's per-piece flags beside `sched` (the same launches share them, one at a
+    time): at least `pieces` int32 zeros; the kernel leaves them at zero. A larger request allocates
+    anew and keeps the old buffer alive for graphs captured over it. Allocated on first use, which
+    the runner does before any capture."""
+    kept = _IMAGE_READY.setdefault(sched.data.ptr, [])
+    if not kept or kept[-1].size < pieces:
+        kept.append(cp.zeros(max(pieces, 2 * kept[-1].size if kept else 0, 1), dtype=cp.int32))
+    return kept[-1]

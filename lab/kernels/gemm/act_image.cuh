@@ -1,8 +1,13 @@
-// The activation image: the GEMM's B operand decoded once per launch by a pre-pass, for tiles
-// with no decoder warps (Config DECODER_WARPS = 0, GemmConfig.image). With token tiles past 64
-// the decoder warps' work per stage (TOKEN_TILE x K_STEP values, for every row block of the
-// expert again) is what bounds the tile (notes/gemm.md v20); the image moves it out of the GEMM
-// and the producer copies each stage's activations as they are.
+// The activation image: the GEMM's B operand decoded once per launch, for tiles with no decoder
+// warps (Config DECODER_WARPS = 0, GemmConfig.image). With token tiles past 64 the decoder warps'
+// work per stage (TOKEN_TILE x K_STEP values, for every row block of the expert again) is what
+// bounds the tile (notes/gemm.md v20); the image moves it out of the consumers, and the producer
+// copies each stage's activations as they are. Two writers of the same bytes:
+//   act_image       a pre-pass kernel before the GEMM (the 64- and 96-token tiles);
+//   image_builders  inside the GEMM, on the producer warpgroup's three otherwise idle warps (the
+//                   128- and 160-token tiles, Config::BUILDERS): there the GEMM is compute bound,
+//                   so the image's bytes move beside the tensor work instead of before it, and the
+//                   producer waits for each stage's piece of the image, not for a whole pre-pass.
 //
 // Layout, fp16 as the decoders write it (v * s * 2^-14 for NVFP4 rows, bf16 rows converted):
 //   image[q][grp][half][row][8 values]   256 bytes per (q, grp)
@@ -79,6 +84,116 @@ __global__ void __launch_bounds__(IMAGE_THREADS) act_image(const uint8_t* __rest
     uint4* dst = reinterpret_cast<uint4*>(image + ((size_t)q * groups + grp) * 256 + row * 16);
     dst[0] = make_uint4(h0[0], h0[1], h0[2], h0[3]);
     dst[8] = make_uint4(h1[0], h1[1], h1[2], h1[3]);
+  }
+}
+
+// The in-kernel form. A piece is one (active expert i, k chunk kc, token block tb): the image of
+// one stage of one split unit, TOKEN_TILE rows x K_STEP, as act_image writes it (rows past the
+// block's tokens as zeros). Pieces are numbered problem 0's first, then expert by expert, k chunk
+// major: piece0(i) + kc * blocks(i) + tb, the order in which the units' stages need them (units
+// claim token blocks fastest, so the first units of an expert take every token block of its first
+// row block, all at k chunk 0). Each builder warp claims pieces from sched[2] one at a time, writes
+// one, and publishes it with a release on image_ready[piece]; a producer acquires that before it
+// copies the piece. No deadlock: a builder never waits, and a piece is claimed only by a running
+// warp. The builders are not paced: they write the image well ahead of the units' need, at the
+// DRAM rate the GEMM leaves; holding each expert's pieces until the unit counter came within 1, 4
+// or 16 waves of its first unit timed level with this (notes/gemm.md v34).
+//
+// unit_end as split_units leaves it; units0: problem 0's split units. Returns the pieces of the
+// launch (n_pieces0: problem 0's).
+template <int K_STEP>
+__device__ __forceinline__ int image_pieces(const int* unit_end, int n_active, int n_active0, int K0, int K1, int NB0,
+                                            int NB1, int& n_pieces0) {
+  const int units0 = n_active0 ? unit_end[n_active0 - 1] : 0;
+  const int units = n_active ? unit_end[n_active - 1] : 0;
+  n_pieces0 = NB0 ? units0 / NB0 * (K0 / K_STEP) : 0;
+  return n_pieces0 + (units > units0 ? (units - units0) / NB1 * (K1 / K_STEP) : 0);
+}
+
+// The first piece of active expert i (of problem p), from its split units (blocks(i) = its units / NB).
+template <int K_STEP>
+__device__ __forceinline__ int image_piece0(const int* unit_end, int i, int p, int n_active0, int n_pieces0, int NB,
+                                            int K) {
+  const int ubase = p && n_active0 ? unit_end[n_active0 - 1] : 0;
+  const int ustart = i ? unit_end[i - 1] : 0;
+  return (p ? n_pieces0 : 0) + (ustart - ubase) / NB * (K / K_STEP);
+}
+
+template <class C>
+__device__ __forceinline__ void image_builders(const uint8_t* xq0, const uint8_t* xq1, const uint8_t* xs0,
+                                               const uint8_t* xs1, const int* offsets0, const int* offsets1, int K0,
+                                               int K1, int num_experts0, int num_experts1, int NB0, int NB1,
+                                               uint8_t* image0, uint8_t* image1, int* image_ready, int* sched,
+                                               const int* active, const int* unit_end, int n_active, int n_active0,
+                                               int lane) {
+  constexpr int K_STEP = C::K_STEP, KSTEPS = C::KSTEPS;
+  int n_pieces0;
+  const int n_pieces = image_pieces<K_STEP>(unit_end, n_active, n_active0, K0, K1, NB0, NB1, n_pieces0);
+  for (;;) {
+    int piece = 0;
+    if (lane == 0) piece = atomicAdd(&sched[2], 1);
+    piece = __shfl_sync(0xffffffffu, piece, 0);
+    if (piece >= n_pieces) return;
+    const int p = piece >= n_pieces0;
+    const int NB = LAB_P(NB), K = LAB_P(K);
+    const int* offsets = LAB_P(offsets);
+    // the active expert whose pieces hold this one (problem p's experts only)
+    int lo = p ? n_active0 : 0, hi = (p ? n_active : n_active0) - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if (image_piece0<K_STEP>(unit_end, mid + 1, p, n_active0, n_pieces0, NB, K) > piece) hi = mid;
+      else lo = mid + 1;
+    }
+    const int blocks = (unit_end[lo] - (lo ? unit_end[lo - 1] : 0)) / NB;
+    const int local = piece - image_piece0<K_STEP>(unit_end, lo, p, n_active0, n_pieces0, NB, K);
+    const int kc = local / blocks, tb = local - kc * blocks;
+    const int e = active[lo];
+    const int rows0 = offsets[e] + tb * C::TOKEN_TILE;
+    const int count = min(C::TOKEN_TILE, offsets[e + 1] - rows0);
+    const int groups = image_groups(offsets, LAB_P(num_experts));
+    const int grp0 = image_group0(offsets, e) + tb * C::MAX_FRAGS;
+    const uint8_t* xq = LAB_P(xq);
+    const uint8_t* xs = LAB_P(xs);
+    uint8_t* image = LAB_P(image);
+    // lane: token row (lane & 7) of every fourth 8-token group; per row the chunk's K_STEP values
+    for (int g = lane >> 3; g < (count + 7) >> 3; g += 4) {
+      const int tok = g * 8 + (lane & 7);
+      const bool valid = tok < count;
+      const size_t r = (size_t)rows0 + tok;
+      uint8_t* dst = image + ((size_t)(kc * KSTEPS) * groups + grp0 + g) * 256 + (lane & 7) * 16;
+      uint32_t sw[KSTEPS / 4];  // the chunk's block scales, four to a word (K / 16 is a multiple of 8)
+#pragma unroll
+      for (int w = 0; w < KSTEPS / 4; ++w)
+        sw[w] = C::ACT == Act::nvfp4 && valid ? reinterpret_cast<const uint32_t*>(xs + r * (K / 16) + kc * KSTEPS)[w] : 0u;
+#pragma unroll
+      for (int j = 0; j < KSTEPS; ++j) {
+        uint32_t h0[4] = {0u, 0u, 0u, 0u}, h1[4] = {0u, 0u, 0u, 0u};
+        if (valid) {
+          if constexpr (C::ACT == Act::bf16) {
+            const uint4* src = reinterpret_cast<const uint4*>(xq + (r * K + kc * K_STEP + j * 16) * 2);
+            decode_bf16_block(src[0], src[1], h0, h1);
+          } else {
+            const uint2 raw = *reinterpret_cast<const uint2*>(xq + r * (K / 2) + kc * (K_STEP / 2) + j * 8);
+            const uint32_t sc = e4m3x2_to_f16x2(sw[j >> 2] >> (8 * (j & 3)));  // low half: block j's scale
+            h0[0] = hmul2_lo(decode_x<0>(raw.x), sc);
+            h0[1] = hmul2_lo(decode_x<1>(raw.x), sc);
+            h0[2] = hmul2_lo(decode_x<2>(raw.x), sc);
+            h0[3] = hmul2_lo(decode_x<3>(raw.x), sc);
+            h1[0] = hmul2_lo(decode_x<0>(raw.y), sc);
+            h1[1] = hmul2_lo(decode_x<1>(raw.y), sc);
+            h1[2] = hmul2_lo(decode_x<2>(raw.y), sc);
+            h1[3] = hmul2_lo(decode_x<3>(raw.y), sc);
+          }
+        }
+        uint4* d = reinterpret_cast<uint4*>(dst + (size_t)j * groups * 256);
+        d[0] = make_uint4(h0[0], h0[1], h0[2], h0[3]);
+        d[8] = make_uint4(h1[0], h1[1], h1[2], h1[3]);
+      }
+    }
+    fence_proxy_async_global();  // these generic-proxy writes, before the bulk copies that read them
+    __threadfence();
+    __syncwarp();
+    if (lane == 0) red_release_add(image_ready + piece, 1);
   }
 }
 

@@ -12,13 +12,16 @@ namespace lab_gemm {
 __device__ __forceinline__ constexpr int split_tb(const Unit&) { return 0; }
 __device__ __forceinline__ int split_tb(const SplitUnit& u) { return u.tb; }
 
-template <class C, class UnitOf>
+// BUILDERS (act_image.cuh, image_builders): the stage's image is copied from image0 / image1 once
+// image_ready[piece_of(unit, kc)] says the builders wrote it.
+template <class C, bool BUILDERS = false, class UnitOf, class PieceOf = int>
 __device__ __forceinline__ void producer_warp(const void* wmap0, const void* wmap1, const uint8_t* xq0, const uint8_t* xq1,
                                               const uint8_t* xs0, const uint8_t* xs1, const int* offsets0,
                                               const int* offsets1, int K0, int K1, int num_experts0,
                                               int num_experts1, int* ready, const Pipe& pipe,
                                               const UnitOf& unit_of, int n_units, int NB0, int NB1, int* sched,
-                                              int lane) {
+                                              int lane, const uint8_t* image0 = nullptr, const uint8_t* image1 = nullptr,
+                                              const int* image_ready = nullptr, const PieceOf& piece_of = 0) {
   constexpr int K_STEP = C::K_STEP, STAGES = C::STAGES;
   const uint64_t pol = evict_first_policy();
   if (lane == 0) {  // the maps' bytes were written through the generic proxy (a copy from the host)
@@ -73,10 +76,17 @@ __device__ __forceinline__ void producer_warp(const void* wmap0, const void* wma
         }
         __syncwarp();
         if (!done && lane < C::KSTEPS) {
+          const uint8_t* img = xq;  // (the launcher passes the pre-pass's image as the activations)
+          if constexpr (BUILDERS) {
+            img = LAB_P(image);
+            const int* piece = image_ready + piece_of(un, kc);
+            while (load_acquire(piece) == 0) __nanosleep(32);
+            fence_proxy_async_global();  // the builders' generic writes, before this async-proxy read
+          }
           const int groups = image_groups(offsets, LAB_P(num_experts));
           const int grp = image_group0(offsets, e) + (row0 - offsets[e]) / 8 + pass * C::MAX_FRAGS;
           bulk_copy(smem_addr(smem + C::OFF_XF + s * C::XF + lane * C::MAX_FRAGS * 256),
-                    xq + ((size_t)(kc * C::KSTEPS + lane) * groups + grp) * 256, frags * 256, pipe.full0 + 8 * s);
+                    img + ((size_t)(kc * C::KSTEPS + lane) * groups + grp) * 256, frags * 256, pipe.full0 + 8 * s);
         }
         if (++s == STAGES) {
           s = 0;

@@ -93,6 +93,16 @@ __device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1
 }
 
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// The same between the generic proxy's global writes and the async proxy's global reads: the image
+// builders' stores (act_image.cuh) and the bulk copies that read them.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
+// A named barrier of `threads` threads (a multiple of 32): sync waits for it, arrive does not
+// (barrier 0 is __syncthreads').
+template <int ID, int THREADS>
+__device__ __forceinline__ void named_bar_sync() { asm volatile("bar.sync %0, %1;" ::"n"(ID), "n"(THREADS) : "memory"); }
+template <int ID, int THREADS>
+__device__ __forceinline__ void named_bar_arrive() { asm volatile("bar.arrive %0, %1;" ::"n"(ID), "n"(THREADS) : "memory"); }
 
 // The fused layer's per-expert readiness: the SwiGLU epilogue warps publish with a release add,
 // the w2 producer acquires before it copies the activations they wrote.

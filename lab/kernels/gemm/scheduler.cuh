@@ -53,9 +53,10 @@ struct Unit {
   int p, e, nb;
 };
 // An image tile's unit: the same and its token block (a type of its own, so that the other
-// tiles' producers compile as they did before split units)
+// tiles' producers compile as they did before split units); i: the expert's place in the
+// compacted list and blocks: its token blocks (the in-kernel image's piece numbers, act_image.cuh)
 struct SplitUnit {
-  int p, e, nb, tb;
+  int p, e, nb, tb, i, blocks;
 };
 
 // Image tiles (no decoder warps, large token counts): units are (problem, active expert, row
@@ -108,6 +109,8 @@ __device__ __forceinline__ SplitUnit split_unit_of(int u, const int* active, con
   r.e = active[lo];
   r.nb = local / blocks;
   r.tb = local - r.nb * blocks;
+  r.i = lo;
+  r.blocks = blocks;
   return r;
 }
 
