@@ -33,6 +33,9 @@ checkout whose layout is the largest (a kernel given more than it uses runs as i
 The instantiation names come from this checkout too: --out bf16 names the kernel's BF16_OUT
 argument (31d8ca5), which a tree from before it lacks; add `bool BF16_OUT = false` to that tree's
 kernel template (ignored there: its run-time branch still picks the bf16 epilogue) to time it.
+Likewise the 128- and 160-token tiles launch with BUILDERS (the activation image written inside
+the launch, 864ef50); a tree from before it lacks that argument: name it in --prepass, which
+launches it with the pre-pass kernel as it ran then.
 """
 
 from __future__ import annotations
