@@ -133,6 +133,19 @@ def _problem(rng, act, counts, k=256):
     return offsets, xp, xs, decode_blocks(xp, xs)
 
 
+def _gemm_case(cp, rng, cfg, counts, n, k):
+    """Random weights in cfg's layout, a routed problem of `counts` and alpha: the prepared weights,
+    the launch's device arguments (x, scales, offsets, alpha), the host offsets and x."""
+    e = counts.size
+    packed = rng.integers(0, 256, (e, n, k // 2), np.uint8)
+    scales = rng.integers(1, 127, (e, n, k // 16)).astype(np.uint8)
+    offsets, xq, xs, _ = _problem(rng, cfg.act, counts, k)
+    alpha = rng.uniform(0.5, 2, e).astype(np.float32)
+    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
+    args = (cp.asarray(xq), None if xs is None else cp.asarray(xs), cp.asarray(offsets), cp.asarray(alpha))
+    return prep, args, offsets, xq
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("act", gg.ACTS)
 def test_image_layout_holds_each_token_in_its_expert_groups(act):
@@ -295,13 +308,8 @@ def test_a_launch_on_part_of_the_sms_computes_every_unit(sms):
     seed = int(np.random.default_rng().integers(2**31))
     rng = np.random.default_rng(seed)
     counts = np.array([5, 0, 170, 33, 1, 90])
-    e, n, k = counts.size, 512, 256
-    packed = rng.integers(0, 256, (e, n, k // 2), np.uint8)
-    scales = rng.integers(1, 127, (e, n, k // 16)).astype(np.uint8)
-    offsets, xq, xs, _ = _problem(rng, cfg.act, counts, k)
-    alpha = rng.uniform(0.5, 2, e).astype(np.float32)
-    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
-    args = (cp.asarray(xq), cp.asarray(xs), cp.asarray(offsets), cp.asarray(alpha))
+    n = 512
+    prep, args, _, xq = _gemm_case(cp, rng, cfg, counts, n, 256)
     full = cp.full((xq.shape[0], n), cp.nan, cp.float32)
     gg.grouped_gemm(prep, *args, full, cfg)
     part = cp.full_like(full, cp.nan)
@@ -365,12 +373,7 @@ def test_in_kernel_image_is_the_pre_pass_image_and_leaves_its_flags_at_zero(cfg)
     tt = cfg.token_tile
     counts = np.array([0, 1, 7, 9, tt - 1, tt, tt + 1, 2 * tt + 3, 0, 300, 40])
     e, n, k = counts.size, 256, 512
-    packed = rng.integers(0, 256, (e, n, k // 2), np.uint8)
-    scales = rng.integers(1, 127, (e, n, k // 16)).astype(np.uint8)
-    offsets, xq, xs, _ = _problem(rng, cfg.act, counts, k)
-    alpha = rng.uniform(0.5, 2, e).astype(np.float32)
-    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
-    args = (cp.asarray(xq), None if xs is None else cp.asarray(xs), cp.asarray(offsets), cp.asarray(alpha))
+    prep, args, offsets, xq = _gemm_case(cp, rng, cfg, counts, n, k)
     rows = xq.shape[0]
     stream = cp.cuda.Stream(non_blocking=True)
     nbytes = gg.image_bytes(rows, e, k)

@@ -71,14 +71,7 @@ __global__ void __launch_bounds__(IMAGE_THREADS) act_image(const uint8_t* __rest
       } else {
         const uint2 raw = *reinterpret_cast<const uint2*>(xq + r * (K / 2) + q * 8);
         const uint32_t sc = e4m3x2_to_f16x2(xs[r * (K / 16) + q]);  // low half = this block's scale
-        h0[0] = hmul2_lo(decode_x<0>(raw.x), sc);
-        h0[1] = hmul2_lo(decode_x<1>(raw.x), sc);
-        h0[2] = hmul2_lo(decode_x<2>(raw.x), sc);
-        h0[3] = hmul2_lo(decode_x<3>(raw.x), sc);
-        h1[0] = hmul2_lo(decode_x<0>(raw.y), sc);
-        h1[1] = hmul2_lo(decode_x<1>(raw.y), sc);
-        h1[2] = hmul2_lo(decode_x<2>(raw.y), sc);
-        h1[3] = hmul2_lo(decode_x<3>(raw.y), sc);
+        decode_nvfp4_block(raw, sc, h0, h1);
       }
     }
     uint4* dst = reinterpret_cast<uint4*>(image + ((size_t)q * groups + grp) * 256 + row * 16);
@@ -175,14 +168,7 @@ __device__ __forceinline__ void image_builders(const uint8_t* xq0, const uint8_t
           } else {
             const uint2 raw = *reinterpret_cast<const uint2*>(xq + r * (K / 2) + kc * (K_STEP / 2) + j * 8);
             const uint32_t sc = e4m3x2_to_f16x2(sw[j >> 2] >> (8 * (j & 3)));  // low half: block j's scale
-            h0[0] = hmul2_lo(decode_x<0>(raw.x), sc);
-            h0[1] = hmul2_lo(decode_x<1>(raw.x), sc);
-            h0[2] = hmul2_lo(decode_x<2>(raw.x), sc);
-            h0[3] = hmul2_lo(decode_x<3>(raw.x), sc);
-            h1[0] = hmul2_lo(decode_x<0>(raw.y), sc);
-            h1[1] = hmul2_lo(decode_x<1>(raw.y), sc);
-            h1[2] = hmul2_lo(decode_x<2>(raw.y), sc);
-            h1[3] = hmul2_lo(decode_x<3>(raw.y), sc);
+            decode_nvfp4_block(raw, sc, h0, h1);
           }
         }
         uint4* d = reinterpret_cast<uint4*>(dst + (size_t)j * groups * 256);

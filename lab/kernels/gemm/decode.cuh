@@ -77,6 +77,21 @@ __device__ __forceinline__ void decode_tile(const uint4& code, const uint2& scl,
   a[3] = hmul2_hi(p3, s2);
 }
 
+// One k16 block of one NVFP4 activation row (raw: its 16 codes, k = 0..7 then 8..15; sc: its
+// scale in the low half) -> k slots 0..7 and 8..15 in K_SLOTS order, times the scale (the image's
+// two writers, gemm/act_image.cuh).
+__device__ __forceinline__ void decode_nvfp4_block(const uint2& raw, uint32_t sc, uint32_t (&h0)[4],
+                                                   uint32_t (&h1)[4]) {
+  h0[0] = hmul2_lo(decode_x<0>(raw.x), sc);
+  h0[1] = hmul2_lo(decode_x<1>(raw.x), sc);
+  h0[2] = hmul2_lo(decode_x<2>(raw.x), sc);
+  h0[3] = hmul2_lo(decode_x<3>(raw.x), sc);
+  h1[0] = hmul2_lo(decode_x<0>(raw.y), sc);
+  h1[1] = hmul2_lo(decode_x<1>(raw.y), sc);
+  h1[2] = hmul2_lo(decode_x<2>(raw.y), sc);
+  h1[3] = hmul2_lo(decode_x<3>(raw.y), sc);
+}
+
 // bf16 (the low or the high half of a word) -> float32, exactly.
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
