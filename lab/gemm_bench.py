@@ -33,7 +33,8 @@ def log(tag: str, msg: str) -> None:
 CONFIG_HELP = ("override the tile: warps,row_tiles,k_step,stages[,mma[,ctas_per_sm[,max_frags[,image]]]] (token "
                "tile 8 * max_frags, default the heuristic's; mma 0 = mma.sync, 1 = wgmma; ctas_per_sm 0 = as many "
                "as fit; max_frags 12, 16 or 20, a 96-, 128- or 160-token tile, needs wgmma; image 1: the activations as a "
-               "pre-decoded fp16 image, no decoder warps, wgmma only)")
+               "pre-decoded fp16 image, no decoder warps, wgmma only; image 2: that image built inside the launch by "
+               "a producer warpgroup on the 64- and 96-token tiles too, build_image)")
 
 
 def parse_config(text: str) -> tuple[int, ...]:
@@ -42,9 +43,9 @@ def parse_config(text: str) -> tuple[int, ...]:
         vals = tuple(int(v) for v in text.split(","))
     except ValueError:
         vals = ()
-    if len(vals) not in (4, 5, 6, 7, 8) or (len(vals) == 8 and vals[7] not in (0, 1)):
+    if len(vals) not in (4, 5, 6, 7, 8) or (len(vals) == 8 and vals[7] not in (0, 1, 2)):
         raise argparse.ArgumentTypeError(
-            f"--config: expected warps,row_tiles,k_step,stages[,mma[,ctas_per_sm[,max_frags[,image 0/1]]]], got {text!r}")
+            f"--config: expected warps,row_tiles,k_step,stages[,mma[,ctas_per_sm[,max_frags[,image 0/1/2]]]], got {text!r}")
     return vals
 
 
@@ -55,7 +56,8 @@ def config_of(values: tuple[int, ...], default: gg.GemmConfig) -> gg.GemmConfig:
     frags = rest[2] if len(rest) > 2 else default.max_frags
     return gg.GemmConfig(w, r, ks, st, frags, mma=rest[0] if rest else 0,
                          ctas_per_sm=rest[1] if len(rest) > 1 else 0, act=default.act,
-                         image=bool(rest[3]) if len(rest) > 3 else False)
+                         image=bool(rest[3]) if len(rest) > 3 else False,
+                         build_image=len(rest) > 3 and rest[3] == 2)
 
 
 def study_parser(doc: str, means: list[float], iterations: int) -> argparse.ArgumentParser:

@@ -170,7 +170,7 @@ def main(argv=None) -> int:
 
     def tile(c: dict) -> str:
         return ("{warps},{row_tiles},{k_step},{stages},{max_frags},{mma},{ctas_per_sm}".format(**c)
-                + (",image" if c.get("image") else ""))
+                + (",image" if c.get("image") else "") + (",build_image" if c.get("build_image") else ""))
 
     def fmt(v, spec: str) -> str:
         return "-" if v is None else format(v, spec)

@@ -18,7 +18,7 @@ from lab.kernels import jit
 from config_mirror import assert_config_mirror
 from oracles import decode_blocks
 
-IDS = lambda c: c.expression.split("<")[1][:-1]  # noqa: E731
+IDS = lambda c: c.expression.split("<")[1][:-1] + (", build_image" if c.build_image else "")  # noqa: E731
 
 
 def test_image_tiles_have_no_decoder_warps_and_no_raw_stage():
@@ -48,7 +48,9 @@ def test_image_tiles_have_no_decoder_warps_and_no_raw_stage():
     import argparse
 
     with pytest.raises(argparse.ArgumentTypeError, match="image 0/1"):
-        parse_config("8,2,128,4,1,0,12,2")
+        parse_config("8,2,128,4,1,0,12,3")
+    built = config_of(parse_config("8,2,128,4,1,0,12,2"), gg.GemmConfig())
+    assert built == gg.GemmConfig(8, 2, 128, 4, 12, 1, image=True, build_image=True) and built.builders
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -75,6 +77,8 @@ def test_image_tiles_compile_without_spills(cfg, bf16_out):
 
 
 BUILDER_TILES = [c for c in gg.SHIPPED_IMAGE if c.builders]
+# the 64- and 96-token image tiles (and 256 x 128 on one row tile) with the image built in the launch
+BUILT_TILES = [replace(c, build_image=True) for c in gg.SHIPPED_IMAGE if c.mma == 1 and c.warps == 8 and not c.wide]
 
 
 def test_builder_tiles_are_the_producer_warpgroup_ones():
@@ -89,17 +93,25 @@ def test_builder_tiles_are_the_producer_warpgroup_ones():
     assert cfg.expression_for(False, True, bf16_out=True, builders=True).endswith("false, true, true, true>")
     with pytest.raises(ValueError, match="builders"):
         gg.SHIPPED_IMAGE[0].expression_for(False, builders=True)
+    # build_image: the same warpgroup on the smaller image tiles, on request; its wgmma group size and
+    # epilogue are the tile's own (WIDE), and a fused launch of it runs the decoder tile as before
+    assert {c.max_frags for c in BUILT_TILES} == {8, 12, 16} and all(c.builders and c.threads == 12 * 32 for c in BUILT_TILES)
+    assert not any(c.wide for c in BUILT_TILES) and all(c.wide for c in BUILDER_TILES)
+    assert not gg.fused_config(BUILT_TILES[0], "swiglu").build_image
+    for bad in (dict(image=False, build_image=True), dict(mma=2), dict(warps=4)):
+        with pytest.raises(ValueError, match="build_image|mma=2"):
+            replace(BUILT_TILES[0], **bad).validate()
 
 
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
 @pytest.mark.parametrize("form", ["fp32-out", "bf16-out", "counts-in", "read-only", "swiglu"])
-@pytest.mark.parametrize("cfg", BUILDER_TILES, ids=IDS)
+@pytest.mark.parametrize("cfg", BUILDER_TILES + BUILT_TILES, ids=IDS)
 def test_builder_tiles_compile_without_spills(cfg, form):
     """Every instantiation a launch with the in-kernel image can ask for: no spills (the builder
     warps hold the producer warpgroup's 56 registers), no serialized wgmma."""
     if form == "swiglu":
-        if cfg.act != "nvfp4":
-            pytest.skip("the register SwiGLU epilogue takes NVFP4 activations")
+        if cfg.act != "nvfp4" or not cfg.wide:
+            pytest.skip("the register SwiGLU epilogue: NVFP4 activations on the wide tiles")
         expr = gg.fused_config(cfg, "swiglu").expression_for(False, builders=True)
     else:
         expr = cfg.expression_for(form == "read-only", form == "counts-in", bf16_out=form == "bf16-out", builders=True)
@@ -360,7 +372,7 @@ def test_bf16_output_is_an_instantiation_of_its_own():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", BUILDER_TILES, ids=IDS)
+@pytest.mark.parametrize("cfg", BUILDER_TILES + BUILT_TILES, ids=IDS)
 def test_in_kernel_image_is_the_pre_pass_image_and_leaves_its_flags_at_zero(cfg):
     """The builder warps write, for every expert's groups, exactly the bytes the pre-pass writes
     (a poisoned workspace, read back after the launch); the launch computes the same bits as with

@@ -41,7 +41,10 @@ class GemmConfig:
     template argument: it only sizes the grid.
     image: the activations reach the GEMM as an fp16 image a pre-pass writes once per launch
     (gemm/act_image.cuh): no decoder warps, the producer copies each stage's B operand as it is.
-    wgmma and the plain epilogue only; meant for token tiles of 64 and more."""
+    wgmma and the plain epilogue only; meant for token tiles of 64 and more. The 128- and 160-token
+    image tiles write that image inside the launch instead (`builders`); build_image: the 64- and
+    96-token ones too, with a producer warpgroup whose three other warps build it (a study tile:
+    the heuristic does not pick it)."""
 
     warps: int = 8
     row_tiles: int = 2
@@ -53,6 +56,7 @@ class GemmConfig:
     ctas_per_sm: int = 0
     act: str = "nvfp4"
     image: bool = False
+    build_image: bool = False
 
     @property
     def block_rows(self) -> int:
@@ -70,10 +74,18 @@ class GemmConfig:
 
     @property
     def producer_warps(self) -> int:
-        """Config::PRODUCER_WARPS: a whole producer warpgroup (one warp working) on image tiles of 8
-        warps whose accumulators pass 168 registers (256 rows x 128 or 160 tokens), so that
-        setmaxnreg can move its registers to the consumers; else the one producer warp."""
-        return 4 if self.image and self.warps == 8 and self.row_tiles * self.max_frags > 24 else 1
+        """Config::PRODUCER_WARPS: a whole producer warpgroup (one warp working, three building the
+        activation image) on image tiles of 8 warps whose accumulators pass 168 registers (256 rows x
+        128 or 160 tokens), so that setmaxnreg can move its registers to the consumers, and on the
+        smaller 8-warp image tiles with build_image; else the one producer warp."""
+        return 4 if self.wide or (self.build_image and self.image and self.mma == 1 and self.warps == 8) else 1
+
+    @property
+    def wide(self) -> bool:
+        """Config::WIDE: an image tile of 8 warps whose accumulators pass 168 registers, the reason
+        for its producer warpgroup (and for what depends on the registers: the wgmma group size, the
+        register SwiGLU)."""
+        return self.image and self.mma != 2 and self.warps == 8 and self.row_tiles * self.max_frags > 24
 
     @property
     def decoder_warps(self) -> int:
@@ -103,7 +115,7 @@ class GemmConfig:
     def swiglu_regs(self) -> bool:
         """The kernel's SWIGLU_REGS: w13's SwiGLU + quantize epilogue in the consumers' registers, on
         a producer-warpgroup image tile with NVFP4 activations (gemm/epilogue.cuh, swiglu_regs)."""
-        return self.mode == "swiglu" and self.image and self.producer_warps > 1 and self.act == "nvfp4"
+        return self.mode == "swiglu" and self.wide and self.act == "nvfp4"
 
     @property
     def builders(self) -> bool:
@@ -190,6 +202,10 @@ class GemmConfig:
         if self.image and (self.mma == 0 or (self.mode != "plain" and not self.swiglu_regs)):
             raise ValueError(f"image: the activation image needs wgmma (mma=1 or 2) and the plain epilogue (or swiglu "
                              f"on a producer-warpgroup tile with NVFP4 activations), got mma={self.mma}, "
+                             f"mode={self.mode!r}")
+        if self.build_image and not (self.image and self.mma == 1 and self.warps == 8 and self.mode == "plain"):
+            raise ValueError(f"build_image: the in-kernel image on an image tile of 8 wgmma warps (mma=1) with the "
+                             f"plain epilogue, got image={self.image}, mma={self.mma}, warps={self.warps}, "
                              f"mode={self.mode!r}")
         if self.k_step not in (64, 128, 256):
             raise ValueError(f"k_step must be 64, 128 or 256, got {self.k_step}")
@@ -447,7 +463,7 @@ def fused_config(cfg: GemmConfig, mode: str) -> GemmConfig:
     they are. Cached: launchers ask on every launch."""
     if mode == "swiglu" and replace(cfg, mode=mode).swiglu_regs:
         return replace(cfg, mode=mode).validate()  # SwiGLU in the consumers' registers, on the image
-    fused = replace(cfg, mode=mode, image=False, max_frags=min(cfg.max_frags, 8))
+    fused = replace(cfg, mode=mode, image=False, build_image=False, max_frags=min(cfg.max_frags, 8))
     if cfg.image:  # (as from the 64- and 96-token image tiles: the 160-token one has 3 stages)
         fused = replace(fused, stages=max(fused.stages, 4))
     if cfg.max_frags <= 2:

@@ -70,7 +70,7 @@ namespace lab_gemm {
 // wrong on the H200). The warp counts per role are arguments, set by GemmConfig (gemm_config.py,
 // where their rule lives); everything else derives from the arguments here.
 template <int WARPS_, int ROW_TILES_, int K_STEP_, int STAGES_, int MAX_FRAGS_, int MMA_, int DECODER_WARPS_,
-          int EPILOGUE_WARPS_, Mode MODE_, Act ACT_>
+          int EPILOGUE_WARPS_, Mode MODE_, Act ACT_, bool BUILDERS_ = false>
 struct Config {
   static constexpr int WARPS = WARPS_, ROW_TILES = ROW_TILES_, K_STEP = K_STEP_, STAGES = STAGES_;
   static constexpr int MAX_FRAGS = MAX_FRAGS_, MMA = MMA_;
@@ -104,7 +104,11 @@ struct Config {
   // (256 rows x 128 tokens): a producer warpgroup, one warp of it working, hands the consumers its
   // registers by setmaxnreg (384 threads enter with 168, then 8 x 224 + 4 x 56 warps' worth: the
   // producer's unit scan needs more than 40, ptxas spills there)
-  static constexpr int PRODUCER_WARPS = DECODER_WARPS == 0 && WARPS == 8 && ROW_TILES * MAX_FRAGS > 24 ? 4 : 1;
+  // The same warpgroup on the 64- and 96-token image tiles when they build their image in the
+  // launch (BUILDERS_: its three other warps are the builders, gemm/act_image.cuh); WIDE, the
+  // accumulators' reason for it, keeps deciding what depends on the registers (GS, the register SwiGLU)
+  static constexpr bool WIDE = DECODER_WARPS == 0 && WARPS == 8 && ROW_TILES * MAX_FRAGS > 24;
+  static constexpr int PRODUCER_WARPS = WIDE || (BUILDERS_ && DECODER_WARPS == 0 && MMA == 1 && WARPS == 8) ? 4 : 1;
   static constexpr int CONSUMER_REGS = 224, PRODUCER_REGS = 56;
   // wgmma: k16 steps per commit group. A whole atom where registers allow (the group's and the
   // previous group's A fragments live at once: 8 * ROW_TILES * GS registers); ptxas serializes
@@ -112,7 +116,7 @@ struct Config {
   // On the producer-warpgroup tiles two (their 224 registers hold two groups of two steps; four
   // spill at 160 tokens): at 37501c1, one process, 2 against 1 at 128 / 512 tokens per expert,
   // the 160-token tile's w13 1.5% / 4.9% faster, w2 1.9% / 6.6%; the 128-token one level.
-  static constexpr int GS = PRODUCER_WARPS > 1 ? 2 : ROW_TILES >= 4 || (DECODER_WARPS == 0 && MAX_FRAGS * ROW_TILES >= 24) ? 1 : MODE == Mode::layer ? 2 : 4;
+  static constexpr int GS = WIDE ? 2 : ROW_TILES >= 4 || (DECODER_WARPS == 0 && MAX_FRAGS * ROW_TILES >= 24) ? 1 : MODE == Mode::layer ? 2 : 4;
   // Image tiles split units by token block (scheduler.cuh, split_units); their dynamic shared
   // memory holds a second list after the compacted experts (GemmConfig.launch_smem)
   static constexpr bool SPLIT = IMAGE;
@@ -148,7 +152,7 @@ template <int WARPS, int ROW_TILES, int K_STEP, int STAGES, int MAX_FRAGS, int M
           int EPILOGUE_WARPS, Mode MODE, Act ACT, bool READ_ONLY, bool COUNTS_IN, bool BF16_OUT = false,
           bool BUILDERS = false>
 __global__ void __launch_bounds__(
-    Config<WARPS, ROW_TILES, K_STEP, STAGES, MAX_FRAGS, MMA, DECODER_WARPS, EPILOGUE_WARPS, MODE, ACT>::THREADS, 1)
+    Config<WARPS, ROW_TILES, K_STEP, STAGES, MAX_FRAGS, MMA, DECODER_WARPS, EPILOGUE_WARPS, MODE, ACT, BUILDERS>::THREADS, 1)
 grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single problem) the same
     const void* __restrict__ wmap0, const uint8_t* __restrict__ xq0, const uint8_t* __restrict__ xs0,
     const int* __restrict__ offsets0, const float* __restrict__ alpha0, float* __restrict__ out0,
@@ -179,10 +183,10 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
     // publishing each in image_ready (zero before the launch, zero after; sched[2] hands out the
     // pieces), and the producer copies from there (gemm/act_image.cuh, image_builders).
     uint8_t* __restrict__ image0, uint8_t* __restrict__ image1, int* __restrict__ image_ready) {
-  using C = Config<WARPS, ROW_TILES, K_STEP, STAGES, MAX_FRAGS, MMA, DECODER_WARPS, EPILOGUE_WARPS, MODE, ACT>;
+  using C = Config<WARPS, ROW_TILES, K_STEP, STAGES, MAX_FRAGS, MMA, DECODER_WARPS, EPILOGUE_WARPS, MODE, ACT, BUILDERS>;
   // The SwiGLU epilogue in the consumers' registers (gemm/epilogue.cuh, swiglu_regs) on the
   // producer-warpgroup tiles; every other fused tile hands its h tile to epilogue warps.
-  constexpr bool SWIGLU_REGS = MODE == Mode::swiglu && C::PRODUCER_WARPS > 1 && ACT == Act::nvfp4;
+  constexpr bool SWIGLU_REGS = MODE == Mode::swiglu && C::WIDE && ACT == Act::nvfp4;
   static_assert(DECODER_WARPS >= 1 || (MMA == 1 && (MODE == Mode::plain || SWIGLU_REGS)),
                 "no decoder warps (the activation image): wgmma, and the plain or register SwiGLU epilogue");
   static_assert(MMA != 2 || (MODE == Mode::plain && DECODER_WARPS >= 1 && WARPS == 8 && ROW_TILES == 2 && MAX_FRAGS == 8),

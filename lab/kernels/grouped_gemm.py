@@ -273,6 +273,8 @@ def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fu
                          x_packed, x_scales, offsets, alpha, out))
     stream = stream if stream is not None else cp.cuda.get_current_stream()
     builders = cfg.builders and not (_PREPASS[-1] if prepass is None else prepass)
+    if cfg.build_image and not builders:  # (the pre-pass: the 64- or 96-token tile as it ships)
+        cfg = replace(cfg, build_image=False)
     images = [_NULL, _NULL]
     if cfg.image:  # the activations as their fp16 image, decoded once for every row block
         sizes = [image_bytes(pr[1].shape[0], pr[0].experts, pr[0].k) if pr[0].experts else 0 for pr in problems]
