@@ -162,3 +162,22 @@ def test_time_trees_holds_the_load_on_the_base_before_its_rounds(monkeypatch):
     ab.time_trees(lambda: None, {"a": "A", "b": "B"}, SimpleNamespace(rounds=1, warmup_rounds=0, iterations=5,
                                                                       hold_ms=0.0))
     assert [e[0] for e in events] == ["time", "time"]
+
+
+def test_prepass_names_a_tree_and_switches_the_image_form_inside_it(tmp_path, capsys):
+    """--prepass NAME: inside tree NAME's block launches take the image pre-pass (gg.use_prepass),
+    inside every other tree's they do not, and afterwards the default is back; a name that is no
+    --tree is refused before the GPU."""
+    from lab.kernels import grouped_gemm as gg
+
+    mod = load_script()
+    trees = {"pre": jit.KERNEL_DIR, "work": jit.KERNEL_DIR}
+    args = argparse.Namespace(prepass=["pre"])
+    with mod.use(trees, "pre", args):
+        assert gg._PREPASS[-1] is True
+    with mod.use(trees, "work", args):
+        assert gg._PREPASS[-1] is False
+    assert gg._PREPASS == [False]
+    with pytest.raises(SystemExit):
+        mod.main(["--tree", f"a={jit.KERNEL_DIR}", "--tree", f"b={jit.KERNEL_DIR}", "--prepass", "c"])
+    assert "--prepass" in capsys.readouterr().err
