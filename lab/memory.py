@@ -110,6 +110,8 @@ def run_layer_memory(problem: MoEProblem, means, variants=(), check: bool = True
     batch at a time (the largest), the layouts `variants` add, and the flat read. `check_rows`
     ({mean: rows}) gives the rows of the experts each mean's check samples; a mean it leaves out
     is counted as checking every row."""
+    from .kernels.grouped_gemm import image_bytes
+
     e, h, i = problem.experts, problem.hidden, problem.intermediate
     w = weight_bytes(problem)
     means = list(means)
@@ -152,6 +154,9 @@ def run_layer_memory(problem: MoEProblem, means, variants=(), check: bool = True
             b += rows * i * (4 + 0.5 + 1 / BLOCK)
         if variants & {"w4a16", "w4a16-fused", "w4a16-layer"}:  # their bf16 x and a
             b += rows * (h + i) * 2
+        # the activation images of the image tiles (grouped_gemm.image_workspace): one per stream, the
+        # runner's two, each at most twice its largest request (a launch's images of both problems)
+        b += 2 * 2 * image_bytes(rows, e, h + i)
         for peer in variants & {"torch-bf16", "torch-fp8"}:  # x rows, h, a (and its fp32 copy), out
             b += rows * (h * 2 + 2 * i * 2 + i * (2 + 4) + h * 2) + (rows * (h + i) * 4 if peer == "torch-fp8" else 0)
         batch_dev = max(batch_dev, int(b))
