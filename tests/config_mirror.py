@@ -15,7 +15,8 @@ from lab.kernels import jit
 def config_type(c) -> str:
     """The C++ Config<> a GemmConfig instantiates."""
     return (f"lab_gemm::Config<{c.warps}, {c.row_tiles}, {c.k_step}, {c.stages}, {c.max_frags}, {c.mma}, "
-            f"{c.decoder_warps}, {c.epilogue_warps}, lab_gemm::Mode::{c.mode}, lab_gemm::Act::{c.act}>")
+            f"{c.decoder_warps}, {c.epilogue_warps}, lab_gemm::Mode::{c.mode}, lab_gemm::Act::{c.act}"
+            + (", true>" if c.build_image else ">"))  # (BUILDERS_: the smaller tiles' producer warpgroup)
 
 
 def assert_config_mirror(tmp_path, cfgs, extra=lambda conf, c: []) -> None:

@@ -130,7 +130,26 @@ def test_image_kernel_compiles_without_spills(act):
 
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
 def test_image_smem_mirror(tmp_path):
-    assert_config_mirror(tmp_path, gg.SHIPPED_IMAGE)
+    assert_config_mirror(tmp_path, [*gg.SHIPPED_IMAGE, *BUILT_TILES])
+
+
+@pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
+def test_image_piece_numbering_on_the_host(tmp_path):
+    """The in-kernel image's piece numbering, the kernel's own functions compiled for the host
+    (tests/fixtures/image_pieces_check.cu): over random routings of one or two problems, every
+    piece maps to one (expert, k chunk, token block) and back, every unit stage's piece is one of
+    them exactly once, and the launch's pieces fit grouped_gemm.image_pieces' bound."""
+    import subprocess
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parent / "fixtures" / "image_pieces_check.cu"
+    exe = tmp_path / "image_pieces_check"
+    proc = subprocess.run([jit.nvcc_path(), "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
+                           f"-I{jit.KERNEL_DIR / 'gemm'}", "-o", str(exe), str(src)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seed = int(np.random.default_rng().integers(2**31))
+    run = subprocess.run([str(exe), str(seed), "400"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.startswith("ok"), f"seed {seed}: {run.stdout[-2000:]}"
 
 
 def _problem(rng, act, counts, k=256):

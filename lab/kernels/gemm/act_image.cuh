@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(IMAGE_THREADS) act_image(const uint8_t* __rest
 // unit_end as split_units leaves it; units0: problem 0's split units. Returns the pieces of the
 // launch (n_pieces0: problem 0's).
 template <int K_STEP>
-__device__ __forceinline__ int image_pieces(const int* unit_end, int n_active, int n_active0, int K0, int K1, int NB0,
+__host__ __device__ __forceinline__ int image_pieces(const int* unit_end, int n_active, int n_active0, int K0, int K1, int NB0,
                                             int NB1, int& n_pieces0) {
   const int units0 = n_active0 ? unit_end[n_active0 - 1] : 0;
   const int units = n_active ? unit_end[n_active - 1] : 0;
@@ -105,11 +105,39 @@ __device__ __forceinline__ int image_pieces(const int* unit_end, int n_active, i
 
 // The first piece of active expert i (of problem p), from its split units (blocks(i) = its units / NB).
 template <int K_STEP>
-__device__ __forceinline__ int image_piece0(const int* unit_end, int i, int p, int n_active0, int n_pieces0, int NB,
+__host__ __device__ __forceinline__ int image_piece0(const int* unit_end, int i, int p, int n_active0, int n_pieces0, int NB,
                                             int K) {
   const int ubase = p && n_active0 ? unit_end[n_active0 - 1] : 0;
   const int ustart = i ? unit_end[i - 1] : 0;
   return (p ? n_pieces0 : 0) + (ustart - ubase) / NB * (K / K_STEP);
+}
+
+// Piece `piece` -> its active expert i (problem p's experts only: a binary search over their first
+// pieces), k chunk, token block and the expert's token blocks. (Host-callable: tests/test_gemm_image.py
+// checks the numbering on the CPU.)
+struct ImagePiece {
+  int p, i, kc, tb, blocks;
+};
+template <int K_STEP>
+__host__ __device__ __forceinline__ ImagePiece image_piece_of(int piece, const int* unit_end, int n_active,
+                                                              int n_active0, int n_pieces0, int NB0, int NB1, int K0,
+                                                              int K1) {
+  const int p = piece >= n_pieces0;
+  const int NB = LAB_P(NB), K = LAB_P(K);
+  int lo = p ? n_active0 : 0, hi = (p ? n_active : n_active0) - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (image_piece0<K_STEP>(unit_end, mid + 1, p, n_active0, n_pieces0, NB, K) > piece) hi = mid;
+    else lo = mid + 1;
+  }
+  ImagePiece r;
+  r.p = p;
+  r.i = lo;
+  r.blocks = (unit_end[lo] - (lo ? unit_end[lo - 1] : 0)) / NB;
+  const int local = piece - image_piece0<K_STEP>(unit_end, lo, p, n_active0, n_pieces0, NB, K);
+  r.kc = local / r.blocks;
+  r.tb = local - r.kc * r.blocks;
+  return r;
 }
 
 template <class C>
@@ -128,19 +156,11 @@ __device__ __forceinline__ void image_builders(const uint8_t* xq0, const uint8_t
     piece = __shfl_sync(0xffffffffu, piece, 0);
     if (piece >= n_pieces) return;
     const int p = piece >= n_pieces0;
-    const int NB = LAB_P(NB), K = LAB_P(K);
+    const int K = LAB_P(K);
     const int* offsets = LAB_P(offsets);
-    // the active expert whose pieces hold this one (problem p's experts only)
-    int lo = p ? n_active0 : 0, hi = (p ? n_active : n_active0) - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi) >> 1;
-      if (image_piece0<K_STEP>(unit_end, mid + 1, p, n_active0, n_pieces0, NB, K) > piece) hi = mid;
-      else lo = mid + 1;
-    }
-    const int blocks = (unit_end[lo] - (lo ? unit_end[lo - 1] : 0)) / NB;
-    const int local = piece - image_piece0<K_STEP>(unit_end, lo, p, n_active0, n_pieces0, NB, K);
-    const int kc = local / blocks, tb = local - kc * blocks;
-    const int e = active[lo];
+    const ImagePiece ip = image_piece_of<K_STEP>(piece, unit_end, n_active, n_active0, n_pieces0, NB0, NB1, K0, K1);
+    const int kc = ip.kc, tb = ip.tb;
+    const int e = active[ip.i];
     const int rows0 = offsets[e] + tb * C::TOKEN_TILE;
     const int count = min(C::TOKEN_TILE, offsets[e + 1] - rows0);
     const int groups = image_groups(offsets, LAB_P(num_experts));
