@@ -5,7 +5,8 @@
 // copies each stage's activations as they are. Two writers of the same bytes:
 //   act_image       a pre-pass kernel before the GEMM (the 64- and 96-token tiles);
 //   image_builders  inside the GEMM, on the producer warpgroup's three otherwise idle warps (the
-//                   128- and 160-token tiles, Config::BUILDERS): there the GEMM is compute bound,
+//                   128- and 160-token tiles, Config::BUILDERS; the smaller ones too with
+//                   GemmConfig.build_image, a study tile): there the GEMM is compute bound,
 //                   so the image's bytes move beside the tensor work instead of before it, and the
 //                   producer waits for each stage's piece of the image, not for a whole pre-pass.
 //
