@@ -177,7 +177,7 @@ def test_prepass_names_a_tree_and_switches_the_image_form_inside_it(tmp_path, ca
         assert gg._PREPASS[-1] is True
     with mod.use(trees, "work", args):
         assert gg._PREPASS[-1] is False
-    assert gg._PREPASS == [False]
+    assert gg._PREPASS == [None]
     with pytest.raises(SystemExit):
         mod.main(["--tree", f"a={jit.KERNEL_DIR}", "--tree", f"b={jit.KERNEL_DIR}", "--prepass", "c"])
     assert "--prepass" in capsys.readouterr().err

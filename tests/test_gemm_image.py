@@ -133,6 +133,20 @@ def test_image_smem_mirror(tmp_path):
     assert_config_mirror(tmp_path, [*gg.SHIPPED_IMAGE, *BUILT_TILES])
 
 
+def test_a_split_larger_class_takes_the_pre_pass_unless_told():
+    """prepass_by_default: the pre-pass for a size class from above one token, builders over every
+    expert and for the smaller class; use_prepass overrides it either way, and unwinds."""
+    assert gg.prepass_by_default(gg.counts_range(None)) is False
+    assert gg.prepass_by_default((1, 16)) is False
+    assert gg.prepass_by_default((17, 2**31 - 1)) is True
+    assert gg._PREPASS == [None]
+    with gg.use_prepass(False):
+        assert gg._PREPASS[-1] is False
+        with gg.use_prepass():
+            assert gg._PREPASS[-1] is True
+    assert gg._PREPASS == [None]
+
+
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
 def test_image_piece_numbering_on_the_host(tmp_path):
     """The in-kernel image's piece numbering, the kernel's own functions compiled for the host

@@ -112,8 +112,8 @@ def grouped_gemm(prep: PreparedWeights, x_packed, x_scales, offsets, alpha, out,
     On the tiles that can (``cfg.builders``: the 128- and 160-token image tiles) the activation
     image is written inside the launch by the producer warpgroup's idle warps, piece by piece as
     the units need it; `prepass` = True writes it with the pre-pass kernel before the launch
-    instead, as on the other image tiles (the same bits: for same-process comparisons); None takes
-    `use_prepass`'s setting (off unless a caller turned it on).
+    instead, as on the other image tiles (the same bits); None takes `use_prepass`'s setting, and
+    where no caller set one, `prepass_by_default` (the pre-pass for a split's larger size class).
     """
     import cupy as cp
 
@@ -272,7 +272,9 @@ def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fu
         problems.append((PreparedWeights(prep.data, 0, prep.n, prep.k, prep.block_rows, prep.k_step),
                          x_packed, x_scales, offsets, alpha, out))
     stream = stream if stream is not None else cp.cuda.get_current_stream()
-    builders = cfg.builders and not (_PREPASS[-1] if prepass is None else prepass)
+    if prepass is None:
+        prepass = _PREPASS[-1] if _PREPASS[-1] is not None else prepass_by_default(counts_in)
+    builders = cfg.builders and not prepass
     if cfg.build_image and not builders:  # (the pre-pass: the 64- or 96-token tile as it ships)
         cfg = replace(cfg, build_image=False)
     images = [_NULL, _NULL]
@@ -323,14 +325,27 @@ def _launch(problems: list, cfg: GemmConfig, stream, read_only: bool, fusion: Fu
         fn(grid, (cfg.threads,), tuple(args), shared_mem=smem)
 
 
-_PREPASS = [False]
+_PREPASS: list = [None]  # None: prepass_by_default decides
+
+
+def prepass_by_default(counts_in: tuple[int, int]) -> bool:
+    """Whether a builder tile's launch takes the pre-pass when neither the caller nor `use_prepass`
+    says: yes for a split's larger size class (counts_in from above 1), no for a launch over every
+    expert. The larger class runs beside the smaller one on a second stream, where the pre-pass is
+    out of the way and the launch starts with its image ready; inside the launch its first units
+    wait for their pieces, and at mean 8, skew 1.2 (classes 1-16 / 17-max) the plan took 0.615 /
+    0.325 ms (w13 / w2) with the pre-pass against 0.630 / 0.335 with builders (ab_kernels --plan, one
+    process; notes/gemm.md v35). Over every expert the builders win: x0.95 at 128 and 256 tokens
+    per expert, x0.97-0.99 at 512, against x1.00 / x1.03 for the pre-pass."""
+    return counts_in[0] > 1
 
 
 @contextlib.contextmanager
 def use_prepass(on: bool = True):
     """Launches inside (and graphs captured inside) write the activation image with the pre-pass
-    kernel even on the tiles that write it themselves (`GemmConfig.builders`): the same bits, for
-    same-process comparisons of the two forms (scripts/ab_kernels.py --prepass)."""
+    kernel (on) or, on the tiles that can (`GemmConfig.builders`), inside the launch (off), whatever
+    `prepass_by_default` would pick: the same bits, for same-process comparisons of the two forms
+    (scripts/ab_kernels.py --prepass)."""
     _PREPASS.append(bool(on))
     try:
         yield

@@ -12,8 +12,9 @@ namespace lab_gemm {
 __device__ __forceinline__ constexpr int split_tb(const Unit&) { return 0; }
 __device__ __forceinline__ int split_tb(const SplitUnit& u) { return u.tb; }
 
-// BUILDERS (act_image.cuh, image_builders): the stage's image is copied from image0 / image1 once
-// image_ready[piece_of(unit, kc)] says the builders wrote it.
+// BUILDERS (act_image.cuh, image_builders): a unit's stages copy their image from image0 / image1
+// once image_ready[piece_of(unit, kc)] says the builders wrote it, for every kc of the unit, all
+// acquired at its first stage.
 template <class C, bool BUILDERS = false, class UnitOf, class PieceOf = int>
 __device__ __forceinline__ void producer_warp(const void* wmap0, const void* wmap1, const uint8_t* xq0, const uint8_t* xq1,
                                               const uint8_t* xs0, const uint8_t* xs1, const int* offsets0,
@@ -75,14 +76,22 @@ __device__ __forceinline__ void producer_warp(const void* wmap0, const void* wma
           }
         }
         __syncwarp();
+        if constexpr (BUILDERS) {
+          // The unit's pieces of the image, every k chunk at once, at its first stage: one round
+          // trip to L2 per unit rather than one before each stage's copies (with three stages in
+          // the ring, a stage's copies have about two stages' time to land; the acquire ate into it).
+          if (!done && kc == 0) {
+            for (int c = lane; c < kcs; c += 32) {
+              const int* piece = image_ready + piece_of(un, c);
+              while (load_acquire(piece) == 0) __nanosleep(32);
+            }
+            __syncwarp();  // (orders the lanes' acquires before every lane's copies below)
+            fence_proxy_async_global();  // the builders' generic writes, before these async-proxy reads
+          }
+        }
         if (!done && lane < C::KSTEPS) {
           const uint8_t* img = xq;  // (the launcher passes the pre-pass's image as the activations)
-          if constexpr (BUILDERS) {
-            img = LAB_P(image);
-            const int* piece = image_ready + piece_of(un, kc);
-            while (load_acquire(piece) == 0) __nanosleep(32);
-            fence_proxy_async_global();  // the builders' generic writes, before this async-proxy read
-          }
+          if constexpr (BUILDERS) img = LAB_P(image);
           const int groups = image_groups(offsets, LAB_P(num_experts));
           const int grp = image_group0(offsets, e) + (row0 - offsets[e]) / 8 + pass * C::MAX_FRAGS;
           bulk_copy(smem_addr(smem + C::OFF_XF + s * C::XF + lane * C::MAX_FRAGS * 256),
