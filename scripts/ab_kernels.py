@@ -35,7 +35,9 @@ argument (31d8ca5), which a tree from before it lacks; add `bool BF16_OUT = fals
 kernel template (ignored there: its run-time branch still picks the bf16 epilogue) to time it.
 Likewise the 128- and 160-token tiles launch with BUILDERS (the activation image written inside
 the launch, 864ef50); a tree from before it lacks that argument: name it in --prepass, which
-launches it with the pre-pass kernel as it ran then.
+launches it with the pre-pass kernel as it ran then. A tree not named there runs BUILDERS on every
+launch of those tiles, a split's larger size class included, which the layer gives the pre-pass
+(grouped_gemm.prepass_by_default): with --plan, the layer's form is the --prepass tree's.
 """
 
 from __future__ import annotations
