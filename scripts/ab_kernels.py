@@ -37,7 +37,8 @@ Likewise the 128- and 160-token tiles launch with BUILDERS (the activation image
 the launch, 864ef50); a tree from before it lacks that argument: name it in --prepass, which
 launches it with the pre-pass kernel as it ran then. A tree not named there runs BUILDERS on every
 launch of those tiles, a split's larger size class included, which the layer gives the pre-pass
-(grouped_gemm.prepass_by_default): with --plan, the layer's form is the --prepass tree's.
+(grouped_gemm.prepass_by_default): where --plan splits the experts, the layer runs the --prepass
+tree's form.
 """
 
 from __future__ import annotations
