@@ -3,12 +3,13 @@
 // work per stage (TOKEN_TILE x K_STEP values, for every row block of the expert again) is what
 // bounds the tile (notes/gemm.md v20); the image moves it out of the consumers, and the producer
 // copies each stage's activations as they are. Two writers of the same bytes:
-//   act_image       a pre-pass kernel before the GEMM (the 64- and 96-token tiles);
+//   act_image       a pre-pass kernel before the GEMM (the 64- and 96-token tiles, and a split's
+//                   larger size class on any image tile: grouped_gemm.prepass_by_default);
 //   image_builders  inside the GEMM, on the producer warpgroup's three otherwise idle warps (the
 //                   128- and 160-token tiles, Config::BUILDERS; the smaller ones too with
 //                   GemmConfig.build_image, a study tile): there the GEMM is compute bound,
 //                   so the image's bytes move beside the tensor work instead of before it, and the
-//                   producer waits for each stage's piece of the image, not for a whole pre-pass.
+//                   producer waits for each unit's pieces of the image, not for a whole pre-pass.
 //
 // Layout, fp16 as the decoders write it (v * s * 2^-14 for NVFP4 rows, bf16 rows converted):
 //   image[q][grp][half][row][8 values]   256 bytes per (q, grp)
