@@ -22,6 +22,7 @@ CPU_RUNS = {
                                     "--intermediate", "64"],
     "scale_fold_probe": lambda tmp: [],
     "report": None,
+    "sass_mix": None,  # needs nvcc and nvdisasm: run by tests/test_sass.py
 }
 # scripts that print something useful before saying they need a GPU (run_layer: the bytes table)
 PRINTS_FIRST = {"run_layer"}

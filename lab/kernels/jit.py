@@ -3,8 +3,8 @@
 Kernel sources are `.cu` files beside this module, read as text. At run time CuPy compiles them
 with NVRTC for sm_90a (wgmma, setmaxnreg and the e4m3 conversions need the `a` target); template
 instantiations are named by `name_expressions`, never built by string formatting. Without a GPU,
-`ptxas_report` compiles the same instantiations with `nvcc -cubin -Xptxas -v` so CPU tests can
-check registers, stack and spills.
+`ptxas_report` compiles the same instantiations with `nvcc -cubin -Xptxas -v` (`compile_cubin`) so CPU
+tests can check registers, stack and spills, and `sass.py` can read the machine code.
 """
 
 from __future__ import annotations
@@ -125,25 +125,46 @@ def nvcc_path() -> str | None:
 
 def ptxas_report(name: str, expression: str) -> PtxasInfo:
     """Compile one instantiation with nvcc for sm_90a and parse its `-Xptxas -v` report."""
+    with tempfile.TemporaryDirectory() as tmp:
+        _, report = compile_cubin(name, expression, Path(tmp))
+    return _parse_ptxas(report, expression)
+
+
+def compile_cubin(name: str, expression: str, out_dir: Path, tree: Path | None = None) -> tuple[Path, str]:
+    """nvcc -cubin of source file `name` (from `tree`, default this directory) for sm_90a with the
+    instantiation `expression`, into `out_dir`: the cubin's path and ptxas's `-v` report."""
     nvcc = nvcc_path()
     if nvcc is None:
-        raise RuntimeError("ptxas_report needs nvcc (CUDA toolkit) on PATH or in CUDA_PATH")
-    with tempfile.TemporaryDirectory() as tmp:
-        unit = Path(tmp) / "inst.cu"
-        # Naming the kernel in a marker kernel's template argument instantiates it, and the
-        # marker's entry in the report carries the kernel's mangled name as the compiler spells
-        # it, whatever the expression's template arguments or typedefs. (Taking the kernel's
-        # address in device code instead would change how ptxas compiles it.)
-        unit.write_text(f'#include "{KERNEL_DIR / name}"\n'
-                        f"template <auto F> __global__ void {_MARKER}() {{}}\n"
-                        f"void* lab_keep = (void*)&{_MARKER}<&{expression}>;\n")
-        proc = subprocess.run(
-            [nvcc, "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
-             "-o", str(Path(tmp) / "inst.cubin"), str(unit)],
-            capture_output=True, text=True)
+        raise RuntimeError("compiling a cubin needs nvcc (CUDA toolkit) on PATH or in CUDA_PATH")
+    src = (Path(tree) if tree is not None else KERNEL_DIR) / name
+    if not src.is_file():
+        raise ValueError(f"name: no kernel source {src}")
+    unit = Path(out_dir) / "inst.cu"
+    cubin = Path(out_dir) / "inst.cubin"
+    # Naming the kernel in a marker kernel's template argument instantiates it, and the
+    # marker's entry in the report carries the kernel's mangled name as the compiler spells
+    # it, whatever the expression's template arguments or typedefs. (Taking the kernel's
+    # address in device code instead would change how ptxas compiles it.)
+    unit.write_text(f'#include "{src.resolve()}"\n'
+                    f"template <auto F> __global__ void {_MARKER}() {{}}\n"
+                    f"void* lab_keep = (void*)&{_MARKER}<&{expression}>;\n")
+    proc = subprocess.run(
+        [nvcc, "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
+         "-o", str(cubin), str(unit)],
+        capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"nvcc failed on {expression}:\n{proc.stderr[-4000:]}")
-    return _parse_ptxas(proc.stderr, expression)
+    return cubin, proc.stderr
+
+
+def entry_name(report: str, expression: str) -> str:
+    """The mangled name of the kernel compile_cubin's unit instantiated, read from its ptxas report
+    through the marker's entry."""
+    marked = [m for m in (_MARKED.fullmatch(e) for e in _ENTRY.findall(report)) if m]
+    if len(marked) != 1:
+        raise RuntimeError(f"ptxas output for {expression} names {len(marked)} marker entries, expected 1:\n"
+                           f"{report[:2000]}")
+    return _unshift_substitutions(marked[0].group(1))
 
 
 _MARKER = "lab_ptxas_which"
@@ -221,12 +242,7 @@ def _parse_ptxas(text: str, expression: str) -> PtxasInfo:
     The unit compiles every kernel of the source file, in an order ptxas chooses; the marker
     kernel's entry names the one asked about, and only that entry's block counts."""
     starts = list(_ENTRY.finditer(text))
-    marked = [_MARKED.fullmatch(m.group(1)) for m in starts]
-    marked = [m.group(1) for m in marked if m]
-    if len(marked) != 1:
-        raise RuntimeError(f"ptxas output for {expression} names {len(marked)} marker entries, expected 1:\n"
-                           f"{text[:2000]}")
-    mangled = _unshift_substitutions(marked[0])
+    mangled = entry_name(text, expression)
     block = next((text[m.start():(starts[i + 1].start() if i + 1 < len(starts) else len(text))]
                   for i, m in enumerate(starts) if m.group(1) == mangled), None)
     if block is None:

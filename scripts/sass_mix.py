@@ -1,0 +1,142 @@
+"""The grouped GEMM's consumer stage loops as ptxas compiled them, counted without a GPU.
+
+For each tile it compiles the kernel instantiation for sm_90a (nvcc), disassembles it (nvdisasm)
+and finds the innermost loops that hold tensor instructions. A register-A wgmma tile has one such
+loop per fragment count (the per-pass dispatch); the table gives, per loop, the instructions a
+consumer warp issues per tile-step (its 16 weight rows by one k16 step, eight codes per thread),
+split by class: the decode's share is 8 integer + 4 fp16 + 1 convert (gemm/decode.cuh), the
+tensor instruction 1, and the rest is the loop's loads, descriptors, barriers and bookkeeping.
+`uniform` counts instructions on the uniform datapath (R2UR moves into it included).
+
+With several `--tree NAME=DIR` (each laid out as lab/kernels, e.g. from `git archive`) the same
+tiles are compiled from each tree, side by side: whether an edit moved the hot loop, before a
+same-process A/B on the GPU (scripts/ab_kernels.py) says whether it moved the time.
+
+    python scripts/sass_mix.py                                     # the heuristic's tiles at 8-512 tokens
+    python scripts/sass_mix.py --config 8,2,128,4,1,0,8,1 --tokens 32 40
+    python scripts/sass_mix.py --tree main=lab/kernels --tree new=.dev/trees/new/lab/kernels --json mix.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tabulate import tabulate
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from lab.gemm_bench import CONFIG_HELP, config_of, parse_config  # noqa: E402
+from lab.kernels import grouped_gemm as gg  # noqa: E402
+from lab.kernels import jit, sass  # noqa: E402
+from lab.problem import make_routing, tokens_for_mean  # noqa: E402
+
+CLASS_COLUMNS = ("tensor", "fp16", "convert", "integer", "uniform", "shared", "sync", "branch")
+
+
+def parse_tree(text: str) -> tuple[str, Path]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not (Path(path) / gg.SOURCE).is_file():
+        raise argparse.ArgumentTypeError(f"--tree: expected NAME=DIR, DIR laid out as lab/kernels "
+                                         f"(holding {gg.SOURCE}), got {text!r}")
+    return name, Path(path).resolve()
+
+
+def heuristic_tiles(means, experts=288, top_k=8, n=4096, k=4096) -> list[gg.GemmConfig]:
+    """The heuristic's w13 tile at each mean (the study's shape, seeded ragged routing)."""
+    tiles = []
+    for mean in means:
+        r = make_routing(tokens_for_mean(mean, experts, top_k), experts, top_k, seed=0)
+        tiles.append(gg.heuristic(n, k, r.counts))
+    return list(dict.fromkeys(tiles))
+
+
+def tile_name(cfg: gg.GemmConfig) -> str:
+    form = {0: "mma.sync", 1: "wgmma", 2: "wgmma SS"}[cfg.mma] + (" image" if cfg.image else "")
+    return (f"{cfg.warps}x{cfg.row_tiles} k{cfg.k_step} s{cfg.stages} {8 * cfg.max_frags} tok "
+            f"{form}{' ' + cfg.act if cfg.act != 'nvfp4' else ''}")
+
+
+def rows_for(cfg: gg.GemmConfig, tree_name: str, tree: Path, tokens: set[int] | None, prepass: bool) -> list[dict]:
+    """One row per tensor loop of the tile's plain instantiation: the in-kernel image where the tile
+    writes it (GemmConfig.builders) unless `prepass`, as a launch over every expert runs it."""
+    expression = cfg.validate().expression_for(False, builders=cfg.builders and not prepass)
+    rows = []
+    mixes = sass.stage_mixes(gg.SOURCE, expression, tree)
+    for mix in sorted(mixes, key=lambda m: m.tokens):
+        register_a = cfg.mma == 1 and all(op.startswith("HGMMA") for op in mix.tensor_ops)
+        if tokens and not (register_a and mix.tokens in tokens):
+            continue
+        steps = sass.tile_steps(mix, cfg.row_tiles, cfg.k_step) if register_a else None
+        row = {"tree": tree_name, "tile": tile_name(cfg), "config": dict(cfg.__dict__), "expression": expression,
+               "tokens": mix.tokens if register_a else None,
+               "loop_at": hex(mix.first), "tensor_ops": list(mix.tensor_ops), "instructions": mix.instructions,
+               "tile_steps": steps, "counts": mix.counts, "opcodes": mix.opcodes}
+        if steps:
+            row["per_tile_step"] = round(mix.instructions / steps, 3)
+            row["per_tile_step_by_class"] = {c: round(mix.counts.get(c, 0) / steps, 3) for c in
+                                             (*CLASS_COLUMNS, "fp32", "global", "other")}
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mean-tokens", type=float, nargs="+", default=[8, 32, 64, 128, 512],
+                    help="the heuristic's w13 tile at each mean tokens per expert (the study's shape)")
+    ap.add_argument("--config", type=parse_config, action="append", default=[],
+                    help=CONFIG_HELP + "; given, only these tiles")
+    ap.add_argument("--act", choices=gg.ACTS, default="nvfp4", help="the activations of --config tiles")
+    ap.add_argument("--tokens", type=int, nargs="+", help="only the loops of these wgmma N (8 x fragments)")
+    ap.add_argument("--tree", type=parse_tree, action="append", default=[],
+                    help="NAME=DIR: compile from this kernel tree (repeatable; default: lab/kernels)")
+    ap.add_argument("--prepass", action="store_true",
+                    help="the 128- and 160-token tiles as they run with the pre-pass (default: the in-kernel image)")
+    ap.add_argument("--json", help="write the rows (with every opcode's count) here")
+    args = ap.parse_args(argv)
+
+    missing = [what for what, found in (("nvcc", jit.nvcc_path()), ("nvdisasm", sass.nvdisasm_path())) if not found]
+    if missing:
+        print(f"sass_mix needs {' and '.join(missing)} (the CUDA toolkit; nvdisasm also from "
+              f"pip install nvidia-cuda-nvdisasm)", file=sys.stderr)
+        return 2
+    if args.config:
+        default = gg.GemmConfig(act=args.act)
+        tiles = [config_of(v, default) for v in args.config]
+    else:
+        tiles = heuristic_tiles(args.mean_tokens)
+    trees = args.tree or [("main", jit.KERNEL_DIR)]
+    rows = []
+    for cfg in tiles:
+        for name, tree in trees:
+            try:
+                rows += rows_for(cfg, name, tree, set(args.tokens) if args.tokens else None, args.prepass)
+            except (ValueError, RuntimeError) as e:
+                print(f"{tile_name(cfg)} ({name}): {str(e).splitlines()[0]}", file=sys.stderr)
+                return 1
+    table = []
+    for r in rows:
+        per = r.get("per_tile_step_by_class")
+        table.append([r["tile"], r["tree"], r["tokens"] or f"1-{8 * r['config']['max_frags']}", r["instructions"], r["tile_steps"] or "-",
+                      r.get("per_tile_step", "-"), *((per[c] for c in CLASS_COLUMNS) if per else ["-"] * len(CLASS_COLUMNS))])
+    print(tabulate(table, headers=["tile", "tree", "tokens", "instr / trip", "tile-steps", "per tile-step",
+                                   *CLASS_COLUMNS], tablefmt="github"))
+    if any(r["tile_steps"] is None for r in rows):
+        print("\nmma.sync tiles: one loop holds every fragment count's case (a switch per stage), so its counts are "
+              "per trip of all cases together, not per tile-step.")
+    if args.json:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip() or None
+        with open(args.json, "w") as f:
+            json.dump({"script": "scripts/sass_mix.py", "argv": sys.argv[1:], "commit": commit,
+                       "trees": {n: str(t) for n, t in trees}, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""The SASS reader (lab/kernels/sass.py) and scripts/sass_mix.py: nvdisasm's text parsed into
+instructions with resolved branches, the tensor loops told from ptxas's out-of-line barrier retries,
+and on the GEMM itself the structure the per-pass dispatch promises (one loop per fragment count,
+each of a single wgmma shape, the decode's instruction count per tile-step)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lab.kernels import grouped_gemm as gg
+from lab.kernels import jit, sass
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOLS = pytest.mark.skipif(jit.nvcc_path() is None or sass.nvdisasm_path() is None, reason="needs nvcc and nvdisasm")
+
+# The shape of `nvdisasm -c` output (CUDA 13): a section per function, labels on lines of their
+# own, `/*offset*/` before each instruction, branch targets as `(.L_x_N)`.
+LISTING = """
+\t.target\tsm_90a
+//--------------------- .text._Z1kv --------------------------
+\t.section\t.text._Z1kv,"ax",@progbits
+_Z1kv:
+.text._Z1kv:
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R12+URZ], R5 ;
+        /*0020*/              @!P0 BRA `(.L_x_9) ;
+.L_x_1:
+        /*0030*/                   LDS.128 R84, [R120] ;
+        /*0040*/                   HMUL2 R84, R89, R88.H0_H0 ;
+        /*0050*/                   HGMMA.64x32x16.F32 R24, R84, gdesc[UR4], R24 ;
+        /*0060*/              @P1 BRA `(.L_x_1) ;
+        /*0070*/                   VIADD R3, R3, 0x1 ;
+        /*0080*/              @!P2 BRA `(.L_x_0) ;
+        /*0090*/              @P3 EXIT ;
+        /*00a0*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*00b0*/                   BRA `(.L_x_0) ;
+        /*00c0*/                   EXIT ;
+.L_x_9:
+        /*00d0*/                   YIELD ;
+        /*00e0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R12+URZ], R5 ;
+        /*00f0*/              @!P0 BRA `(.L_x_9) ;
+        /*0100*/                   BRA `(.L_x_1) ;
+.L_x_10:
+        /*0110*/                   BRA `(.L_x_10);
+//--------------------- .text._Z1jv --------------------------
+\t.section\t.text._Z1jv,"ax",@progbits
+        /*0000*/                   EXIT ;
+"""
+
+
+def test_the_listing_parses_into_functions_with_resolved_branches():
+    funcs = sass.parse_nvdisasm(LISTING)
+    assert set(funcs) == {"_Z1kv", "_Z1jv"}
+    k = funcs["_Z1kv"]
+    assert [x.offset for x in k] == list(range(0, 0x120, 0x10))
+    hgmma = next(x for x in k if x.base == "HGMMA")
+    assert hgmma.opcode == "HGMMA.64x32x16.F32" and hgmma.operands.startswith("R24, R84")
+    branches = {x.offset: (x.predicate, x.target) for x in k if x.base == "BRA"}
+    assert branches[0x20] == ("@!P0", 0xD0) and branches[0x60] == ("@P1", 0x30) and branches[0x110] == ("", 0x110)
+    assert sass.class_of(hgmma) == "tensor" and sass.class_of(k[0]) == "integer"
+
+
+def test_tensor_loops_are_innermost_and_ignore_the_out_of_line_retries():
+    k = sass.parse_nvdisasm(LISTING)["_Z1kv"]
+    # loops: 0x30-0x60 (HGMMA, innermost), 0x10-0x80 and 0x10-0xb0 (enclose it); the retry at
+    # 0x100 jumps back to 0x30 from past the last EXIT and is no loop
+    spans = sass.tensor_loops(k)
+    assert [(k[a].offset, k[b].offset) for a, b in spans] == [(0x30, 0x60)]
+    mix = sass.loop_mix(k, spans[0])
+    assert (mix.n_tensor, mix.tokens, mix.instructions) == (1, 32, 4)
+    assert mix.counts == {"shared": 1, "fp16": 1, "tensor": 1, "branch": 1}
+
+
+def test_an_unresolved_label_leaves_no_target():
+    text = LISTING.replace("`(.L_x_9)", "`(.L_x_77)")
+    k = sass.parse_nvdisasm(text)["_Z1kv"]
+    assert all(x.target is None for x in k if x.offset in (0x20, 0xF0))
+
+
+@TOOLS
+@pytest.mark.parametrize("act", gg.ACTS)
+def test_the_64_token_image_tile_has_one_stage_loop_per_fragment_count(act):
+    """The per-pass dispatch (grouped_gemm.cu): a loop for each fragment count 1..8, each issuing
+    one wgmma shape, m64 x (8F), two row tiles x eight k16 steps per stage, with the decode's 4
+    HMUL2 and 1 scale conversion per tile-step and nothing on the FP32 pipe."""
+    cfg = gg.GemmConfig(8, 2, 128, 4, 8, 1, act=act, image=True)
+    mixes = sass.stage_mixes(gg.SOURCE, cfg.expression)
+    assert sorted(m.tokens for m in mixes) == [8 * f for f in range(1, 9)]
+    for m in mixes:
+        assert m.tensor_ops == (f"HGMMA.64x{m.tokens}x16.F32",) and m.n_tensor == 16, m
+        assert m.opcodes.get("HMUL2") == 4 * 16 and m.counts.get("convert") == 16, m
+        assert "fp32" not in m.counts, m
+        steps = sass.tile_steps(m, cfg.row_tiles, cfg.k_step)
+        assert 14 <= m.instructions / steps < 30, m
+
+
+@TOOLS
+def test_the_160_token_tile_with_builders_has_twenty_stage_loops():
+    cfg = gg.GemmConfig(8, 2, 128, 3, 20, 1, image=True)
+    mixes = sass.stage_mixes(gg.SOURCE, cfg.expression_for(False, builders=True))
+    assert sorted(m.tokens for m in mixes) == [8 * f for f in range(1, 21)]
+    assert all(m.n_tensor == 16 and len(m.tensor_ops) == 1 for m in mixes)
+
+
+@TOOLS
+def test_sass_of_another_tree_compiles_from_that_tree(tmp_path):
+    tree = tmp_path / "kernels"
+    subprocess.run(["cp", "-r", str(jit.KERNEL_DIR), str(tree)], check=True)
+    cu = tree / gg.SOURCE
+    # one more shift per tile-step in the decode (compiled only: the bits it gives are wrong)
+    text = (tree / "gemm" / "decode.cuh").read_text()
+    edited = text.replace("  p0 = (w << 6) & DECODE_MASK;", "  p0 = ((w << 6) & DECODE_MASK) ^ (w >> 17);")
+    assert edited != text and cu.is_file()
+    (tree / "gemm" / "decode.cuh").write_text(edited)
+    cfg = gg.GemmConfig(8, 2, 128, 4, 8, 1, image=True)
+    base = {m.tokens: m for m in sass.stage_mixes(gg.SOURCE, cfg.expression)}
+    other = {m.tokens: m for m in sass.stage_mixes(gg.SOURCE, cfg.expression, tree)}
+    assert base.keys() == other.keys()
+    assert all(other[t].instructions > base[t].instructions for t in base)
+
+
+def test_the_script_names_a_bad_tree():
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_mix.py"), "--tree", "x=/nonexistent"],
+                         capture_output=True, text=True)
+    assert res.returncode == 2 and "--tree: expected NAME=DIR" in res.stderr and "Traceback" not in res.stderr
+
+
+@TOOLS
+def test_the_script_prints_a_tiles_loops_and_writes_them(tmp_path):
+    out = tmp_path / "mix.json"
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_mix.py"), "--config", "8,2,128,4,1,0,8,1",
+                          "--tokens", "32", "40", "--json", str(out)], capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [32, 40]
+    assert all(r["tile_steps"] == 16 and r["per_tile_step"] > 14 for r in rows)
+    assert "8x2 k128 s4 64 tok wgmma image" in res.stdout
