@@ -6,7 +6,10 @@ loop per fragment count (the per-pass dispatch); the table gives, per loop, the 
 consumer warp issues per tile-step (its 16 weight rows by one k16 step, eight codes per thread),
 split by class: the decode's share is 8 integer + 4 fp16 + 1 convert (gemm/decode.cuh), the
 tensor instruction 1, and the rest is the loop's loads, descriptors, barriers and bookkeeping.
-`uniform` counts instructions on the uniform datapath (R2UR moves into it included).
+`uniform` counts instructions on the uniform datapath (R2UR moves into it included). The last
+column is the consumers' issue time for one k16 step of a unit (every consumer warp's tile-steps of
+it, over the SM's four schedulers), a floor to set against the measured cycles per k16 step
+(notes/gemm.md v29: ~214-240 at 32 tokens per expert on the 64-token tile).
 
 With several `--tree NAME=DIR` (each laid out as lab/kernels, e.g. from `git archive`) the same
 tiles are compiled from each tree, side by side: whether an edit moved the hot loop, before a
@@ -79,6 +82,8 @@ def rows_for(cfg: gg.GemmConfig, tree_name: str, tree: Path, tokens: set[int] | 
                "tile_steps": steps, "counts": mix.counts, "opcodes": mix.opcodes}
         if steps:
             row["per_tile_step"] = round(mix.instructions / steps, 3)
+            # every consumer warp's tile-steps of one k16 step of a unit, over the SM's 4 schedulers
+            row["issue_cycles_per_k16_step"] = round(mix.instructions / steps * cfg.block_rows / 16 / 4, 1)
             row["per_tile_step_by_class"] = {c: round(mix.counts.get(c, 0) / steps, 3) for c in
                                              (*CLASS_COLUMNS, "fp32", "global", "other")}
         rows.append(row)
@@ -123,9 +128,10 @@ def main(argv=None) -> int:
     for r in rows:
         per = r.get("per_tile_step_by_class")
         table.append([r["tile"], r["tree"], r["tokens"] or f"1-{8 * r['config']['max_frags']}", r["instructions"], r["tile_steps"] or "-",
-                      r.get("per_tile_step", "-"), *((per[c] for c in CLASS_COLUMNS) if per else ["-"] * len(CLASS_COLUMNS))])
+                      r.get("per_tile_step", "-"), *((per[c] for c in CLASS_COLUMNS) if per else ["-"] * len(CLASS_COLUMNS)),
+                      r.get("issue_cycles_per_k16_step", "-")])
     print(tabulate(table, headers=["tile", "tree", "tokens", "instr / trip", "tile-steps", "per tile-step",
-                                   *CLASS_COLUMNS], tablefmt="github"))
+                                   *CLASS_COLUMNS, "issue cycles / k16 step"], tablefmt="github"))
     if any(r["tile_steps"] is None for r in rows):
         print("\nmma.sync tiles: one loop holds every fragment count's case (a switch per stage), so its counts are "
               "per trip of all cases together, not per tile-step.")

@@ -141,4 +141,6 @@ def test_the_script_prints_a_tiles_loops_and_writes_them(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["tokens"] for r in rows] == [32, 40]
     assert all(r["tile_steps"] == 16 and r["per_tile_step"] > 14 for r in rows)
+    # 256 rows: 16 tile-steps of every k16 step, over 4 schedulers
+    assert all(r["issue_cycles_per_k16_step"] == round(r["per_tile_step"] * 4, 1) for r in rows)
     assert "8x2 k128 s4 64 tok wgmma image" in res.stdout
