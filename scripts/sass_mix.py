@@ -72,10 +72,10 @@ def rows_for(cfg: gg.GemmConfig, tree_name: str, tree: Path, tokens: set[int] | 
     rows = []
     mixes = sass.stage_mixes(gg.SOURCE, expression, tree)
     for mix in sorted(mixes, key=lambda m: m.tokens):
-        register_a = cfg.mma == 1 and all(op.startswith("HGMMA") for op in mix.tensor_ops)
+        register_a = cfg.mma == 1 and mix.tokens > 0
         if tokens and not (register_a and mix.tokens in tokens):
             continue
-        steps = sass.tile_steps(mix, cfg.row_tiles, cfg.k_step) if register_a else None
+        steps = sass.tile_steps(mix) if register_a else None
         row = {"tree": tree_name, "tile": tile_name(cfg), "config": dict(cfg.__dict__), "expression": expression,
                "tokens": mix.tokens if register_a else None,
                "loop_at": hex(mix.first), "tensor_ops": list(mix.tensor_ops), "instructions": mix.instructions,

@@ -74,6 +74,12 @@ def test_tensor_loops_are_innermost_and_ignore_the_out_of_line_retries():
     mix = sass.loop_mix(k, spans[0])
     assert (mix.n_tensor, mix.tokens, mix.instructions) == (1, 32, 4)
     assert mix.counts == {"shared": 1, "fp16": 1, "tensor": 1, "branch": 1}
+    assert sass.tile_steps(mix) == 1
+    # an mma.sync loop (one loop for every fragment count's case) has no wgmma N to count steps by
+    hmma = sass.loop_mix(k, (k.index(next(x for x in k if x.base == "HMMA")),) * 2)
+    assert hmma.tokens == 0
+    with pytest.raises(ValueError, match="register-A"):
+        sass.tile_steps(hmma)
 
 
 def test_an_unresolved_label_leaves_no_target():
@@ -95,7 +101,7 @@ def test_the_64_token_image_tile_has_one_stage_loop_per_fragment_count(act):
         assert m.tensor_ops == (f"HGMMA.64x{m.tokens}x16.F32",) and m.n_tensor == 16, m
         assert m.opcodes.get("HMUL2") == 4 * 16 and m.counts.get("convert") == 16, m
         assert "fp32" not in m.counts, m
-        steps = sass.tile_steps(m, cfg.row_tiles, cfg.k_step)
+        steps = sass.tile_steps(m)
         assert 14 <= m.instructions / steps < 30, m
 
 

@@ -36,7 +36,7 @@ def nvdisasm_path() -> str | None:
     roots = [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
     spec = importlib.util.find_spec("nvidia")
     if spec is not None and spec.submodule_search_locations:
-        roots += [str(Path(p) / sub) for p in spec.submodule_search_locations for sub in ("cu13", "cuda_nvdisasm")]
+        roots += [str(Path(p) / "cu13") for p in spec.submodule_search_locations]
     for root in roots:
         if root and (Path(root) / "bin" / "nvdisasm").is_file():
             return str(Path(root) / "bin" / "nvdisasm")
@@ -131,7 +131,7 @@ CLASSES = {
     "integer": ("LOP3", "SHF", "IMAD", "IADD3", "VIADD", "LEA", "SEL", "ISETP", "PLOP3", "MOV", "PRMT", "IABS",
                 "IMNMX", "VIMNMX", "POPC", "FLO", "BREV", "P2R", "R2P", "SGXT", "BMSK", "LOP", "SHL", "SHR"),
     "uniform": ("R2UR", "S2UR", "ULDC", "UMOV", "UIADD3", "ULOP3", "USHF", "UIMAD", "ULEA", "USEL", "UISETP",
-                "UPLOP3", "UPRMT", "S2R", "CS2R", "LDC"),
+                "UPLOP3", "UPRMT"),
     "shared": ("LDS", "STS", "LDSM", "ATOMS", "LDGSTS"),
     "global": ("LDG", "STG", "ATOMG", "RED", "UBLKCP", "UTMALDG", "UTMAPF", "UBLKPF", "CCTL"),
     "sync": ("WARPGROUP", "SYNCS", "BAR", "WARPSYNC", "BSYNC", "BSSY", "DEPBAR", "MEMBAR", "FENCE", "ERRBAR",
@@ -178,11 +178,10 @@ class LoopMix:
 
     @property
     def tokens(self) -> int:
-        """N of the loop's wgmma (8 x fragments), or 8 per mma.sync m16n8 (0 if mixed)."""
-        ns = {int(m.group(1)) for op in self.tensor_ops if (m := re.match(r"HGMMA\.64x(\d+)x", op))}
-        if ns:
-            return ns.pop() if len(ns) == 1 else 0
-        return 8 if self.tensor_ops else 0
+        """N of the loop's register-A wgmma (8 x fragments); 0 for any other loop (mma.sync, whose
+        one loop holds every fragment count's case, or mixed shapes)."""
+        ns = {int(m.group(1)) for op in self.tensor_ops if (m := re.match(r"HGMMA\.64x(\d+)x16", op))}
+        return ns.pop() if len(ns) == 1 and len(self.tensor_ops) == 1 else 0
 
 
 def loop_mix(instrs: list[Instr], span: tuple[int, int]) -> LoopMix:
@@ -198,10 +197,9 @@ def stage_mixes(name: str, expression: str, tree: Path | None = None) -> list[Lo
     return [loop_mix(instrs, s) for s in tensor_loops(instrs)]
 
 
-def tile_steps(mix: LoopMix, row_tiles: int, k_step: int) -> int:
-    """A consumer warp's tile-steps in one trip of the loop. A register-A wgmma covers one of the
-    warp's 16-row tiles by one k16 step; an mma.sync m16n8k16 one 8-token fragment of it, so
-    there a trip is taken as one stage (row_tiles x k_step / 16 tile-steps)."""
-    if any(op.startswith("HGMMA") for op in mix.tensor_ops):
-        return mix.n_tensor
-    return row_tiles * k_step // 16
+def tile_steps(mix: LoopMix) -> int:
+    """A consumer warp's tile-steps in one trip of a register-A wgmma loop: each wgmma covers one
+    of the warp's 16-row tiles by one k16 step."""
+    if not mix.tokens:
+        raise ValueError(f"tile-steps are counted on loops of one register-A wgmma shape, got {mix.tensor_ops}")
+    return mix.n_tensor
