@@ -1,12 +1,16 @@
-"""The two ceilings every figure is a ratio to, measured in the same run as the figure:
+"""The ceilings every figure is a ratio to, measured in the same run as the figure:
 
-    read    a flat streaming read of ~4 GB (lab/kernels/stream_read.py): GB/s
-    tensor  dense fp16 x fp16 -> fp32 GEMM throughput through cuBLAS (cublasGemmEx, CuPy's own
-            binding), the best of a few large shapes: TFLOP/s
+    read         a flat streaming read of ~4 GB (lab/kernels/stream_read.py): GB/s
+    tensor       dense fp16 x fp16 -> fp32 GEMM throughput through cuBLAS (cublasGemmEx, CuPy's
+                 own binding), the best of a few large shapes: TFLOP/s
+    tensor_fp8   dense e4m3 x e4m3 -> bf16 (fp32 compute, fast accumulation) through cuBLASLt
+                 (lab/cublaslt.py), the same shapes: TFLOP/s
 
-A run's roofline is the larger of bytes / read and useful flops / tensor (roofline.binding).
-cuBLAS is the reference for the tensor ceiling because it is what the H200's dense fp16 rate
-is usually quoted with; no kernel in the lab is faster at dense fp16.
+A run's roofline is the larger of bytes / read and useful flops / a tensor ceiling
+(roofline.binding). Which tensor ceiling is the one the arithmetic can use: fp16 for the lab's
+exact NVFP4 path (its decoded operands are fp16) and for bf16 peers, fp8 for fp8 peers and any
+path on the fp8 tensor cores (TENSOR_KINDS). cuBLAS is the reference because it is what the
+dense rates are usually quoted with; no kernel in the lab is faster at either.
 """
 
 from __future__ import annotations
@@ -77,10 +81,79 @@ def measure_tensor_peak(shapes=TENSOR_SHAPES, iterations: int = 10, seed: int = 
     return {"tflops": max(r["tflops"] for r in rows), "shapes": rows}
 
 
+# The tensor ceilings by the operand type that reaches the tensor cores: the key each one has
+# in measure_ceilings' dict.
+TENSOR_KINDS = {"fp16": "tensor", "fp8": "tensor_fp8"}
+
+
+def _e4m3_codes(rng, shape):
+    """Random e4m3 codes of either sign with magnitudes up to 30 (exponent field <= 11): never
+    NaN, never all zeros, and a range whose products the float64 check can bound tightly."""
+    import cupy as cp
+
+    v = rng.integers(0, 2 * 0x60, size=shape, dtype=cp.int32)
+    return ((v % 0x60) | ((v >= 0x60).astype(cp.int32) << 7)).astype(cp.uint8)
+
+
+def measure_fp8_peak(shapes=TENSOR_SHAPES, iterations: int = 10, seed: int = 0) -> dict:
+    """Dense e4m3 x e4m3 GEMM throughput (fp32 compute, fast accumulation, bf16 out) through
+    cuBLASLt: {"tflops": best, "shapes": [{m, n, k, ms, tflops}]}; the same shapes as the fp16
+    peak, random codes, and a few outputs checked against float64 sums of the decoded codes
+    (bf16 rounding plus the accumulator's few lost bits), so a GEMM that did not run or read its
+    operands in the wrong order cannot pass."""
+    from lab import cublaslt
+    from lab.nvfp4 import decode_e4m3
+
+    cp = require_gpu("measure_fp8_peak")
+    import ml_dtypes
+
+    rng = cp.random.default_rng(seed)
+    stream = cp.cuda.Stream(non_blocking=True)
+    e4m3 = decode_e4m3(np.arange(256, dtype=np.uint8)).astype(np.float64)
+    rows = []
+    for m, n, k in shapes:
+        gemm = cublaslt.Fp8Gemm(m, n, k)
+        try:
+            with stream:
+                a = _e4m3_codes(rng, (m, k))
+                b = _e4m3_codes(rng, (n, k))
+                d = cp.full((n, m), 0x7FC0, dtype=cp.uint16)  # bf16 NaN: an unwritten output shows
+            stream.synchronize()
+            t = time_cuda(lambda a=a, b=b, d=d: gemm.run(a, b, d, stream), iterations=iterations, warmup=3,
+                          stream=stream)
+            for j, i in ((0, 0), (n - 1, m - 1), (n // 3, m // 2)):
+                terms = e4m3[cp.asnumpy(a[i])] * e4m3[cp.asnumpy(b[j])]
+                want = float(terms.sum())
+                got = float(np.array([int(d[j, i].get())], dtype=np.uint16).view(ml_dtypes.bfloat16)[0])
+                if not abs(got - want) <= 2.0**-7 * abs(want) + 2.0**-12 * float(np.abs(terms).sum()):
+                    raise RuntimeError(f"measure_fp8_peak: the {m}x{n}x{k} cuBLASLt fp8 GEMM gave D[{i},{j}] = "
+                                       f"{got}, float64 says {want}")
+        finally:
+            gemm.close()
+        rows.append({"m": m, "n": n, "k": k, "ms": t.median_ms, "tflops": 2.0 * m * n * k / (t.median_ms * 1e-3) / 1e12})
+    cp.get_default_memory_pool().free_all_blocks()
+    return {"tflops": max(r["tflops"] for r in rows), "shapes": rows}
+
+
 def measure_ceilings(read_bytes: int = 4_077_000_000, iterations: int = 20) -> dict:
-    """Both ceilings: {"read": measure_read_roofline(...), "tensor": measure_tensor_peak(...)}."""
+    """Every ceiling: {"read": measure_read_roofline(...), "tensor": measure_tensor_peak(...),
+    "tensor_fp8": measure_fp8_peak(...)}. Where cuBLASLt cannot run, "tensor_fp8" is
+    {"tflops": None, "error": why}: no figure is compared with it, and none is reported as 0."""
     from lab.kernels.stream_read import measure_read_roofline
 
     read = measure_read_roofline(read_bytes, iterations=iterations)
     require_gpu("measure_ceilings").get_default_memory_pool().free_all_blocks()
-    return {"read": read, "tensor": measure_tensor_peak(iterations=max(3, iterations // 2))}
+    out = {"read": read, "tensor": measure_tensor_peak(iterations=max(3, iterations // 2))}
+    try:
+        out["tensor_fp8"] = measure_fp8_peak(iterations=max(3, iterations // 2))
+    except (RuntimeError, OSError) as exc:
+        out["tensor_fp8"] = {"tflops": None, "error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
+def tensor_ceiling(ceilings: dict, kind: str) -> float | None:
+    """The TFLOP/s of the tensor ceiling for operands of `kind` ('fp16' or 'fp8'); None where that
+    ceiling was not measured (an older run's JSON has no fp8 one) or could not be."""
+    if kind not in TENSOR_KINDS:
+        raise ValueError(f"kind: expected one of {', '.join(TENSOR_KINDS)}, got {kind!r}")
+    return (ceilings.get(TENSOR_KINDS[kind]) or {}).get("tflops")

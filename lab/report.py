@@ -20,10 +20,10 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-VALID = ("baseline", "match")
-# A time difference under this is called no difference: medians of the same variant moved
-# 0.7-1.5% between two runs on the H200 (separate and cuda-graph; notes/layer.md).
-NOISE_PCT = 1.0
+from lab.report_common import CHART_MAX_PX, DPI, FILE_KEY, NOISE_PCT, VALID, have_matplotlib  # noqa: F401
+from lab.report_common import board, fmt as _fmt, pyplot as _pyplot, source as _source
+from lab import report_token_axis
+
 # A cause "dominates" a loss when it accounts for at least this share; between 1 - DOMINANT
 # and DOMINANT the verdict says both.
 DOMINANT = 0.6
@@ -32,11 +32,11 @@ RUN_ALL = ("python scripts/run_layer.py --variants separate cuda-graph fused-swi
            "one-launch-2G --json results/run_layer.json")
 # study -> the script that writes results/<study>.json
 STUDIES = {"read_roofline": "scripts/read_roofline.py", "chunk_study": "scripts/chunk_study.py",
-           "tile_sweep": "scripts/tile_sweep.py", "token_axis": "scripts/token_axis.py"}
+           "tile_sweep": "scripts/tile_sweep.py"}
 # The page and the runs it renders, from the repository root: the current run of each script
 # under results/. `python scripts/report.py` with no arguments renders exactly these, so the
 # committed page is reproducible; a new run replaces its file here or is added to this list.
-PAGE = "docs/findings-h200.md"
+PAGE = "docs/findings.md"
 PAGE_RUNS = {
     "layer": ("results/run_layer.json", "results/run_layer_sustained.json", "results/run_layer_skew0.4.json",
               "results/run_layer_skew0.8.json", "results/run_layer_skew1.2.json"),
@@ -47,15 +47,9 @@ PAGE_RUNS = {
     "read_roofline": "results/read_roofline.json",
     "chunk_study": "results/chunk_study.json",
     "tile_sweep": "results/tile_sweep.json",
-    "token_axis": "results/token_axis.json",
+    # one full token axis per board, the board the lab is built for first (it gives README's table)
+    "token_axis": ("results/h200/token_axis.json", "results/h100/token_axis.json"),
 }
-# The key scripts/report.py gives each run it loads: the file the page cites for it.
-FILE_KEY = "_file"
-
-
-def _fmt(v, nd=3):
-    return "-" if v is None else f"{v:.{nd}f}"
-
 
 def _us(ms: float) -> str:
     return f"{1000 * ms:.1f} us"
@@ -412,187 +406,6 @@ def verdicts(rows: list[dict], stages: list[dict], gemm_rows: list[dict], means:
     return [s for v in layer_verdicts(rows, stages, means).values() for s in v] + gemm_verdicts(gemm_rows)
 
 
-# ---------------------------------------------------------------------------------------------
-# token axis (token_axis.json): the layer from decode to prefill against the peers
-# ---------------------------------------------------------------------------------------------
-
-
-def _ta_impl(point: dict, name: str) -> dict | None:
-    e = point["impls"].get(name)
-    return e if e is not None and e.get("ms") is not None else None
-
-
-# The W4A16 variants (NVFP4 weights, bf16 activations); the best of them stands for W4A16 as the
-# best valid variant stands for W4A4.
-W4A16 = ("w4a16", "w4a16-fused", "w4a16-layer")
-
-
-def best_w4a16(point: dict) -> tuple[str, dict] | None:
-    """(name, entry) of the fastest W4A16 variant that ran without error at this mean."""
-    ran = [(n, e) for n in W4A16 if (e := _ta_impl(point, n)) is not None and not e.get("error")]
-    return min(ran, key=lambda ne: ne[1]["ms"]) if ran else None
-
-
-def _means_and_ratios(pairs: list[tuple[float, float]]) -> str:
-    return ", ".join(f"{m:g} ({r:.2f}x)" for m, r in pairs)
-
-
-def w4a16_verdicts(ta: dict) -> list[str]:
-    """W4A4 against W4A16 on the same kernels: where each is faster and by how much (times within
-    NOISE_PCT are level), W4A16 against the fastest peer, and the error each pays against the
-    float64 layer on unquantized activations."""
-    points = [p for p in sorted(ta["points"], key=lambda p: p["mean"]) if best_w4a16(p) and p.get("best_lab")]
-    if not points:
-        return []
-    cost = [(p["mean"], best_w4a16(p)[1]["ms"] / _ta_impl(p, p["best_lab"])["ms"]) for p in points]
-    level = [(m, r) for m, r in cost if abs(r - 1) * 100 <= NOISE_PCT]
-    dearer = [(m, r) for m, r in cost if (r - 1) * 100 > NOISE_PCT]
-    cheaper = [(m, r) for m, r in cost if (1 - r) * 100 > NOISE_PCT]
-    out = []
-    text = "W4A16 (the best of " + ", ".join(W4A16) + ") against W4A4 (the lab's best valid variant), as W4A16's time / W4A4's:"
-    if level:
-        text += f" level (within {NOISE_PCT:g}%) at {_means_and_ratios(level)};"
-    if dearer:
-        text += f" slower at {_means_and_ratios(dearer)};"
-    if cheaper:
-        text += f" faster at {_means_and_ratios(cheaper)};"
-    out.append(text.rstrip(";") + ".")
-    vs_peer = [(p["mean"], _ta_impl(p, p["fastest_peer"])["ms"] / best_w4a16(p)[1]["ms"], p["fastest_peer"])
-               for p in points if p.get("fastest_peer") and _ta_impl(p, p["fastest_peer"])]
-    if vs_peer:
-        ahead = [(m, r) for m, r, _ in vs_peer if r > 1 + NOISE_PCT / 100]
-        behind = [(m, r) for m, r, _ in vs_peer if r < 1 - NOISE_PCT / 100]
-        peers_named = sorted({n for _, _, n in vs_peer})
-        text = f"W4A16 against the fastest peer ({', '.join(peers_named)}), as the peer's time / W4A16's:"
-        if ahead:
-            text += f" faster at {_means_and_ratios(ahead)};"
-        if behind:
-            text += f" slower at {_means_and_ratios(behind)};"
-        out.append(text.rstrip(";") + ".")
-    e16 = [best_w4a16(p)[1].get("e2e_rel") for p in points]
-    e4 = [_ta_impl(p, p["best_lab"]).get("e2e_rel") for p in points]
-    pairs = [(a, b) for a, b in zip(e16, e4) if a is not None and b is not None and a > 0]
-    if pairs:
-        gain = sorted(b / a for a, b in pairs)
-        out.append(f"Error against the float64 layer on unquantized activations: W4A16 "
-                   f"{min(a for a, _ in pairs):.1e}-{max(a for a, _ in pairs):.1e}, W4A4 "
-                   f"{min(b for _, b in pairs):.1e}-{max(b for _, b in pairs):.1e}: W4A16's is "
-                   f"{gain[0]:.0f}-{gain[-1]:.0f}x smaller where both were measured.")
-        if gain[0] > 1:  # W4A16 is the more accurate at every mean: the choice is time against error
-            if level or cheaper:
-                out.append(f"Where W4A16 is level with W4A4 or faster ({', '.join(f'{m:g}' for m, _ in level + cheaper)} "
-                           f"tokens per expert) it is the better choice outright: no more time for the smaller error.")
-            if dearer:
-                lo, hi = (f"{(f(r for _, r in dearer) - 1) * 100:.0f}" for f in (min, max))
-                out.append(f"Where W4A4 is faster ({', '.join(f'{m:g}' for m, _ in dearer)}), W4A16 costs "
-                           f"{lo if lo == hi else lo + '-' + hi}% more time for its smaller error.")
-    return out
-
-
-def token_axis_table(points: list[dict]) -> str:
-    """One row per mean: the roofline and what binds, the lab's best valid variant, separate and
-    each peer (ms and % of the binding roofline), the best's ratio to the fastest peer."""
-    peer_names = list(dict.fromkeys(n for p in points for n, e in p["impls"].items() if e["peer"]))
-    w4a16 = any(best_w4a16(p) for p in points)  # NVFP4 weights, bf16 activations: a column of its own
-    head = (["tokens/expert", "roofline ms (binds)", "best lab variant", "ms", "roof%", "separate ms"] +
-            (["best W4A16 ms (error)"] if w4a16 else []) +
-            [f"{n} ms" for n in peer_names] + ["x fastest peer", "error vs float64: lab / " + " / ".join(peer_names)])
-    body = []
-    for p in points:
-        best = _ta_impl(p, p["best_lab"]) if p.get("best_lab") else None
-        sep = _ta_impl(p, "separate")
-        row = [f"{p['mean']:g}", f"{p['roofline']['ms']:.3f} ({p['roofline']['binds']})",
-               p.get("best_lab") or "-", _fmt(best and best["ms"]), _fmt(best and best["roof_pct"], 1),
-               _fmt(sep and sep["ms"])]
-        if w4a16:
-            b = best_w4a16(p)
-            row.append("-" if b is None else f"{b[1]['ms']:.3f} ({'-' if b[1].get('e2e_rel') is None else format(b[1]['e2e_rel'], '.1e')})")
-        row += [_fmt(_ta_impl(p, n) and _ta_impl(p, n)["ms"]) for n in peer_names]
-        row.append(_fmt(best and best["x_fastest_peer"], 2))
-        errs = [best and best.get("e2e_rel")] + [_ta_impl(p, n) and _ta_impl(p, n).get("e2e_rel") for n in peer_names]
-        row.append(" / ".join("-" if e is None else f"{e:.1e}" for e in errs))
-        body.append(row)
-    return tabulate(body, head, tablefmt="github", disable_numparse=True)
-
-
-def token_axis_gemm_table(points: list[dict]) -> str:
-    """Each GEMM stage of separate and of the peers: ms and % of that GEMM's binding roofline."""
-    names = list(dict.fromkeys(n for p in points for g in p.get("gemm", {}).values() for n in g
-                               if n not in ("roofline", "bytes", "flops")))
-    head = ["tokens/expert", "gemm", "roofline ms (binds)"] + [f"{n} ms (roof%)" for n in names]
-    body = []
-    for p in points:
-        for gemm, g in p.get("gemm", {}).items():
-            body.append([f"{p['mean']:g}", gemm, f"{g['roofline']['ms']:.3f} ({g['roofline']['binds']})"] +
-                        ["-" if n not in g else f"{g[n]['ms']:.3f} ({g[n]['roof_pct']:.0f}%)" for n in names])
-    return tabulate(body, head, tablefmt="github", disable_numparse=True)
-
-
-def token_axis_verdicts(ta: dict) -> list[str]:
-    """Where NVFP4 on the H200 beats each peer and by how much, where it does not and what binds
-    there, and the accuracy each implementation pays."""
-    points = sorted(ta["points"], key=lambda p: p["mean"])
-    out = []
-    peer_names = list(dict.fromkeys(n for p in points for n, e in p["impls"].items() if e["peer"]))
-    if not peer_names or not any(_ta_impl(p, n) for p in points for n in peer_names):
-        skipped = {e.get("skipped") for p in points for e in p["impls"].values() if e["peer"] and e.get("skipped")}
-        return [f"No peer was measured{': ' + '; '.join(sorted(skipped)) if skipped else ''}."]
-    for n in peer_names:
-        ratios = [(p["mean"], _ta_impl(p, n)["ms"] / _ta_impl(p, p["best_lab"])["ms"]) for p in points
-                  if _ta_impl(p, n) and p.get("best_lab")]
-        if not ratios:
-            continue
-        wins = [(m, r) for m, r in ratios if r > 1 + NOISE_PCT / 100]
-        losses = [(m, r) for m, r in ratios if r < 1 - NOISE_PCT / 100]
-        lead = []
-        for m, r in ratios:  # the lab leads from the smallest mean up to the first mean it does not
-            if r <= 1 + NOISE_PCT / 100:
-                break
-            lead.append((m, r))
-        if lead:
-            text = (f"Against {n}, the lab's best valid variant is faster at every mean from {lead[0][0]:g} to "
-                    f"{lead[-1][0]:g} tokens per expert: {min(r for _, r in lead):.2f}x to "
-                    f"{max(r for _, r in lead):.2f}x.")
-        else:
-            text = f"Against {n}, the lab is not faster at the smallest mean measured ({ratios[0][0]:g})."
-        if losses:
-            text += (f" It is slower at {', '.join(f'{m:g}' for m, _ in losses)} "
-                     f"({', '.join(f'{1 / r:.2f}x' for _, r in losses)} the peer's time).")
-        elif len(wins) == len(ratios):
-            text += " It is faster at every mean measured."
-        out.append(text)
-    slow = [p for p in points if p.get("fastest_peer") and p.get("best_lab")
-            and _ta_impl(p, p["best_lab"])["x_fastest_peer"] < 1 - NOISE_PCT / 100]
-    for p in slow:
-        best = _ta_impl(p, p["best_lab"])
-        out.append(f"At {p['mean']:g} tokens per expert the binding ceiling is the {p['roofline']['binds']} one; "
-                   f"the lab's {p['best_lab']} reaches {best['roof_pct']:.0f}% of it ({best['tflops']:.0f} TFLOP/s, "
-                   f"{best['gbps']:.0f} GB/s) against {p['fastest_peer']}'s "
-                   f"{_ta_impl(p, p['fastest_peer'])['roof_pct']:.0f}%.")
-    errs = {}
-    for p in points:
-        for n, e in p["impls"].items():
-            if e.get("e2e_rel") is not None and (e["peer"] or n == p.get("best_lab")):
-                errs.setdefault("lab (W4A4)" if not e["peer"] else n, []).append(e["e2e_rel"])
-    if errs:
-        out.append("Error against the float64 layer on unquantized activations (what a user pays), over the "
-                   "means: " + "; ".join(f"{k} {min(v):.1e}-{max(v):.1e}" for k, v in errs.items()) + ".")
-    return out
-
-
-def token_axis_section(ta: dict) -> list[str]:
-    c = ta["ceilings"]
-    points = sorted(ta["points"], key=lambda p: p["mean"])
-    return [f"From {_source(ta)}; flat read {c['read']['gbps']:.0f} GB/s, dense fp16 tensor peak "
-            f"{c['tensor']['tflops']:.0f} TFLOP/s (cuBLAS), both in this run. The roofline of each mean is the "
-            f"larger of its bytes over the read and its useful flops over the tensor peak; roof% is against that "
-            f"one. x fastest peer = the fastest peer's ms / the lab's (above 1: the lab is faster). The tensor "
-            f"ceiling is the fp16 one, the rate the lab's decoded operands can use; fp8 tensor cores run at twice "
-            f"it, so torch-fp8 can pass 100% where its GEMMs are compute bound.", "",
-            token_axis_table(points), "", "Each GEMM (separate's stages and the peers'):", "",
-            token_axis_gemm_table(points), "", "Verdicts:", ""] + [f"- {v}" for v in token_axis_verdicts(ta)] + [""] + \
-        (["W4A4 or W4A16 (the same weights and kernels; bf16 activations instead of NVFP4 ones):", ""] +
-         [f"- {v}" for v in w4a16_verdicts(ta)] + [""] if w4a16_verdicts(ta) else [])
 
 # ---------------------------------------------------------------------------------------------
 # real models (run_layer --model per preset)
@@ -862,43 +675,36 @@ def _skew(run: dict) -> float:
     return float(argv[argv.index("--skew") + 1]) if "--skew" in argv[:-1] else 0.0
 
 
-def _source(run: dict) -> str:
-    """'results/x.json, `script args` at <lab commit>': the file the page read, the command that
-    wrote it and the kernels it ran (the command's --json is where the file was written first)."""
-    cmd = "`" + " ".join([run.get("script", "?"), *map(str, run.get("argv", []))]) + "`"
-    commit = run.get("setup", {}).get("lab_commit")
-    cmd += f" at {commit}" if commit else ""
-    return f"{run[FILE_KEY]}, {cmd}" if run.get(FILE_KEY) else cmd
-
 
 def render(layer_runs: list[dict], gemm_runs: list[dict], out_md: Path, charts: bool = True,
            read_roofline: dict | None = None, chunk_study: dict | None = None,
-           tile_sweep: dict | None = None, token_axis: dict | None = None,
+           tile_sweep: dict | None = None, token_axis: list[dict] | None = None,
            model_runs: list[dict] | None = None) -> str:
     """Write the findings page and return its markdown. The page links its charts whether or not
     they are drawn: with ``charts`` and matplotlib they are (re)drawn beside it, otherwise the
     files there are left as they are. A study passed as None is reported as not measured, naming
-    the script that measures it."""
+    the script that measures it; `token_axis` is one run per board (an empty list: not measured)."""
     if not layer_runs:
         raise ValueError("render: need at least one run_layer JSON")
     out_md.parent.mkdir(parents=True, exist_ok=True)  # the charts go beside the page
     plt = _pyplot() if charts else None
     base = layer_runs[0]
     setup = base.get("setup", {})
-    parts = ["# Findings on the H200", "",
+    parts = ["# Findings on Hopper", "",
              ("Generated by `python scripts/report.py` from the runs under `results/` that `PAGE_RUNS` in "
               "`lab/report.py` lists; every figure comes from those files, and every comparison is between "
               "figures of one run."), "",
-             "## Setup", "", tabulate([[k, v] for k, v in setup.items()], ["", ""], tablefmt="github"), ""]
-    parts += ["## Token axis: from decode to prefill, against the fastest peer", ""]
-    if token_axis is None:
-        parts += [missing("token_axis"), ""]
+             f"## Setup ({board(base)}, the layer runs)", "",
+             tabulate([[k, v] for k, v in setup.items()], ["", ""], tablefmt="github"), ""]
+    parts += ["## Token axis: from decode to prefill, against the fastest peer, per board", ""]
+    if not token_axis:
+        parts += [("Not measured: no `results/<board>/token_axis.json`; `python scripts/token_axis.py --json "
+                   "results/<board>/token_axis.json` writes one (on the GPU)."), ""]
     else:
-        parts += token_axis_section(token_axis) + [f"![{TOKEN_ALT}]({TOKEN_PNG})", ""]
-        if plt is not None:
-            _token_chart(plt, token_axis, out_md.parent / TOKEN_PNG)
+        parts += report_token_axis.section(token_axis, out_md.parent, plt)
     if model_runs:
-        parts += ["## Real models: their routed-expert shapes at 8 and 32 tokens per expert", "",
+        parts += [f"## Real models on the {board(model_runs[0])}: their routed-expert shapes at 8 and 32 tokens per "
+                  "expert", "",
                   ("`python scripts/run_layer.py --model NAME` for each preset in lab/models.py (the study's own "
                    "shape is the default run); every variant and both peers, each run on its own. best = the "
                    "fastest variant whose output equals separate's; roof% against the binding ceiling of that "
@@ -907,7 +713,7 @@ def render(layer_runs: list[dict], gemm_runs: list[dict], out_md: Path, charts: 
         parts += [f"- {v}" for v in models_verdicts(model_runs)] + [""]
     for i, run in enumerate(layer_runs, 1):
         means = layer_means(run)
-        parts += [f"## Layer, run {i} ({_source(run)})", "",
+        parts += [f"## Layer on the {board(run)}, run {i} ({_source(run)})", "",
                   f"Flat streaming read in this run: {run['read_roofline']['gbps']:.0f} GB/s."
                   + (" vs float64 = the error against the float64 layer on unquantized activations (what a user "
                      "pays); approx (e) under correct = the error against the lab's float64 reference, which "
@@ -930,7 +736,7 @@ def render(layer_runs: list[dict], gemm_runs: list[dict], out_md: Path, charts: 
     for i, run in enumerate(gemm_runs, 1):
         if not run.get("rows"):
             continue
-        parts += [f"## Grouped GEMM, run {i} ({_source(run)})", ""]
+        parts += [f"## Grouped GEMM on the {board(run)}, run {i} ({_source(run)})", ""]
         if run.get("read_roofline"):
             parts += [f"Flat streaming read in this run: {run['read_roofline']['gbps']:.0f} GB/s.", ""]
         parts += [gemm_table(run["rows"]), "", "Verdicts:", ""]
@@ -940,7 +746,7 @@ def render(layer_runs: list[dict], gemm_runs: list[dict], out_md: Path, charts: 
     if read_roofline is None:
         parts += [missing("read_roofline"), ""]
     else:
-        parts += [(f"From {_source(read_roofline)}; flat read {read_roofline['read_roofline']['gbps']:.0f} GB/s. "
+        parts += [(f"On the {board(read_roofline)}, from {_source(read_roofline)}; flat read {read_roofline['read_roofline']['gbps']:.0f} GB/s. "
                   f"The pattern read is the GEMM's grid and pipeline reading exactly its bytes with no decode "
                   f"or MMA."), "", read_roofline_table(read_roofline["rows"]), "", "Verdicts:", ""]
         parts += [f"- {v}" for v in read_roofline_verdicts(read_roofline["rows"])] + [""]
@@ -949,7 +755,7 @@ def render(layer_runs: list[dict], gemm_runs: list[dict], out_md: Path, charts: 
     if chunk_study is None:
         parts += [missing("chunk_study"), ""]
     else:
-        parts += [f"From {_source(chunk_study)}; flat read {chunk_study['read_roofline']['gbps']:.0f} GB/s.", "",
+        parts += [f"On the {board(chunk_study)}, from {_source(chunk_study)}; flat read {chunk_study['read_roofline']['gbps']:.0f} GB/s.", "",
                   chunk_table(chunk_study["rows"]), "", "Verdicts:", ""]
         parts += [f"- {v}" for v in chunk_verdicts(chunk_study["rows"])] + [""]
 
@@ -958,7 +764,7 @@ def render(layer_runs: list[dict], gemm_runs: list[dict], out_md: Path, charts: 
         parts += [missing("tile_sweep"), ""]
     else:
         ok, bad = tile_tables(tile_sweep["rows"])
-        parts += [f"From {_source(tile_sweep)}; flat read {tile_sweep['read_roofline']['gbps']:.0f} GB/s.", "",
+        parts += [f"On the {board(tile_sweep)}, from {_source(tile_sweep)}; flat read {tile_sweep['read_roofline']['gbps']:.0f} GB/s.", "",
                   ok, "", "Tiles that could not run:", "", bad, "", "Verdicts:", ""]
         parts += [f"- {v}" for v in tile_verdicts(tile_sweep["rows"])] + [""]
         parts += [f"![{TILE_ALT}]({TILE_PNG})", ""]
@@ -978,31 +784,12 @@ def charts_of(text: str) -> list[str]:
 # charts (matplotlib, imported only here)
 # ---------------------------------------------------------------------------------------------
 
-TOKEN_PNG = "token-axis-h200.png"
-TOKEN_ALT = "time per token over tokens per expert: the lab, the peers and both ceilings"
 LAYER_PNG = "layer-h200.png"
 LAYER_ALT = "layer variants against the read roofline, every uniform-routing run"
 TILE_PNG = "tile-sweep-h200.png"
 TILE_ALT = "tile sweep: % of the read roofline per token tile"
 # Page width on a code host is ~1000 CSS px; a chart at most this wide stays legible when scaled
 # to it (a 2x display shows it at full resolution).
-CHART_MAX_PX = 1600
-DPI = 110
-
-
-def have_matplotlib() -> bool:
-    return _pyplot() is not None
-
-
-def _pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
 
 
 def _condition(run: dict) -> str:
@@ -1163,49 +950,6 @@ def _tile_chart(plt, sweep: dict, path: Path) -> None:
     ax.set_title(f"Tile sweep: best tile per token tile (whiskers down to the worst block_rows, K step, stages)\n"
                  f"{sweep.get(FILE_KEY, sweep.get('script', '?'))}, {sweep.get('setup', {}).get('lab_commit', '?')}: "
                  f"flat read {sweep['read_roofline']['gbps']:.0f} GB/s", fontsize=10)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-
-
-def _token_chart(plt, ta: dict, path: Path) -> None:
-    """Time per token over tokens per expert (both log): the lab's best valid variant, separate
-    and each peer, and both ceilings as dashed lines (the roofline is the higher of the two)."""
-    points = sorted(ta["points"], key=lambda p: p["mean"])
-    xs = [p["mean"] for p in points]
-    fig, ax = plt.subplots(figsize=(12.5, 6.2))
-
-    def per_token(p, ms):
-        return None if ms is None else 1e3 * ms / p["tokens"]
-
-    series = {"lab, best valid variant": [per_token(p, (_ta_impl(p, p["best_lab"]) or {}).get("ms"))
-                                          if p.get("best_lab") else None for p in points],
-              "lab, separate": [per_token(p, (_ta_impl(p, "separate") or {}).get("ms")) for p in points]}
-    for n in dict.fromkeys(n for p in points for n, e in p["impls"].items() if e["peer"]):
-        series[n] = [per_token(p, (_ta_impl(p, n) or {}).get("ms")) for p in points]
-    styles = {"lab, best valid variant": ("C0", "-", "o"), "lab, separate": ("C0", ":", "."),
-              "torch-bf16": ("C1", "-", "s"), "torch-fp8": ("C3", "-", "^")}
-    for label, ys in series.items():
-        pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
-        if pts:
-            c, ls, mk = styles.get(label, (None, "-", "o"))
-            ax.plot(*zip(*pts), color=c, linestyle=ls, marker=mk, label=label)
-    for key, label, color in (("read_ms", "read ceiling (bytes / flat read)", "k"),
-                              ("tensor_ms", "tensor ceiling (useful flops / fp16 peak)", "0.5")):
-        ax.plot(xs, [1e3 * p["roofline"][key] / p["tokens"] for p in points], color=color, linestyle="--",
-                linewidth=1.2, label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(xs, [f"{x:g}" for x in xs])
-    ax.set_xlabel("mean tokens per expert")
-    ax.set_ylabel("microseconds per token (layer)")
-    ax.grid(alpha=0.3, which="both")
-    c = ta["ceilings"]
-    ax.set_title(f"The layer over tokens per expert: lab, peers and both ceilings\n"
-                 f"{ta.get(FILE_KEY, ta.get('script', '?'))}, {ta.get('setup', {}).get('lab_commit', '?')}: "
-                 f"flat read {c['read']['gbps']:.0f} GB/s, fp16 tensor {c['tensor']['tflops']:.0f} TFLOP/s",
-                 fontsize=10)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)

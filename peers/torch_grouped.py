@@ -1,7 +1,8 @@
-"""torch-bf16 and torch-fp8: the layer through PyTorch's grouped GEMMs, on the lab's runner.
+"""The layer through PyTorch's grouped GEMMs, on the lab's runner: torch-bf16 and torch-fp8 as a
+torch user runs them (the activation stage compiled), and their eager forms.
 
-Both take the same NVFP4 weights as the lab, dequantized once (e2m1 x e4m3 x the weight's
-global: exact in float32) into their own format, and the same routing and input:
+Every peer takes the same NVFP4 weights as the lab, dequantized once (e2m1 x e4m3 x the
+weight's global: exact in float32) into its own format, and the same routing and input:
 
     torch-bf16   weights bf16; x gathered to rows, bf16 (in prepare, as the lab's input quantize)
                  w13  h = _grouped_mm(x, w13ᵀ)                       (rows, 2I) bf16
@@ -12,6 +13,23 @@ global: exact in float32) into their own format, and the same routing and input:
                  w13  h = _scaled_grouped_mm(x8, w13_8ᵀ, sx, sw13)    bf16 out, fast accumulation
                  act  a = silu(h_gate) * h_up, then per row: sa = amax / 448, a8 = fp8(a / sa)
                  w2   out = _scaled_grouped_mm(a8, w2_8ᵀ, sa, sw2)
+
+The activation stage ("act") is one `torch.compile`d function (SwiGLU, and for fp8 the rowwise
+scale and cast): one generated kernel, what a torch user gets by compiling the model and what
+serving engines do with a fused silu-and-quantize kernel. It is compiled in `prepare`, never
+timed. Eager PyTorch runs the same stage as five or six kernels over the whole (rows, 2I) tensor;
+those forms stay available as torch-bf16-eager and torch-fp8-eager so that the difference stays
+visible. The compiled stage keeps its intermediates in float32 where eager rounds each op to
+bf16, so its scales and codes can differ from the eager ones by one rounding step: `prepare`
+compares the two on the layer's own h and keeps the count (`vs_eager`). Where compilation fails
+(no Triton, no C compiler, an unsupported torch), the eager stage stands in and the peer says so
+(`stand_in`, and `label` names the row as the eager form).
+
+Blockwise fp8 (the DeepSeek-V3 recipe: activations scaled per token and 128 columns, weights per
+128 x 128 block) as a grouped GEMM: `blockwise_support()` asks this torch. torch 2.11's
+`_scaled_grouped_mm` on sm_90 takes rowwise scales only (TODO-PROBE), so there is no
+torch-fp8-block peer; torch's dense `_scaled_mm` has the recipe on sm_90, but one launch per
+expert is not a grouped GEMM a user would run for 288 experts.
 
 The gate/up/w2 globals live in the dequantized weights, so SwiGLU is the plain one. Launches go
 to the runner's stream (torch.cuda.ExternalStream over it), so NVTX ranges and CUDA events are
@@ -28,6 +46,8 @@ from lab import nvfp4
 
 NAME_BF16 = "torch-bf16"
 NAME_FP8 = "torch-fp8"
+EAGER = "-eager"  # the suffix of the eager forms' names
+ACTIVATIONS = ("compiled", "eager")
 INSTALL_HINT = "torch is not installed: pip install -e '.[peers]' adds it"
 FP8_MAX = 448.0
 DEQUANT_CHUNK = 8  # experts per dequantization step (bounds the float32 temporaries)
@@ -69,6 +89,98 @@ def rowwise_fp8(torch, a):
     return (a.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
 
 
+def swiglu(torch, h):
+    """(rows, 2I) -> (rows, I): silu of the gate half times the up half, in h's dtype."""
+    i = h.shape[-1] // 2
+    return torch.nn.functional.silu(h[:, :i]) * h[:, i:]
+
+
+def eager_stage(torch, kind: str, h):
+    """The activation stage as eager PyTorch runs it: bf16 -> a; fp8 -> (a8, per-row scales)."""
+    a = swiglu(torch, h)
+    return a if kind == "bf16" else rowwise_fp8(torch, a)
+
+
+_COMPILED: dict = {}
+
+
+def compiled_stage(torch, kind: str):
+    """The activation stage as one torch.compile'd function, built once per kind: dynamo's cache
+    sits on the function's code, so the token counts of a run share it (the second count
+    compiles a form with the rows dimension dynamic, as torch does by default) and the
+    recompile limit is never reached. fullgraph: a graph break raises instead of running
+    part of the stage eagerly under the compiled name."""
+    if kind not in _COMPILED:
+        def stage(h):
+            return eager_stage(torch, kind, h)
+
+        _COMPILED[kind] = torch.compile(stage, fullgraph=True)
+    return _COMPILED[kind]
+
+
+def pick_stage(compile_stage, eager, h, compare):
+    """(stage, stand_in, vs_eager): the compiled stage, run once on `h` and compared with the eager
+    one, or, where building or running it raises, the eager stage with the reason it stands in."""
+    try:
+        stage = compile_stage()
+        got = stage(h)
+    except Exception as exc:  # noqa: BLE001  (any failure of the compiler means the eager stage stands in)
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        return eager, f"torch.compile failed ({type(exc).__name__}: {first}); the eager stage stands in", None
+    return stage, None, compare(got, eager(h))
+
+
+def _ordinal(torch, bits, sign_bit: int):
+    """Sign-magnitude float bits (int) -> integers in the floats' order, one apart per step."""
+    mag = bits & (sign_bit - 1)
+    return torch.where((bits & sign_bit) != 0, -mag, mag)
+
+
+def compare_stages(torch, kind: str, got, want) -> dict:
+    """How the compiled stage's output differs from the eager one's on the same h: {elements,
+    differ (values not bit-equal), max_step (the largest difference in representable steps),
+    and for fp8 scale_max_rel (the largest relative difference of a row's scale)}."""
+    if kind == "bf16":
+        g, w = (_ordinal(torch, t.view(torch.int16).int() & 0xFFFF, 0x8000) for t in (got, want))
+        out = {}
+    else:
+        (g8, gs), (w8, ws) = got, want
+        g, w = (_ordinal(torch, t.view(torch.uint8).int(), 0x80) for t in (g8, w8))
+        out = {"scale_max_rel": float(((gs - ws).abs() / ws.abs().clamp(min=TINY)).max()) if gs.numel() else 0.0}
+    step = (g - w).abs()
+    return {"elements": int(step.numel()), "differ": int((step != 0).sum()),
+            "max_step": int(step.max()) if step.numel() else 0, **out}
+
+
+def blockwise_support(torch, device) -> str | None:
+    """None where this torch runs a grouped fp8 GEMM with 1x128 activation and 128x128 weight
+    block scales on `device` (and gets a small problem right), else why not, in one line. Asks
+    the public form (torch.nn.functional.scaled_grouped_mm with ScalingType, torch 2.10+)."""
+    F = torch.nn.functional
+    kinds = getattr(F, "ScalingType", None)
+    if not hasattr(F, "scaled_grouped_mm") or kinds is None or not hasattr(kinds, "Blockwise_1x128"):
+        return f"torch {torch.__version__} has no torch.nn.functional.scaled_grouped_mm with Blockwise_1x128"
+    g, m, n, k = 2, 256, 256, 256  # two experts of 128 rows each
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(m, k, device=device, generator=gen)
+    b = torch.randn(g, n, k, device=device, generator=gen)
+    offs = torch.tensor([m // g * (i + 1) for i in range(g)], dtype=torch.int32, device=device)
+    sa = torch.rand(m, k // 128, device=device, generator=gen) + 0.5
+    sb = torch.rand(g, n // 128, k // 128, device=device, generator=gen) + 0.5
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    try:
+        out = F.scaled_grouped_mm(a8, b8.transpose(-2, -1), sa.t().contiguous().t(), kinds.Blockwise_1x128,
+                                  sb, kinds.Blockwise_128x128, offs=offs, output_dtype=torch.bfloat16)
+    except Exception as exc:  # noqa: BLE001  (whatever torch raises is the answer)
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        return f"torch {torch.__version__}: scaled_grouped_mm with Blockwise_1x128 / Blockwise_128x128 raised {type(exc).__name__}: {first}"
+    af = a8.float() * sa.repeat_interleave(128, 1)
+    want = torch.cat([af[i * 128:(i + 1) * 128] @ (b8[i].float() * sb[i].repeat_interleave(128, 0).repeat_interleave(128, 1)).t()
+                      for i in range(g)])
+    err = float((out.float() - want).norm() / want.norm())
+    return None if err < 2e-2 else f"torch {torch.__version__}: blockwise scaled_grouped_mm ran but is {err:.1e} off float32"
+
+
 def _weights(torch, host, kind: str, device) -> dict:
     """The peer's weights from the lab's NVFP4 ones: w13 (E, 2I, H), w2 (E, H, I) in `kind`
     (bf16, or fp8 with per-row scales), built DEQUANT_CHUNK experts at a time."""
@@ -97,18 +209,30 @@ def _weights(torch, host, kind: str, device) -> dict:
 
 class TorchGrouped:
     """A peer on the runner contract: name, expect, stages, prepare(runner, layer), run(runner,
-    layer), plus result(layer) -> the fp32 output on the host (for the approx check)."""
+    layer), plus result(layer) -> the fp32 output on the host (for the approx check), `tensor`
+    (the tensor ceiling its GEMMs are compared with), `label` (the name a table shows) and, after
+    prepare, `stand_in` and `vs_eager` (module docstring)."""
 
     expect = "approx"
     stages = ("w13", "act", "w2")
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, activation: str = "compiled"):
         if kind not in ("bf16", "fp8"):
             raise ValueError(f"kind: expected 'bf16' or 'fp8', got {kind!r}")
-        self.kind = kind
-        self.name = NAME_BF16 if kind == "bf16" else NAME_FP8
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation: expected one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+        self.kind, self.activation = kind, activation
+        self.name = (NAME_BF16 if kind == "bf16" else NAME_FP8) + (EAGER if activation == "eager" else "")
+        self.tensor = "fp8" if kind == "fp8" else "fp16"  # bf16 runs at the fp16 rate
         self.torch = None
         self.out = None
+        self.stand_in: str | None = None
+        self.vs_eager: dict | None = None
+
+    @property
+    def label(self) -> str:
+        """The name a table shows: where the eager stage stands in for the compiled one, it says so."""
+        return f"{self.name} (eager stand-in)" if self.stand_in else self.name
 
     def prepare(self, runner, layer) -> None:
         torch = self.torch = _torch()
@@ -134,6 +258,16 @@ class TorchGrouped:
                 self.x, self.x_scale = rowwise_fp8(torch, xr)
                 self.w13_scale, self.w2_scale = w["w13_scale"], w["w2_scale"]
         self.intermediate = layer.problem.intermediate
+        self._act = lambda h: eager_stage(torch, self.kind, h)
+        if self.activation == "compiled":
+            with torch.cuda.stream(self.stream):
+                h = self._gemm(self.x, getattr(self, "x_scale", None), self.w13_t, getattr(self, "w13_scale", None))
+                # suppress_errors off: a compiler failure raises here and the eager stand-in is named,
+                # rather than dynamo running the stage eagerly under the compiled name
+                with torch._dynamo.config.patch(suppress_errors=False):
+                    self._act, self.stand_in, self.vs_eager = pick_stage(
+                        lambda: compiled_stage(torch, self.kind), self._act, h,
+                        lambda got, want: compare_stages(torch, self.kind, got, want))
         self.run(runner, layer)  # the first call picks torch's kernels; not timed
         runner.synchronize()
 
@@ -145,15 +279,14 @@ class TorchGrouped:
                                         use_fast_accum=True)
 
     def run(self, runner, layer) -> None:
-        torch, I = self.torch, self.intermediate
+        torch = self.torch
         with torch.cuda.stream(self.stream):
             with runner.stage("w13"):
                 h = self._gemm(self.x, getattr(self, "x_scale", None), self.w13_t, getattr(self, "w13_scale", None))
             with runner.stage("act"):
-                a = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
-                a_scale = None
+                a, a_scale = self._act(h), None
                 if self.kind == "fp8":
-                    a, a_scale = rowwise_fp8(torch, a)
+                    a, a_scale = a
             with runner.stage("w2"):
                 self.out = self._gemm(a, a_scale, self.w2_t, getattr(self, "w2_scale", None))
 

@@ -1,10 +1,13 @@
-"""Render docs/findings-h200.md from the runs under results/.
+"""Render docs/findings.md, and README's token-axis block, from the runs under results/.
 
     python scripts/report.py                       # the runs PAGE_RUNS in lab/report.py lists
     python scripts/report.py --layer a.json b.json --gemm g.json --out /tmp/findings.md
     python scripts/report.py --tile-sweep tile_sweep_full.json --out /tmp/findings.md
+    python scripts/report.py --token-axis h200.json h100.json --readme /tmp/README.md
 
-With no arguments it rewrites the committed page as committed. The studies (--read-roofline,
+With no arguments it rewrites the committed page and README's generated block as committed.
+README's block (between the markers lab/report_token_axis.py names) takes the first token-axis
+run's table and every run's crossover; `--readme none` leaves README alone. The studies (--read-roofline,
 --chunk-study, --tile-sweep) are optional: a file that is not there is reported on the page as
 not measured, with the script that measures it. A file that is there but cannot be read is an
 error (exit 2), as is a missing --layer or --gemm file. The charts are drawn beside the page when
@@ -22,7 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lab.report import FILE_KEY, PAGE, PAGE_RUNS, STUDIES, charts_of, have_matplotlib, render  # noqa: E402
+from lab.report import PAGE, PAGE_RUNS, STUDIES, charts_of, render  # noqa: E402
+from lab.report_common import FILE_KEY, have_matplotlib  # noqa: E402
+from lab.report_token_axis import readme_block, splice_readme  # noqa: E402
 
 
 def _shown(p: str) -> str:
@@ -40,6 +45,11 @@ def main(argv=None) -> int:
     for study, script in STUDIES.items():
         ap.add_argument(f"--{study.replace('_', '-')}", dest=study, default=str(ROOT / PAGE_RUNS[study]),
                         help=f"{script} JSON (optional)")
+    ap.add_argument("--token-axis", nargs="*", default=[str(ROOT / p) for p in PAGE_RUNS["token_axis"]],
+                    help="token_axis.py JSON files, one per board, the README's board first; a missing one is "
+                         "reported and left out")
+    ap.add_argument("--readme", default=str(ROOT / "README.md"),
+                    help="README whose generated token-axis block is rewritten ('none': leave it)")
     ap.add_argument("--models", nargs="*", default=[str(ROOT / p) for p in PAGE_RUNS["models"]],
                     help="run_layer.py --model JSON files, one per preset (the per-model table)")
     ap.add_argument("--out", default=str(ROOT / PAGE), help="the page to write (charts go beside it)")
@@ -71,9 +81,28 @@ def main(argv=None) -> int:
         studies[study] = load(f"--{study.replace('_', '-')}", p)
         if studies[study] is None:
             return 2
+    boards = []
+    for p in map(Path, args.token_axis):
+        if not p.exists():
+            print(f"report: {_shown(str(p))} not found: the page leaves that board's token axis out", file=sys.stderr)
+            continue
+        run = load("--token-axis", p)
+        if run is None:
+            return 2
+        boards.append(run)
+    readme = None if args.readme == "none" else Path(args.readme)
+    if readme is not None:
+        try:
+            new_readme = splice_readme(readme.read_text(), readme_block(boards)) if boards else None
+        except (OSError, ValueError) as exc:
+            print(f"report: --readme {args.readme}: {exc}", file=sys.stderr)
+            return 2
     out = Path(args.out)
     charts = not args.no_charts and have_matplotlib()
-    text = render(runs[0], runs[1], out, charts=charts, model_runs=runs[2], **studies)
+    text = render(runs[0], runs[1], out, charts=charts, model_runs=runs[2], token_axis=boards, **studies)
+    if readme is not None and new_readme is not None:
+        readme.write_text(new_readme)
+        print(f"wrote {_shown(str(readme))}'s token-axis block")
     if not args.no_charts and not charts:
         left = " and ".join(_shown(str(out.parent / c)) for c in charts_of(text))
         print(f"report: matplotlib is not installed: left {left} as they are "

@@ -5,16 +5,18 @@ peers a user would pick instead, all measured in one process against both ceilin
     python scripts/token_axis.py --mean-tokens 8 128 512 --no-peers
     python scripts/token_axis.py --model qwen3-30b-a3b --skew 0.4
 
-First the two ceilings: the flat streaming read (GB/s) and dense fp16 x fp16 -> fp32 cuBLAS
-GEMM throughput (TFLOP/s). Then, for each mean tokens per expert: the lab's variants
-(--variants; default separate, cuda-graph, fused-swiglu, fused-layer and the W4A16 ones, w4a16,
-w4a16-fused, w4a16-layer: NVFP4 weights with bf16 activations), each W4A4 one checked bitwise
-against separate, and the peers (torch-bf16, torch-fp8; reported as skipped, with the way to
-get them, when torch is missing). All are timed in interleaved rounds after an idle pause, as
-run_layer times. Each time is compared with the run's roofline, the larger of bytes / read and
-useful flops / tensor peak (the table names which binds), and with the fastest peer; each
-output with a float64 layer on unquantized activations (the error a user pays), on a seeded
-sample of experts. The GEMM rows are separate's and the peers' w13 and w2 stages.
+First the ceilings: the flat streaming read (GB/s) and the dense tensor peaks, fp16 through
+cuBLAS and fp8 through cuBLASLt (TFLOP/s; lab/ceilings.py). Then, for each mean tokens per
+expert: the lab's variants (--variants; default separate, cuda-graph, fused-swiglu,
+fused-layer, fused-out and the W4A16 ones, w4a16, w4a16-fused, w4a16-layer: NVFP4 weights with
+bf16 activations), each W4A4 one checked bitwise against separate, and the peers (torch-bf16 and
+torch-fp8 with their activation stage compiled, and their eager forms; reported as skipped,
+with the way to get them, when torch is missing). All are timed in interleaved rounds after an
+idle pause, as run_layer times. Each time is compared with its roofline, the larger of bytes /
+read and useful flops / the tensor ceiling its arithmetic can use (fp16 for the lab's exact
+NVFP4 path and for bf16, fp8 for fp8 peers; the table names which binds), and with the fastest
+peer; each output with a float64 layer on unquantized activations (the error a user pays), on a
+seeded sample of experts. The GEMM rows are separate's and the peers' w13 and w2 stages.
 """
 
 from __future__ import annotations
@@ -78,6 +80,20 @@ def rates(ms: float | None, nbytes: int, flops: int, roof: dict) -> dict:
             "roof_pct": 100.0 * roof["ms"] / ms}
 
 
+def rooflines(nbytes: int, flops: int, ceilings: dict) -> dict:
+    """{tensor kind: binding roofline} for each tensor ceiling the run measured (lab/ceilings.py
+    TENSOR_KINDS); a kind whose ceiling is missing has none, and rows on it get no roof%."""
+    from lab.ceilings import TENSOR_KINDS, tensor_ceiling
+
+    read = ceilings["read"]["gbps"]
+    out = {}
+    for kind in TENSOR_KINDS:
+        peak = tensor_ceiling(ceilings, kind)
+        if peak:
+            out[kind] = {**roofline.binding(nbytes, flops, read, peak), "tensor": kind}
+    return out
+
+
 def measure_mean(args, problem, dweights, mean: float, ceilings: dict, seed: int) -> dict:
     """Everything measured at one mean: routing, roofline, each implementation's check and time."""
     from lab.layer import load_layer
@@ -89,11 +105,11 @@ def measure_mean(args, problem, dweights, mean: float, ceilings: dict, seed: int
     x = random_activations(routing.tokens, problem.hidden, seed=seed)
     lb = roofline.layer_bytes(problem, counts, active=True)
     fl = roofline.layer_flops(problem, counts)
-    read, tensor = ceilings["read"]["gbps"], ceilings["tensor"]["tflops"]
-    roof = roofline.binding(lb.total, fl["layer"], read, tensor)
+    roofs = rooflines(lb.total, fl["layer"], ceilings)
+    roof = roofs["fp16"]  # the lab's exact NVFP4 path decodes to fp16: the point's own roofline
     point = {"mean": mean, "tokens": routing.tokens, "rows": routing.rows, "max_count": int(counts.max()),
              "empty_experts": int((counts == 0).sum()), "bytes": lb.total, "flops": fl["layer"], "roofline": roof,
-             "impls": {}, "gemm": {}}
+             "rooflines": roofs, "impls": {}, "gemm": {}}
     log(TAG, f"mean {mean:g}: {routing.tokens} tokens, {routing.rows} rows, max {counts.max()} on one expert; "
              f"roofline {roof['ms']:.3f} ms ({roof['binds']} binds)")
 
@@ -109,7 +125,7 @@ def measure_mean(args, problem, dweights, mean: float, ceilings: dict, seed: int
         is_peer = name in peer_names
         v = peers.make(name) if is_peer else make_variant(name)
         entry = point["impls"][name] = {"expect": v.expect, "peer": is_peer, "check": None, "skipped": None,
-                                        "error": None, "e2e_rel": None}
+                                        "error": None, "e2e_rel": None, "tensor": getattr(v, "tensor", "fp16")}
         try:
             runner.prepare(v, layer)
         except NotImplementedError as exc:
@@ -120,6 +136,10 @@ def measure_mean(args, problem, dweights, mean: float, ceilings: dict, seed: int
             entry["error"] = f"prepare: {type(exc).__name__}: {exc}"
             log(TAG, f"  {name}: {entry['error']}")
             continue
+        if is_peer:
+            entry.update(label=v.label, stand_in=v.stand_in, vs_eager=v.vs_eager)
+            if v.stand_in:
+                log(TAG, f"  {name}: {v.stand_in}")
         try:
             if is_peer:
                 runner.run(v, layer)
@@ -159,7 +179,10 @@ def measure_mean(args, problem, dweights, mean: float, ceilings: dict, seed: int
         t = Timing.of(np.concatenate(samples[name]))
         entry = point["impls"][name]
         entry["timing"] = t.as_dict()
-        entry.update(rates(t.median_ms, lb.total, fl["layer"], roof))
+        own = roofs.get(entry["tensor"])  # None where that tensor ceiling could not be measured
+        entry.update(rates(t.median_ms, lb.total, fl["layer"], own) if own else
+                     {**rates(t.median_ms, lb.total, fl["layer"], roof), "roof_pct": None})
+        entry["binds"] = own and f"{own['binds']}" + ("" if own["binds"] == "read" else f" {own['tensor']}")
         if name == "separate" or point["impls"][name]["peer"]:
             runner.synchronize()
             time.sleep(args.settle_ms / 1000)
@@ -167,9 +190,14 @@ def measure_mean(args, problem, dweights, mean: float, ceilings: dict, seed: int
             for gemm in ("w13", "w2"):
                 if gemm in st:
                     nb = getattr(lb, gemm).total
-                    g_roof = roofline.binding(nb, fl[gemm], read, tensor)
-                    point["gemm"].setdefault(gemm, {"roofline": g_roof, "bytes": nb, "flops": fl[gemm]})[name] = \
-                        rates(st[gemm].median_ms, nb, fl[gemm], g_roof)
+                    g_roofs = rooflines(nb, fl[gemm], ceilings)
+                    g_own = g_roofs.get(entry["tensor"])
+                    row = rates(st[gemm].median_ms, nb, fl[gemm], g_own or g_roofs["fp16"])
+                    row["tensor"] = entry["tensor"]
+                    if g_own is None:
+                        row["roof_pct"] = None
+                    point["gemm"].setdefault(gemm, {"roofline": g_roofs["fp16"], "rooflines": g_roofs, "bytes": nb,
+                                                    "flops": fl[gemm]})[name] = row
 
     valid = {n: e for n, e in point["impls"].items()
              if not e["peer"] and e.get("ms") is not None and e["check"] and e["check"]["ok"] and e["expect"] in VALID}
@@ -180,6 +208,20 @@ def measure_mean(args, problem, dweights, mean: float, ceilings: dict, seed: int
         e["x_fastest_peer"] = (peer_ms[point["fastest_peer"]] / e["ms"]
                                if point["fastest_peer"] and e.get("ms") else None)
     return point
+
+
+def peer_support() -> dict:
+    """What this torch offers the peers: its version, and whether a blockwise fp8 grouped GEMM
+    runs here (peers/torch_grouped.py blockwise_support); {} without torch."""
+    if not peers.available():
+        return {}
+    import torch
+
+    from peers.torch_grouped import blockwise_support
+
+    block = blockwise_support(torch, torch.device("cuda")) if torch.cuda.is_available() else "no CUDA device"
+    log(TAG, f"torch {torch.__version__}; blockwise fp8 grouped GEMM: {block or 'runs'}")
+    return {"torch": torch.__version__, "blockwise_fp8": block or "runs"}
 
 
 def print_point(point: dict) -> None:
@@ -193,10 +235,11 @@ def print_point(point: dict) -> None:
             rows.append([name + best, "-", "-", "-", "-", "-", e["skipped"] or e["error"]])
             continue
         check = e["check"]["detail"] if e["check"] else "peer"
-        rows.append([name + best, f"{e['ms']:.3f}", f"{e['gbps']:.0f}", f"{e['tflops']:.0f}", f"{e['roof_pct']:.1f}",
+        pct = "-" if e["roof_pct"] is None else f"{e['roof_pct']:.1f} ({e.get('binds')})"
+        rows.append([e.get("label", name) + best, f"{e['ms']:.3f}", f"{e['gbps']:.0f}", f"{e['tflops']:.0f}", pct,
                      "-" if e["x_fastest_peer"] is None else f"{e['x_fastest_peer']:.2f}",
                      f"{check}; e2e {checks.format_rel(e['e2e_rel'])}"])
-    print(tabulate(rows, headers=["implementation", "ms", "GB/s", "TFLOP/s", f"roof% ({roof['binds']})",
+    print(tabulate(rows, headers=["implementation", "ms", "GB/s", "TFLOP/s", "roof% (binds)",
                                   "x fastest peer", "check"]))
 
 
@@ -221,7 +264,10 @@ def main(argv=None) -> int:
     dweights = upload_weights(weights)
     log(TAG, "ceilings: flat streaming read, dense fp16 cuBLAS GEMM")
     ceilings = measure_ceilings(iterations=args.iterations)
-    log(TAG, f"read {ceilings['read']['gbps']:.0f} GB/s, tensor {ceilings['tensor']['tflops']:.0f} TFLOP/s")
+    fp8 = ceilings["tensor_fp8"]
+    log(TAG, f"read {ceilings['read']['gbps']:.0f} GB/s, tensor fp16 {ceilings['tensor']['tflops']:.0f} TFLOP/s, "
+             f"fp8 {fp8['error'] if fp8['tflops'] is None else format(fp8['tflops'], '.0f') + ' TFLOP/s'}")
+    peer_info = {} if args.no_peers else peer_support()
     points = []
     for i, mean in enumerate(args.mean_tokens):
         log(TAG, f"[{i + 1}/{len(args.mean_tokens)}] mean {mean:g}")
@@ -229,7 +275,7 @@ def main(argv=None) -> int:
         print_point(points[-1])
         cp.get_default_memory_pool().free_all_blocks()
     write_json(args.json, "scripts/token_axis.py", setup=setup, problem=problem.__dict__, skew=args.skew,
-               ceilings=ceilings, points=points)
+               ceilings=ceilings, peers=peer_info, points=points)
     return 0
 
 

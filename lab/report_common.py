@@ -1,0 +1,52 @@
+"""What every section of the findings page shares: the thresholds verdicts turn on, the number
+formats, where a run came from and which board ran it, and matplotlib where it is installed."""
+
+from __future__ import annotations
+
+import re
+
+VALID = ("baseline", "match")
+# A time difference under this is called no difference: medians of the same variant moved
+# 0.7-1.5% between two runs on the H200 (separate and cuda-graph; notes/layer.md).
+NOISE_PCT = 1.0
+# The key scripts/report.py gives each run it loads: the file the page cites for it.
+FILE_KEY = "_file"
+# Charts: drawn at DPI, no wider than CHART_MAX_PX (the page shows them at 880 px).
+CHART_MAX_PX = 1600
+DPI = 110
+
+
+def fmt(v, nd=3):
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def source(run: dict) -> str:
+    """'results/x.json, `script args` at <lab commit>': the file the page read, the command that
+    wrote it and the kernels it ran (the command's --json is where the file was written first)."""
+    cmd = "`" + " ".join([run.get("script", "?"), *map(str, run.get("argv", []))]) + "`"
+    commit = run.get("setup", {}).get("lab_commit")
+    cmd += f" at {commit}" if commit else ""
+    return f"{run[FILE_KEY]}, {cmd}" if run.get(FILE_KEY) else cmd
+
+
+def board(run: dict) -> str:
+    """The GPU a run measured, as its model name ('H200', 'H100'), from the setup the scripts
+    record; the whole device name where it holds no model number, '?' where none was recorded."""
+    gpu = (run.get("setup") or {}).get("gpu") or ""
+    m = re.search(r"\b([A-Z]{1,2}\d{2,3}[A-Z]?)\b", gpu)
+    return m.group(1) if m else (gpu or "?")
+
+
+def have_matplotlib() -> bool:
+    return pyplot() is not None
+
+
+def pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
