@@ -157,3 +157,40 @@ def tensor_ceiling(ceilings: dict, kind: str) -> float | None:
     if kind not in TENSOR_KINDS:
         raise ValueError(f"kind: expected one of {', '.join(TENSOR_KINDS)}, got {kind!r}")
     return (ceilings.get(TENSOR_KINDS[kind]) or {}).get("tflops")
+
+
+def validate(ceilings: dict) -> None:
+    """ValueError naming the first key that breaks the schema measure_ceilings writes: read
+    {gbps > 0, ...}, tensor {tflops > 0, shapes [{m, n, k, ms, tflops}]}, and, in runs that
+    measured it, tensor_fp8 the same, or {tflops: None, error: why}. A reader that compares a
+    figure with a ceiling calls this first, so that a ceiling of 0 or a missing one is an error
+    rather than an infinite or empty ratio."""
+    def positive(where: str, v) -> None:
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or v != v:
+            raise ValueError(f"ceilings: {where} must be a positive number, got {v!r}")
+
+    if not isinstance(ceilings, dict):
+        raise ValueError(f"ceilings: expected a dict, got {type(ceilings).__name__}")
+    for key in ("read", "tensor"):
+        if not isinstance(ceilings.get(key), dict):
+            raise ValueError(f"ceilings: '{key}' is missing or not a dict")
+    positive("read.gbps", ceilings["read"].get("gbps"))
+    for key in TENSOR_KINDS.values():
+        c = ceilings.get(key)
+        if c is None and key != "tensor":
+            continue  # a run before the fp8 ceiling existed
+        if not isinstance(c, dict):
+            raise ValueError(f"ceilings: '{key}' is not a dict")
+        if c.get("tflops") is None and key != "tensor":
+            if not isinstance(c.get("error"), str) or not c["error"]:
+                raise ValueError(f"ceilings: {key}.tflops is None without an 'error' saying why")
+            continue
+        positive(f"{key}.tflops", c.get("tflops"))
+        shapes = c.get("shapes")
+        if not isinstance(shapes, list) or not shapes:
+            raise ValueError(f"ceilings: {key}.shapes must be a non-empty list of the GEMMs timed")
+        for i, s in enumerate(shapes):
+            for f in ("m", "n", "k", "ms", "tflops"):
+                positive(f"{key}.shapes[{i}].{f}", s.get(f) if isinstance(s, dict) else None)
+        if abs(max(s["tflops"] for s in shapes) - c["tflops"]) > 1e-9 * c["tflops"]:
+            raise ValueError(f"ceilings: {key}.tflops is not the best of its shapes")

@@ -4,7 +4,8 @@ number read from the files (nothing typed in). `scripts/report.py` is the comman
     inputs  the runs PAGE_RUNS lists: run_layer JSON (layer table, stages, setup), bench_gemm
             JSON (GEMM rows), read_roofline.json, chunk_study.json, tile_sweep.json (each study
             optional: when one is missing the page names the script that writes it)
-    output  docs/findings-h200.md, and beside it layer-h200.png and tile-sweep-h200.png, drawn
+    output  docs/findings.md, and beside it layer-h200.png, tile-sweep-h200.png and one
+            token-axis-<board>.png per board, drawn
             when matplotlib is installed (the `plot` extra); the page's text does not depend on it
 
 The only constants are the thresholds a verdict turns on, each with its reason below, and the
@@ -48,7 +49,7 @@ PAGE_RUNS = {
     "chunk_study": "results/chunk_study.json",
     "tile_sweep": "results/tile_sweep.json",
     # one full token axis per board, the board the lab is built for first (it gives README's table)
-    "token_axis": ("results/h200/token_axis.json", "results/h100/token_axis.json"),
+    "token_axis": ("results/h200/token_axis.json",),
 }
 
 def _us(ms: float) -> str:

@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from lab.ceilings import validate as validate_ceilings  # noqa: E402
 from lab.report import PAGE, PAGE_RUNS, STUDIES, charts_of, render  # noqa: E402
 from lab.report_common import FILE_KEY, have_matplotlib  # noqa: E402
 from lab.report_token_axis import readme_block, splice_readme  # noqa: E402
@@ -88,6 +89,11 @@ def main(argv=None) -> int:
             continue
         run = load("--token-axis", p)
         if run is None:
+            return 2
+        try:
+            validate_ceilings(run.get("ceilings"))
+        except ValueError as exc:
+            print(f"report: --token-axis {_shown(str(p))}: {exc}", file=sys.stderr)
             return 2
         boards.append(run)
     readme = None if args.readme == "none" else Path(args.readme)

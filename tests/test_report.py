@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from lab import report
+from lab.report_token_axis import token_png
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -49,7 +50,7 @@ def test_held_gemm_figures_get_their_columns_and_verdict(tmp_path):
     held = {"rows": [dict(GEMM["rows"][0], sustained_ms=0.9, sustained_roof_pct=68.0),
                      dict(GEMM["rows"][0], gemm="w2", roof_pct=80.0, sustained_ms=0.85, sustained_roof_pct=75.0)]}
     text = render(tmp_path, gemm=[GEMM, held])
-    assert "## Grouped GEMM, run 1" in text and "## Grouped GEMM, run 2" in text
+    assert "## Grouped GEMM on the ?, run 1" in text and "## Grouped GEMM on the ?, run 2" in text
     assert text.count("held % roofline") == 1  # only the run that has held figures
     # w13 76.5 -> 68.0 (8.5 points), w2 80.0 -> 75.0 (5.0)
     assert "read 5.0-8.5 points less of the roofline (most: w13 at mean 8, 76.5% -> 68.0%)" in text
@@ -383,7 +384,8 @@ def test_default_runs_reproduce_the_committed_page(tmp_path):
 
 def test_committed_charts_fit_the_page():
     charts = report.charts_of(PAGE.read_text())
-    assert charts == [report.TOKEN_PNG, report.LAYER_PNG, report.TILE_PNG]
+    boards = [json.loads((ROOT / p).read_text()) for p in report.PAGE_RUNS["token_axis"]]
+    assert charts == [token_png(b) for b in boards] + [report.LAYER_PNG, report.TILE_PNG]
     for c in charts:
         w, h = png_size(PAGE.parent / c)
         assert 600 <= w <= report.CHART_MAX_PX and h <= report.CHART_MAX_PX, (c, w, h)
@@ -393,20 +395,22 @@ def test_page_runs_are_the_files_under_results():
     listed = [p for v in report.PAGE_RUNS.values() for p in ([v] if isinstance(v, str) else v)]
     assert all((ROOT / p).is_file() for p in listed), listed
     for p in listed:
-        assert f"({p}, " in PAGE.read_text() or f"From {p}, " in PAGE.read_text(), p
+        assert f"({p}, " in PAGE.read_text() or re.search(rf"\b[Ff]rom {re.escape(p)}, ", PAGE.read_text()), p
 
 
 # What scripts/check_gpu.sh writes under results/: run output, not committed (.gitignore).
 WRITTEN_NOT_KEPT = {"results/pytest_gpu.log", "results/sanitizer.txt"}
-CITED_FROM = ["README.md", "docs/findings-h200.md", *sorted(p.relative_to(ROOT).as_posix()
+CITED_FROM = ["README.md", report.PAGE, *sorted(p.relative_to(ROOT).as_posix()
                                                            for p in (ROOT / "scripts").rglob("*") if p.is_file())]
 
 
 def test_results_hold_the_cited_runs_only():
     """results/ keeps the current run of each script, as JSON, each cited by the README, the
     findings page or a script; older runs are cited from git history."""
-    files = sorted(p.name for p in (ROOT / "results").iterdir())
-    assert len(files) <= 20, files
+    files = sorted(p.relative_to(ROOT / "results").as_posix() for p in (ROOT / "results").rglob("*") if p.is_file())
+    folders = sorted(p.name for p in (ROOT / "results").iterdir() if p.is_dir())
+    assert all(re.fullmatch(r"[a-z]+\d+", f) for f in folders), folders  # board folders only: h200, h100
+    assert len(files) <= 21, files
     assert all(f.endswith(".json") for f in files), files
     text = "\n".join((ROOT / p).read_text() for p in CITED_FROM)
     row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `results/` |"))
@@ -418,7 +422,7 @@ def test_notes_and_readme_cite_paths_that_exist():
     with its commit (`git show <commit>:<path>`)."""
     pat = re.compile(r"(?<![\w/:.-])((?:results|notes|scripts/probes|docs)/[\w./-]*\w)")
     missing = []
-    for doc in ["README.md", "docs/findings-h200.md", "notes/gemm.md", "notes/layer.md"]:
+    for doc in ["README.md", report.PAGE, "notes/gemm.md", "notes/layer.md"]:
         text = re.sub(r"git show [0-9a-f]{7,40}:\S+", "", (ROOT / doc).read_text())
         for path in dict.fromkeys(pat.findall(text)):
             if path not in WRITTEN_NOT_KEPT and not (ROOT / path).exists():

@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import peers
-from lab import nvfp4, reference, report, roofline
+from lab import nvfp4, reference, report_token_axis, roofline
+from lab.report_common import CHART_MAX_PX, FILE_KEY, pyplot
 from lab.problem import MoEProblem, make_routing, random_activations, random_weights
 
 FIXTURE = Path(__file__).parent / "fixtures" / "token_axis.json"
@@ -115,16 +116,16 @@ def test_without_torch_a_peer_says_how_to_get_it():
 
 def _fixture() -> dict:
     ta = json.loads(FIXTURE.read_text())
-    ta[report.FILE_KEY] = "tests/fixtures/token_axis.json"
+    ta[FILE_KEY] = "tests/fixtures/token_axis.json"
     return ta
 
 
 def test_section_lists_every_mean_and_the_verdicts_follow_the_numbers():
     ta = _fixture()
-    text = "\n".join(report.token_axis_section(ta))
+    text = "\n".join(report_token_axis.token_axis_section(ta))
     for p in ta["points"]:
         assert f"| {p['mean']:g} " in text
-    v = report.token_axis_verdicts(ta)
+    v = report_token_axis.token_axis_verdicts(ta)
     assert v[0].startswith("Against torch-bf16, the lab's best valid variant is faster at every mean from 8 to 600")
     # make the lab lose at the largest mean: the verdict must say where, by how much and what binds
     slow = copy.deepcopy(ta)
@@ -132,9 +133,9 @@ def test_section_lists_every_mean_and_the_verdicts_follow_the_numbers():
     best = last["impls"][last["best_lab"]]
     best["ms"] = 3 * last["impls"]["torch-bf16"]["ms"]
     best["x_fastest_peer"] = last["impls"]["torch-bf16"]["ms"] / best["ms"]
-    v = report.token_axis_verdicts(slow)
+    v = report_token_axis.token_axis_verdicts(slow)
     assert any("from 8 to 64 tokens per expert" in s and f"slower at {last['mean']:g} (3.00x" in s for s in v), v
-    assert any(s.startswith(f"At {last['mean']:g} tokens per expert the binding ceiling is the read one") for s in v)
+    assert any(s.startswith(f"At {last['mean']:g} tokens per expert the lab's binding ceiling is the read one") for s in v), v
 
 
 def _with_w4a16(ta: dict, ratios: dict[float, float], err: float = 3e-3) -> dict:
@@ -152,21 +153,21 @@ def test_w4a16_verdict_says_where_each_form_wins_and_by_how_much():
     base = _fixture()
     means = [p["mean"] for p in base["points"]]
     ta = _with_w4a16(base, dict(zip(means, (0.995, 1.10, 0.80))))
-    v = report.w4a16_verdicts(ta)
+    v = report_token_axis.w4a16_verdicts(ta)
     assert v[0].endswith("level (within 1%) at 8 (0.99x); slower at 64 (1.10x); faster at 600 (0.80x)."), v[0]
     assert "W4A16's is" in v[2] and "smaller" in v[2]
     assert any(s.startswith("Where W4A16 is level with W4A4 or faster (8, 600 tokens") for s in v), v
     assert any(s.startswith("Where W4A4 is faster (64), W4A16 costs 10% more time") for s in v), v
     # the table shows the fastest W4A16 variant, not the first
-    table = report.token_axis_table(ta["points"])
+    table = report_token_axis.token_axis_table(ta["points"])
     assert "best W4A16 ms (error)" in table and f"{ta['points'][0]['impls']['w4a16-layer']['ms']:.3f} (3.0e-03)" in table
     # a W4A16 that errs more than W4A4 is never called the better choice
-    worse = report.w4a16_verdicts(_with_w4a16(base, dict(zip(means, (1.0, 1.0, 1.0))), err=0.5))
+    worse = report_token_axis.w4a16_verdicts(_with_w4a16(base, dict(zip(means, (1.0, 1.0, 1.0))), err=0.5))
     assert not any(s.startswith("Where W4A16") for s in worse), worse
     # and without W4A16 entries the section says nothing about it
-    assert report.w4a16_verdicts(base) == []
-    assert "W4A4 or W4A16" not in "\n".join(report.token_axis_section(base))
-    assert "W4A4 or W4A16" in "\n".join(report.token_axis_section(ta))
+    assert report_token_axis.w4a16_verdicts(base) == []
+    assert "W4A4 or W4A16" not in "\n".join(report_token_axis.token_axis_section(base))
+    assert "W4A4 or W4A16" in "\n".join(report_token_axis.token_axis_section(ta))
 
 
 def test_without_peers_the_verdict_says_why():
@@ -174,18 +175,18 @@ def test_without_peers_the_verdict_says_why():
     for p in ta["points"]:
         for n in ("torch-bf16", "torch-fp8"):
             p["impls"][n] = {"peer": True, "expect": "approx", "skipped": peers.torch_grouped.INSTALL_HINT}
-    assert report.token_axis_verdicts(ta) == [f"No peer was measured: {peers.torch_grouped.INSTALL_HINT}."]
+    assert report_token_axis.token_axis_verdicts(ta) == [f"No peer was measured: {peers.torch_grouped.INSTALL_HINT}."]
 
 
 def test_chart_is_drawn_at_page_width(tmp_path):
     pytest.importorskip("matplotlib")
-    plt = report._pyplot()
-    path = tmp_path / report.TOKEN_PNG
-    report._token_chart(plt, _fixture(), path)
+    plt = pyplot()
+    path = tmp_path / report_token_axis.token_png(_fixture())
+    report_token_axis._token_chart(plt, _fixture(), path)
     head = path.read_bytes()[:24]
     assert head[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", head[16:24])
-    assert 800 <= width <= report.CHART_MAX_PX and height < width
+    assert 800 <= width <= CHART_MAX_PX and height < width
 
 
 # ------------------------------------------------------------------------ GPU: the peers' numbers
@@ -288,3 +289,43 @@ def test_the_compiled_activation_stage_agrees_with_the_eager_one(name):
     assert d["differ"] <= VS_EAGER_MAX_SHARE[name] * d["elements"], f"seed {seed}: {d}"
     if name == "torch-fp8":
         assert d["scale_max_rel"] <= SCALE_MAX_REL, f"seed {seed}: {d}"
+
+
+# ------------------------------------------------------------------------ the compiled stage's choice (CPU)
+
+
+def test_every_peer_without_torch_says_how_to_get_it():
+    if peers.available():
+        pytest.skip("torch is installed: the absence path cannot be seen")
+    for name in peers.NAMES:
+        v = peers.make(name)
+        assert v.label == name and v.stand_in is None
+        with pytest.raises(NotImplementedError, match=r"torch is not installed: pip install -e '\.\[peers\]'"):
+            v.prepare(None, None)
+
+
+def test_a_compile_failure_falls_back_to_the_eager_stage_and_says_so():
+    from peers import torch_grouped
+
+    def broken():
+        raise RuntimeError("inductor: no working C compiler\nlong trace")
+
+    eager = lambda h: h * 2  # noqa: E731
+    stage, stand_in, vs = torch_grouped.pick_stage(broken, eager, 3, lambda got, want: {"differ": 0})
+    assert stage is eager and vs is None
+    assert stand_in == ("torch.compile failed (RuntimeError: inductor: no working C compiler); "
+                        "the eager stage stands in")
+    v = torch_grouped.TorchGrouped("fp8")
+    v.stand_in = stand_in
+    assert v.name == "torch-fp8" and v.label == "torch-fp8 (eager stand-in)"
+    # a compiled stage that runs is kept, with its comparison against the eager one
+    compiled = lambda h: h * 2  # noqa: E731
+    stage, stand_in, vs = torch_grouped.pick_stage(lambda: compiled, eager, 3, lambda got, want: {"same": got == want})
+    assert stage is compiled and stand_in is None and vs == {"same": True}
+
+
+def test_peers_declare_the_tensor_ceiling_they_are_compared_with():
+    assert {n: peers.make(n).tensor for n in peers.NAMES} == {
+        "torch-bf16": "fp16", "torch-fp8": "fp8", "torch-bf16-eager": "fp16", "torch-fp8-eager": "fp8"}
+    with pytest.raises(ValueError, match="activation: expected one of compiled, eager, got 'jit'"):
+        peers.torch_grouped.TorchGrouped("fp8", "jit")

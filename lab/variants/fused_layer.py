@@ -77,7 +77,7 @@ class FusedLayer:
     epilogue. Else each class is one fused layer. Under uniform routing past HOT_TOKENS on the
     largest expert every expert takes those stages the same way (the layer mode decodes the
     weights once per 64 tokens: 50-85% slower than separate from 64 tokens per expert up,
-    results/token_axis.json), so fused-layer is fused-out there.
+    results/h200/token_axis.json), so fused-layer is fused-out there.
     `large` says how the large experts run: "staged" (above), "swiglu" (fused-layer-swiglu, the
     form of ea736dd-d1bc039: w13 with the SwiGLU epilogue, in the consumers' registers on the
     160-token tile; the register SwiGLU costs ~45% of w13 at 128 tokens per expert, notes/gemm.md
