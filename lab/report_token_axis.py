@@ -223,7 +223,10 @@ def ceilings_line(ta: dict) -> str:
 
 def token_axis_section(ta: dict) -> list[str]:
     points = sorted(ta["points"], key=lambda p: p["mean"])
-    return [f"From {_source(ta)}; {ceilings_line(ta)}, all in this run. Each row's roofline is the larger of "
+    cut = "" if ta.get("complete", True) else (" The run was cut short after " + str(len(points)) + " means (" +
+                                                 ", ".join(format(p["mean"], "g") for p in points) +
+                                                 "); the rest were not measured.")
+    return [f"From {_source(ta)}; {ceilings_line(ta)}, all in this run.{cut} Each row's roofline is the larger of "
             f"its bytes over the read and its useful flops over the tensor peak its arithmetic can use: fp16 for "
             f"the lab's exact NVFP4 path (its decoded operands are fp16) and for bf16, fp8 for fp8 peers; roof% "
             f"is against that one, and the table names which binds. x fastest peer = the fastest peer's ms / the "

@@ -274,8 +274,9 @@ def main(argv=None) -> int:
         points.append(measure_mean(args, problem, dweights, mean, ceilings, seed=args.seed + i))
         print_point(points[-1])
         cp.get_default_memory_pool().free_all_blocks()
-    write_json(args.json, "scripts/token_axis.py", setup=setup, problem=problem.__dict__, skew=args.skew,
-               ceilings=ceilings, peers=peer_info, points=points)
+        # rewritten after every mean, "complete" false until the last: a run cut short keeps its means
+        write_json(args.json, "scripts/token_axis.py", setup=setup, problem=problem.__dict__, skew=args.skew,
+                   ceilings=ceilings, peers=peer_info, points=points, complete=i + 1 == len(args.mean_tokens))
     return 0
 
 
