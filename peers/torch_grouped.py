@@ -40,6 +40,9 @@ add a pass over the output that the peer does not need.
 
 from __future__ import annotations
 
+import functools
+import sys
+
 import numpy as np
 
 from lab import nvfp4
@@ -87,6 +90,15 @@ def rowwise_fp8(torch, a):
     amax = a.abs().amax(dim=-1).float()
     scale = torch.clamp(amax, min=TINY) / FP8_MAX
     return (a.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
+
+
+def free_cached_memory() -> None:
+    """Hand the memory torch's caching allocator holds back to the device, where torch is loaded:
+    the lab's arrays come from CuPy's pool, which cannot use blocks torch keeps."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def swiglu(torch, h):
@@ -158,8 +170,19 @@ def blockwise_support(torch, device) -> str | None:
     the public form (torch.nn.functional.scaled_grouped_mm with ScalingType, torch 2.10+)."""
     F = torch.nn.functional
     kinds = getattr(F, "ScalingType", None)
-    if not hasattr(F, "scaled_grouped_mm") or kinds is None or not hasattr(kinds, "Blockwise_1x128"):
-        return f"torch {torch.__version__} has no torch.nn.functional.scaled_grouped_mm with Blockwise_1x128"
+    if kinds is None:
+        try:
+            from torch.nn.functional import ScalingType as kinds  # noqa: N813
+        except ImportError:
+            kinds = None
+    names = [] if kinds is None else list(kinds.__members__)
+    act = next((n for n in names if "1x128" in n.lower().replace("_", "")), None)
+    wgt = next((n for n in names if "128x128" in n.lower().replace("_", "")), None)
+    if not hasattr(F, "scaled_grouped_mm") or act is None or wgt is None:
+        return (f"torch {torch.__version__}: torch.nn.functional.scaled_grouped_mm "
+                f"{'is there' if hasattr(F, 'scaled_grouped_mm') else 'is missing'}, its ScalingType has "
+                f"{', '.join(names) or 'no members'}: no 1x128 / 128x128 recipe")
+    act, wgt = getattr(kinds, act), getattr(kinds, wgt)
     g, m, n, k = 2, 256, 256, 256  # two experts of 128 rows each
     gen = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(m, k, device=device, generator=gen)
@@ -169,8 +192,8 @@ def blockwise_support(torch, device) -> str | None:
     sb = torch.rand(g, n // 128, k // 128, device=device, generator=gen) + 0.5
     a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
     try:
-        out = F.scaled_grouped_mm(a8, b8.transpose(-2, -1), sa.t().contiguous().t(), kinds.Blockwise_1x128,
-                                  sb, kinds.Blockwise_128x128, offs=offs, output_dtype=torch.bfloat16)
+        out = F.scaled_grouped_mm(a8, b8.transpose(-2, -1), sa.t().contiguous().t(), act, sb, wgt, offs=offs,
+                                  output_dtype=torch.bfloat16)
     except Exception as exc:  # noqa: BLE001  (whatever torch raises is the answer)
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         return f"torch {torch.__version__}: scaled_grouped_mm with Blockwise_1x128 / Blockwise_128x128 raised {type(exc).__name__}: {first}"
@@ -258,7 +281,9 @@ class TorchGrouped:
                 self.x, self.x_scale = rowwise_fp8(torch, xr)
                 self.w13_scale, self.w2_scale = w["w13_scale"], w["w2_scale"]
         self.intermediate = layer.problem.intermediate
-        self._act = lambda h: eager_stage(torch, self.kind, h)
+        # partials, not lambdas over self: a closure kept on self is a reference cycle, and its
+        # tensors (gigabytes at 1024+ tokens per expert) would outlive the peer until a GC pass
+        self._act = functools.partial(eager_stage, torch, self.kind)
         if self.activation == "compiled":
             with torch.cuda.stream(self.stream):
                 h = self._gemm(self.x, getattr(self, "x_scale", None), self.w13_t, getattr(self, "w13_scale", None))
@@ -266,8 +291,9 @@ class TorchGrouped:
                 # rather than dynamo running the stage eagerly under the compiled name
                 with torch._dynamo.config.patch(suppress_errors=False):
                     self._act, self.stand_in, self.vs_eager = pick_stage(
-                        lambda: compiled_stage(torch, self.kind), self._act, h,
-                        lambda got, want: compare_stages(torch, self.kind, got, want))
+                        functools.partial(compiled_stage, torch, self.kind), self._act, h,
+                        functools.partial(compare_stages, torch, self.kind))
+                del h
         self.run(runner, layer)  # the first call picks torch's kernels; not timed
         runner.synchronize()
 
@@ -289,6 +315,11 @@ class TorchGrouped:
                     a, a_scale = a
             with runner.stage("w2"):
                 self.out = self._gemm(a, a_scale, self.w2_t, getattr(self, "w2_scale", None))
+
+    def release(self) -> None:
+        """Drop the peer's device tensors (its weights stay in the layer's cache)."""
+        for name in ("x", "x_scale", "out", "offs", "w13_t", "w2_t", "w13_scale", "w2_scale", "_act"):
+            self.__dict__.pop(name, None)
 
     def result(self, layer) -> np.ndarray:
         """The last run's output (rows, H) as float32 on the host."""

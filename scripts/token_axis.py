@@ -21,6 +21,7 @@ seeded sample of experts. The GEMM rows are separate's and the peers' w13 and w2
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from pathlib import Path
@@ -199,6 +200,9 @@ def measure_mean(args, problem, dweights, mean: float, ceilings: dict, seed: int
                     point["gemm"].setdefault(gemm, {"roofline": g_roofs["fp16"], "rooflines": g_roofs, "bytes": nb,
                                                     "flops": fl[gemm]})[name] = row
 
+    for v in timed.values():  # the peers' tensors go before the next mean's buffers are drawn
+        if hasattr(v, "release"):
+            v.release()
     valid = {n: e for n, e in point["impls"].items()
              if not e["peer"] and e.get("ms") is not None and e["check"] and e["check"]["ok"] and e["expect"] in VALID}
     peer_ms = {n: e["ms"] for n, e in point["impls"].items() if e["peer"] and e.get("ms") is not None}
@@ -273,6 +277,8 @@ def main(argv=None) -> int:
         log(TAG, f"[{i + 1}/{len(args.mean_tokens)}] mean {mean:g}")
         points.append(measure_mean(args, problem, dweights, mean, ceilings, seed=args.seed + i))
         print_point(points[-1])
+        gc.collect()  # the mean's layer, runner and peers, before the next mean allocates
+        peers.torch_grouped.free_cached_memory()
         cp.get_default_memory_pool().free_all_blocks()
         # rewritten after every mean, "complete" false until the last: a run cut short keeps its means
         write_json(args.json, "scripts/token_axis.py", setup=setup, problem=problem.__dict__, skew=args.skew,

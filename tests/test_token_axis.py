@@ -258,12 +258,13 @@ def test_the_tiles_of_every_variant_hold_from_1_to_2048_tokens_per_expert(skew):
 
 # The compiled activation stage against the eager one on the same h: inductor keeps silu's result
 # in float32 where eager rounds it to bf16 before the multiply, so a value can land one bf16 step
-# away, and through the row's amax a scale one step of bf16 away (2^-8 relative, bounded here at
-# 2^-7); an e4m3 code then moves by at most one step. The share of codes that move is bounded by
-# the rounding geometry: a perturbation of ~2^-8 of a value against e4m3's 2^-3 step flips ~3% of
-# roundings, and a bf16 step of a itself ~1.5%: 10% allows for both with room, and a stage that
-# computed something else moves most codes by more than one step.
-VS_EAGER_MAX_SHARE = {"torch-bf16": 0.10, "torch-fp8": 0.10}
+# away. bf16 output: eager rounds twice, compiled once; the first rounding moves the product by up
+# to half a step, which flips the second rounding for about a quarter of the values (27% measured
+# at every mean on an H100, results/h100/token_axis.json `vs_eager`): bounded at a third. fp8: the
+# row's amax, and so its scale, can move by one bf16 step (at most 2^-7 relative); a perturbation of
+# ~2^-8 against e4m3's 2^-3 step flips a few % of the codes (3.1% measured), each by one step:
+# bounded at 10%. A stage that computed something else moves most values by more than one step.
+VS_EAGER_MAX_SHARE = {"torch-bf16": 1 / 3, "torch-fp8": 0.10}
 SCALE_MAX_REL = 2.0**-7
 
 
