@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lab.checkpoint import load_checkpoint, save_checkpoint, save_sharded_checkpoint  # noqa: E402
+from lab.cli import HelpFormatter, output_problem  # noqa: E402
 from lab.models import add_shape_arguments, resolve_shape  # noqa: E402
 from lab.problem import MoEProblem, random_weights  # noqa: E402
 
@@ -32,7 +33,7 @@ def log(msg: str) -> None:
 
 def main(argv=None) -> int:
     d = MoEProblem()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("out", type=Path, help="the .safetensors file to write (with --shards: the directory)")
     add_shape_arguments(p)
     p.add_argument("--ratio", type=float, default=d.gate_up_ratio, help="gate/up weight global ratio")
@@ -52,11 +53,10 @@ def main(argv=None) -> int:
         problem.validate()
     except ValueError as exc:
         p.error(str(exc))
-    if args.shards is None and args.out.is_dir():
-        p.error(f"out: {args.out} is a directory; pass a file name, or --shards N to write a sharded directory")
-    parent = args.out.parent
-    if not parent.is_dir():
-        p.error(f"out: the directory {parent} does not exist")
+    wrong = output_problem(args.out, folder=args.shards is not None)
+    if wrong:
+        hint = "; pass a file name, or --shards N to write a sharded folder" if args.shards is None and args.out.is_dir() else ""
+        p.error(f"out: {wrong}{hint}")
 
     t0 = time.perf_counter()
     log(f"drawing synthetic weights: {problem.experts} experts, H={problem.hidden}, I={problem.intermediate}")
