@@ -50,7 +50,7 @@ def main(argv=None) -> int:
         p.error(f"--shards: must be in 1..{shape.experts} (at least one expert per shard), got {args.shards}")
     problem = MoEProblem(shape.experts, shape.hidden, shape.intermediate, shape.top_k, args.ratio)
     try:
-        problem.validate()
+        problem.validate({"gate_up_ratio": "--ratio"})  # the shape flags were checked by resolve_shape
     except ValueError as exc:
         p.error(str(exc))
     wrong = output_problem(args.out, folder=args.shards is not None)

@@ -161,7 +161,8 @@ def resolve_problem(args):
         log(f"checkpoint: skipped {describe_skipped(plan.skipped)}")
     log(f"checkpoint: layer {plan.layer}, {plan.experts} experts in {len(plan.files)} file(s); quantization from "
         f"{plan.quant.source}")
-    return MoEProblem(plan.experts, plan.hidden, plan.intermediate, top_k).validate(), plan
+    names = {"experts": "the checkpoint's experts", "top_k": "--top-k" if args.top_k else "top_k"}
+    return MoEProblem(plan.experts, plan.hidden, plan.intermediate, top_k).validate(names), plan
 
 
 def load_weights(args, plan):

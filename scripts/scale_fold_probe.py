@@ -47,6 +47,7 @@ from lab.checkpoint import CheckpointError  # noqa: E402
 from lab.checks import format_rel  # noqa: E402
 from lab.cli import HelpFormatter, output_path  # noqa: E402
 from lab.device_info import lab_commit  # noqa: E402
+from lab.models import SHAPE_FIELDS, flag  # noqa: E402
 from lab.problem import (  # noqa: E402
     MoEProblem,
     make_routing,
@@ -86,7 +87,7 @@ def load_weights(args):
         weights, rep = load_checkpoint(args.checkpoint, layer=args.layer)
         return weights, {"kind": "checkpoint", **rep.as_dict()}
     problem = MoEProblem(args.experts, args.hidden, args.intermediate, min(args.top_k, args.experts),
-                         args.ratio).validate()
+                         args.ratio).validate({f: flag(f) for f in SHAPE_FIELDS} | {"gate_up_ratio": "--ratio"})
     if args.weights == "quantized":
         progress(f"quantizing real-valued weights: {problem.experts} experts, H={problem.hidden}, "
                  f"I={problem.intermediate}")
