@@ -7,7 +7,9 @@
 With --shards N the output is a directory laid out as Hugging Face does a model: N shards of
 consecutive experts (so the layer spans all of them), model.safetensors.index.json,
 hf_quant_config.json and a config.json with the expert count and top-k; run_layer.py and
-scale_fold_probe.py read it with --checkpoint DIR. Each step prints a line as it starts.
+scale_fold_probe.py read it with --checkpoint DIR. A single file keeps the top-k in its
+safetensors metadata (files written before it did read back with run_layer's default, 8).
+Each step prints a line as it starts.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def main(argv=None) -> int:
     t1 = time.perf_counter()
     if args.shards is None:
         log(f"writing {args.out} ({weights.nbytes() / 1e9:.3f} GB)")
-        save_checkpoint(args.out, weights, layer=args.layer)
+        save_checkpoint(args.out, weights, layer=args.layer, top_k=problem.top_k)
         size = args.out.stat().st_size
     else:
         paths = save_sharded_checkpoint(args.out, weights, layer=args.layer, shards=args.shards,

@@ -157,6 +157,9 @@ def resolve_problem(args):
             raise CheckpointError(f"{args.checkpoint}: --model {preset.name} has {k}={getattr(preset, k)}, the "
                                   f"checkpoint's layer {plan.layer} has {k}={found[k]}")
     top_k = args.top_k or (preset.top_k if preset else None) or plan.quant.top_k or DEFAULTS.top_k
+    if not (args.top_k or preset or plan.quant.top_k):
+        log(f"checkpoint: no top-k stored (config.json's num_experts_per_tok, or the files' top_k metadata): "
+            f"top-k {DEFAULTS.top_k}, the default (--top-k sets it)")
     if plan.skipped:
         log(f"checkpoint: skipped {describe_skipped(plan.skipped)}")
     log(f"checkpoint: layer {plan.layer}, {plan.experts} experts in {len(plan.files)} file(s); quantization from "

@@ -110,6 +110,18 @@ def test_checkpoint_that_does_not_match_the_flags_is_refused(run_layer, capsys, 
     assert "layer 0 missing" in capsys.readouterr().err
 
 
+def test_a_single_file_checkpoint_gives_its_top_k_or_says_it_has_none(run_layer, capsys, tmp_path):
+    weights = random_weights(MoEProblem(8, 128, 64, 2), seed=2)
+    save_checkpoint(tmp_path / "k.safetensors", weights, top_k=2)
+    problem, _ = run_layer.resolve_problem(run_layer.parse_args(["--checkpoint", str(tmp_path / "k.safetensors")]))
+    assert problem.top_k == 2 and "no top-k stored" not in capsys.readouterr().err
+    save_checkpoint(tmp_path / "old.safetensors", weights)
+    problem, _ = run_layer.resolve_problem(run_layer.parse_args(["--checkpoint", str(tmp_path / "old.safetensors")]))
+    assert problem.top_k == 8 and "no top-k stored" in capsys.readouterr().err
+    assert run_layer.main(["--checkpoint", str(tmp_path / "k.safetensors"), "--top-k", "9"]) == 2
+    assert "--top-k=9 must be <= the checkpoint's experts=8" in capsys.readouterr().err
+
+
 def test_malformed_checkpoint_is_refused(run_layer, capsys, tmp_path):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{not}")
