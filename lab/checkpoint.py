@@ -25,6 +25,11 @@ read alone never passes for a whole layer. Every check runs before any data is r
 malformed checkpoint raises CheckpointError naming the file and the tensor, and nothing is
 returned half-loaded.
 
+Top-k: config.json's num_experts_per_tok, else the ``top_k`` of the safetensors files' metadata,
+which this module's writers store when given one (so a single file keeps it too); a checkpoint
+that says neither leaves it to the caller (CheckpointPlan.problem: 8, at most the experts), as
+files written before the metadata key existed do.
+
 Activation globals: a checkpoint holds one input_scale per expert and projection; the lab's
 layer uses one per GEMM, the largest over experts (what engines do), and the report says how
 much they varied.
@@ -122,11 +127,17 @@ def expert_tensors(weights: MoEWeights, layer: int = 0, experts: range | None = 
 
 
 _METADATA = {"format": "pt", "quant_algo": "NVFP4", "writer": "lab.checkpoint"}
+TOP_K_KEY = "top_k"  # the metadata key of the routing's top-k (a single file has no config.json)
 
 
-def save_checkpoint(path, weights: MoEWeights, layer: int = 0) -> None:
-    """Write `weights` as layer `layer` of a ModelOpt-style NVFP4 safetensors checkpoint."""
-    write_safetensors(path, expert_tensors(weights, layer), _METADATA)
+def _metadata(top_k: int | None) -> dict:
+    return _METADATA if top_k is None else {**_METADATA, TOP_K_KEY: int(top_k)}
+
+
+def save_checkpoint(path, weights: MoEWeights, layer: int = 0, top_k: int | None = None) -> None:
+    """Write `weights` as layer `layer` of a ModelOpt-style NVFP4 safetensors checkpoint, with
+    `top_k` (when given) in its metadata, which the reader takes as the routing's top-k."""
+    write_safetensors(path, expert_tensors(weights, layer), _metadata(top_k))
 
 
 def shard_name(k: int, n: int) -> str:
@@ -138,7 +149,8 @@ def save_sharded_checkpoint(directory, weights: MoEWeights, layer: int = 0, shar
                             extra: dict | None = None, progress=None) -> list[Path]:
     """Write `weights` as layer `layer` of a sharded checkpoint in `directory` (created): `shards`
     files of consecutive experts, so the layer spans them all, plus model.safetensors.index.json,
-    hf_quant_config.json and a config.json with the routed-expert count (and top_k when given).
+    hf_quant_config.json and a config.json with the routed-expert count (and top_k when given,
+    also in each shard's metadata, as save_checkpoint stores it).
 
     ``extra``: more {name: (dtype, array)} for the last shard (shared experts, dense layers).
     ``progress``: called with a line per shard written. Returns the shard paths.
@@ -156,7 +168,7 @@ def save_sharded_checkpoint(directory, weights: MoEWeights, layer: int = 0, shar
         path = directory / shard_name(k + 1, shards)
         if progress:
             progress(f"writing {path.name}: experts {bounds[k]}..{bounds[k + 1] - 1}")
-        write_safetensors(path, tensors, _METADATA)
+        write_safetensors(path, tensors, _metadata(top_k))
         weight_map.update({n: path.name for n in tensors})
         total += sum(np.asarray(a).nbytes for _, a in tensors.values())
         paths.append(path)
@@ -283,7 +295,7 @@ class QuantConfig:
     source: str = "none"  # the file(s) the settings came from
     experts: int | None = None  # config.json's routed-expert count
     experts_key: str | None = None
-    top_k: int | None = None  # config.json's num_experts_per_tok
+    top_k: int | None = None  # config.json's num_experts_per_tok, else the files' top_k metadata
 
 
 def _layer_module(name: str) -> str:
@@ -378,7 +390,7 @@ class CheckpointReport:
     files: list = field(default_factory=list)  # the files read, in order
     skipped: dict = field(default_factory=dict)  # what was not read: {what: count or layers}
     quant: dict = field(default_factory=dict)  # quant_algo, group_size, source (the config files)
-    top_k: int | None = None  # config.json's num_experts_per_tok, when present
+    top_k: int | None = None  # config.json's num_experts_per_tok, else the files' top_k metadata, when present
 
     @property
     def ratio_min(self) -> float:
@@ -416,6 +428,8 @@ class CheckpointReport:
             f"gate/up global ratio min {self.ratio_min:.4f} mean {self.ratio_mean:.4f} "
             f"max {self.ratio_max:.4f} (spread {100 * self.ratio_spread:.2f}%)"
         )
+        if self.top_k is not None:
+            text += f"; top-k {self.top_k}"
         if len(self.files) > 1:
             text += f"; read from {len(self.files)} shards"
         if self.skipped:
@@ -546,6 +560,27 @@ def _check_single_shard(files: _Files, layer: int, quant: QuantConfig) -> None:
                               f"another shard; pass the checkpoint's directory")
 
 
+def _metadata_top_k(used: list, files: _Files) -> int | None:
+    """The top-k the files' metadata store (None: none does); CheckpointError when it is not a
+    positive integer or the files disagree."""
+    found = {}
+    for f in used:
+        text = files.header(f)[1].get(TOP_K_KEY)
+        if text is None:
+            continue
+        try:
+            k = int(text)
+        except (TypeError, ValueError):
+            k = 0
+        if k < 1:
+            raise CheckpointError(f"{f}: metadata {TOP_K_KEY} is {text!r}, expected a positive integer")
+        found[f] = k
+    if len(set(found.values())) > 1:
+        raise CheckpointError(f"{files.source}: the files' metadata disagree on {TOP_K_KEY}: "
+                              + ", ".join(f"{f.name}: {k}" for f, k in found.items()))
+    return next(iter(found.values()), None)
+
+
 def inspect_checkpoint(path, layer: int | None = None, problem: MoEProblem | None = None) -> CheckpointPlan:
     """Check one layer of a checkpoint from its headers and config files alone (no tensor data
     is read): which layer, its shape, every tensor's dtype, shape and byte range. Raises
@@ -625,6 +660,8 @@ def inspect_checkpoint(path, layer: int | None = None, problem: MoEProblem | Non
         algo = files.header(f)[1].get("quant_algo")
         if algo is not None:
             _check_quant(f, algo, None)
+    if quant.top_k is None:
+        quant.top_k = _metadata_top_k(used, files)
 
     skipped = {}
     if rest["shared"].get(layer):

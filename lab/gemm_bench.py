@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from lab import checks, models, nvfp4, reference
+from lab.cli import HelpFormatter, output_path
 from lab.device_info import setup_info
 from lab.kernels import grouped_gemm as gg
 from lab.problem import (W2_INPUT_SCALE, W13_INPUT_SCALE, MoEProblem, make_routing, random_activations,
@@ -62,14 +63,15 @@ def config_of(values: tuple[int, ...], default: gg.GemmConfig) -> gg.GemmConfig:
 
 def study_parser(doc: str, means: list[float], iterations: int) -> argparse.ArgumentParser:
     """The arguments every study script takes, each with its help: means, --model and the shape
-    flags (lab/models.py), seed, iterations, --json."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    flags (lab/models.py), seed, iterations, --json (checked as the arguments are parsed: a path
+    that cannot be written ends the script before its work, not after it)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
     ap.add_argument("--mean-tokens", type=float, nargs="+", default=means,
                     help="mean tokens per expert, one measurement each")
     models.add_shape_arguments(ap)
     ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights, routing and activations")
     ap.add_argument("--iterations", type=int, default=iterations, help="timed runs per measurement (median, min, max)")
-    ap.add_argument("--json", help="write every table here as JSON")
+    ap.add_argument("--json", type=output_path, metavar="PATH", help="write every table here as JSON")
     return ap
 
 

@@ -105,6 +105,11 @@ def add_shape_arguments(ap: argparse.ArgumentParser, default_from: str = "") -> 
     ap.add_argument("--top-k", type=int, metavar="K", help=f"experts each token is routed to, at most E ({tail})")
 
 
+def flag(field: str) -> str:
+    """The command-line flag of a MoEProblem field: top_k -> --top-k."""
+    return "--" + field.replace("_", "-")
+
+
 def given_shape(args) -> dict:
     """The shape fields set explicitly on the command line (not None)."""
     return {f: getattr(args, f) for f in SHAPE_FIELDS if getattr(args, f, None) is not None}
@@ -127,11 +132,14 @@ def resolve_shape(args, ap: argparse.ArgumentParser | None = None, clamp_top_k: 
         for f in SHAPE_FIELDS:
             v = getattr(args, f, None)
             if v is not None and v < 1:
-                raise ValueError(f"--{f.replace('_', '-')}: must be >= 1, got {v}")
-        shape = {f: getattr(preset, f) for f in SHAPE_FIELDS} | given_shape(args)
+                raise ValueError(f"{flag(f)}: must be >= 1, got {v}")
+        given = given_shape(args)
+        shape = {f: getattr(preset, f) for f in SHAPE_FIELDS} | given
         if clamp_top_k and getattr(args, "top_k", None) is None:
             shape["top_k"] = min(shape["top_k"], shape["experts"])
-        problem = MoEProblem(**shape).validate()
+        # the user reads the flag to change, or the preset a value came from, not a field name
+        names = {f: flag(f) if f in given else f"the {preset.name} model's {f}" for f in SHAPE_FIELDS}
+        problem = MoEProblem(**shape).validate(names)
     except ValueError as exc:
         if ap is None:
             raise

@@ -39,21 +39,26 @@ class MoEProblem:
     def w2_shape(self) -> tuple[int, int, int]:
         return (self.experts, self.hidden, self.intermediate)
 
-    def validate(self) -> "MoEProblem":
-        """Raise ValueError naming the first bad field; return self."""
+    def validate(self, names: dict[str, str] | None = None) -> "MoEProblem":
+        """Raise ValueError naming the first bad field; return self. ``names``: what to call a
+        field in the message instead of its own name (a script passes the flag it came from,
+        e.g. {"hidden": "--hidden"}, so that its user reads what to change)."""
+        def name(f):
+            return (names or {}).get(f, f)
+
         for f in ("experts", "hidden", "intermediate", "top_k"):
             v = getattr(self, f)
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"{f} must be a positive int, got {v!r}")
+                raise ValueError(f"{name(f)} must be a positive int, got {v!r}")
         # 64 = 4 e4m3 scale columns: keeps K/16 a multiple of the swizzled layout's atom width
         for f in ("hidden", "intermediate"):
             if getattr(self, f) % 64:
-                raise ValueError(f"{f} must be a multiple of 64, got {getattr(self, f)}")
+                raise ValueError(f"{name(f)} must be a multiple of 64, got {getattr(self, f)}")
         if self.top_k > self.experts:
-            raise ValueError(f"top_k={self.top_k} must be <= experts={self.experts}")
+            raise ValueError(f"{name('top_k')}={self.top_k} must be <= {name('experts')}={self.experts}")
         r = self.gate_up_ratio
         if not isinstance(r, (int, float, np.floating)) or not np.isfinite(r) or r <= 0:
-            raise ValueError(f"gate_up_ratio must be a finite positive number, got {r!r}")
+            raise ValueError(f"{name('gate_up_ratio')} must be a finite positive number, got {r!r}")
         return self
 
 

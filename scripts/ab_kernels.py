@@ -4,7 +4,7 @@ inputs and buffers, outputs compared bit for bit with the first tree's, and time
 alternate the trees' order. A kernel's time moves with ptxas's schedule and with the machine from
 one process to the next; only a comparison inside one process counts (notes/gemm.md v24).
 
-    git archive HEAD lab/kernels | tar -x -C /tmp/base
+    mkdir -p /tmp/base && git archive HEAD lab/kernels | tar -x -C /tmp/base
     python scripts/ab_kernels.py --tree base=/tmp/base/lab/kernels --tree work=lab/kernels \\
         --gemm w2 --mean-tokens 512 2048 --out fp32 bf16 --json results/ab_<what>.json
 

@@ -7,7 +7,9 @@
 With --shards N the output is a directory laid out as Hugging Face does a model: N shards of
 consecutive experts (so the layer spans all of them), model.safetensors.index.json,
 hf_quant_config.json and a config.json with the expert count and top-k; run_layer.py and
-scale_fold_probe.py read it with --checkpoint DIR. Each step prints a line as it starts.
+scale_fold_probe.py read it with --checkpoint DIR. A single file keeps the top-k in its
+safetensors metadata (files written before it did read back with run_layer's default, 8).
+Each step prints a line as it starts.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lab.checkpoint import load_checkpoint, save_checkpoint, save_sharded_checkpoint  # noqa: E402
+from lab.cli import HelpFormatter, output_problem  # noqa: E402
 from lab.models import add_shape_arguments, resolve_shape  # noqa: E402
 from lab.problem import MoEProblem, random_weights  # noqa: E402
 
@@ -32,7 +35,7 @@ def log(msg: str) -> None:
 
 def main(argv=None) -> int:
     d = MoEProblem()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("out", type=Path, help="the .safetensors file to write (with --shards: the directory)")
     add_shape_arguments(p)
     p.add_argument("--ratio", type=float, default=d.gate_up_ratio, help="gate/up weight global ratio")
@@ -49,14 +52,13 @@ def main(argv=None) -> int:
         p.error(f"--shards: must be in 1..{shape.experts} (at least one expert per shard), got {args.shards}")
     problem = MoEProblem(shape.experts, shape.hidden, shape.intermediate, shape.top_k, args.ratio)
     try:
-        problem.validate()
+        problem.validate({"gate_up_ratio": "--ratio"})  # the shape flags were checked by resolve_shape
     except ValueError as exc:
         p.error(str(exc))
-    if args.shards is None and args.out.is_dir():
-        p.error(f"out: {args.out} is a directory; pass a file name, or --shards N to write a sharded directory")
-    parent = args.out.parent
-    if not parent.is_dir():
-        p.error(f"out: the directory {parent} does not exist")
+    wrong = output_problem(args.out, folder=args.shards is not None)
+    if wrong:
+        hint = "; pass a file name, or --shards N to write a sharded folder" if args.shards is None and args.out.is_dir() else ""
+        p.error(f"out: {wrong}{hint}")
 
     t0 = time.perf_counter()
     log(f"drawing synthetic weights: {problem.experts} experts, H={problem.hidden}, I={problem.intermediate}")
@@ -64,7 +66,7 @@ def main(argv=None) -> int:
     t1 = time.perf_counter()
     if args.shards is None:
         log(f"writing {args.out} ({weights.nbytes() / 1e9:.3f} GB)")
-        save_checkpoint(args.out, weights, layer=args.layer)
+        save_checkpoint(args.out, weights, layer=args.layer, top_k=problem.top_k)
         size = args.out.stat().st_size
     else:
         paths = save_sharded_checkpoint(args.out, weights, layer=args.layer, shards=args.shards,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lab.cli import HelpFormatter
 from lab.gemm_bench import CONFIG_HELP, config_of, log, parse_config
 from lab.gpu import require_gpu, run_script
 from lab.kernels import grouped_gemm as gg
@@ -36,7 +37,7 @@ TAG = "profile_kernels"
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--mean-tokens", type=float, default=8, help="mean tokens per expert of the routed batch")
     add_shape_arguments(ap)
     ap.add_argument("--config", type=parse_config, action="append", default=[],

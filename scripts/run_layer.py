@@ -32,6 +32,7 @@ import numpy as np
 from tabulate import tabulate
 
 from lab import memory, models, reference, roofline
+from lab.cli import HelpFormatter, output_path
 from lab.checkpoint import CheckpointError, describe_skipped, inspect_checkpoint, load_checkpoint
 from lab.checks import format_rel, sample_experts
 from lab.kernels import grouped_gemm as gg
@@ -58,7 +59,7 @@ def log(msg: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--variants", nargs="+", default=[*LAB_DEFAULT, *peers.NAMES], metavar="NAME",
                     help=f"variants to run (known: {' '.join(NAMES)}; default all"
                          + (f" but the ones taken on request (not yet run on the H200, or kept for an A/B): {' '.join(n for n in LAB_NAMES if n not in LAB_DEFAULT)}"
@@ -84,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="experts checked against float64 on large problems (>= 16)")
     ap.add_argument("--stage-mean", type=float, default=8.0, help="mean whose stage table is printed")
     ap.add_argument("--no-check", action="store_true", help="skip every correctness check")
-    ap.add_argument("--json", metavar="PATH", help="write every table and check here")
+    ap.add_argument("--json", type=output_path, metavar="PATH", help="write every table and check here")
     return ap
 
 
@@ -156,11 +157,15 @@ def resolve_problem(args):
             raise CheckpointError(f"{args.checkpoint}: --model {preset.name} has {k}={getattr(preset, k)}, the "
                                   f"checkpoint's layer {plan.layer} has {k}={found[k]}")
     top_k = args.top_k or (preset.top_k if preset else None) or plan.quant.top_k or DEFAULTS.top_k
+    if not (args.top_k or preset or plan.quant.top_k):
+        log(f"checkpoint: no top-k stored (config.json's num_experts_per_tok, or the files' top_k metadata): "
+            f"top-k {DEFAULTS.top_k}, the default (--top-k sets it)")
     if plan.skipped:
         log(f"checkpoint: skipped {describe_skipped(plan.skipped)}")
     log(f"checkpoint: layer {plan.layer}, {plan.experts} experts in {len(plan.files)} file(s); quantization from "
         f"{plan.quant.source}")
-    return MoEProblem(plan.experts, plan.hidden, plan.intermediate, top_k).validate(), plan
+    names = {"experts": "the checkpoint's experts", "top_k": "--top-k" if args.top_k else "top_k"}
+    return MoEProblem(plan.experts, plan.hidden, plan.intermediate, top_k).validate(names), plan
 
 
 def load_weights(args, plan):

@@ -11,13 +11,15 @@ column is the consumers' issue time for one k16 step of a unit (every consumer w
 it, over the SM's four schedulers), a floor to set against the measured cycles per k16 step
 (notes/gemm.md v29: ~214-240 at 32 tokens per expert on the 64-token tile).
 
-With several `--tree NAME=DIR` (each laid out as lab/kernels, e.g. from `git archive`) the same
-tiles are compiled from each tree, side by side: whether an edit moved the hot loop, before a
-same-process A/B on the GPU (scripts/ab_kernels.py) says whether it moved the time.
+With several `--tree NAME=DIR` (each laid out as lab/kernels) the same tiles are compiled from
+each tree, side by side: whether an edit moved the hot loop, before a same-process A/B on the GPU
+(scripts/ab_kernels.py) says whether it moved the time. The last example sets the committed
+kernels (unpacked by its first line into /tmp/base) beside the working tree's edited ones:
 
     python scripts/sass_mix.py                                     # the heuristic's tiles at 8-512 tokens
     python scripts/sass_mix.py --config 8,2,128,4,1,0,8,1 --tokens 32 40
-    python scripts/sass_mix.py --tree main=lab/kernels --tree new=.dev/trees/new/lab/kernels --json mix.json
+    mkdir -p /tmp/base && git archive HEAD lab/kernels | tar -x -C /tmp/base
+    python scripts/sass_mix.py --tree base=/tmp/base/lab/kernels --tree work=lab/kernels --json mix.json
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from lab.cli import HelpFormatter, output_path  # noqa: E402
 from lab.gemm_bench import CONFIG_HELP, config_of, parse_config  # noqa: E402
 from lab.kernels import grouped_gemm as gg  # noqa: E402
 from lab.kernels import jit, sass  # noqa: E402
@@ -91,7 +94,7 @@ def rows_for(cfg: gg.GemmConfig, tree_name: str, tree: Path, tokens: set[int] | 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--mean-tokens", type=float, nargs="+", default=[8, 32, 64, 128, 512],
                     help="the heuristic's w13 tile at each mean tokens per expert (the study's shape)")
     ap.add_argument("--config", type=parse_config, action="append", default=[],
@@ -102,7 +105,7 @@ def main(argv=None) -> int:
                     help="NAME=DIR: compile from this kernel tree (repeatable; default: lab/kernels)")
     ap.add_argument("--prepass", action="store_true",
                     help="the 128- and 160-token tiles as they run with the pre-pass (default: the in-kernel image)")
-    ap.add_argument("--json", help="write the rows (with every opcode's count) here")
+    ap.add_argument("--json", type=output_path, metavar="PATH", help="write the rows (with every opcode's count) here")
     args = ap.parse_args(argv)
 
     missing = [what for what, found in (("nvcc", jit.nvcc_path()), ("nvdisasm", sass.nvdisasm_path())) if not found]

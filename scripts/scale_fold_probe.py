@@ -45,7 +45,9 @@ from tabulate import tabulate  # noqa: E402
 
 from lab.checkpoint import CheckpointError  # noqa: E402
 from lab.checks import format_rel  # noqa: E402
+from lab.cli import HelpFormatter, output_path  # noqa: E402
 from lab.device_info import lab_commit  # noqa: E402
+from lab.models import SHAPE_FIELDS, flag  # noqa: E402
 from lab.problem import (  # noqa: E402
     MoEProblem,
     make_routing,
@@ -85,7 +87,7 @@ def load_weights(args):
         weights, rep = load_checkpoint(args.checkpoint, layer=args.layer)
         return weights, {"kind": "checkpoint", **rep.as_dict()}
     problem = MoEProblem(args.experts, args.hidden, args.intermediate, min(args.top_k, args.experts),
-                         args.ratio).validate()
+                         args.ratio).validate({f: flag(f) for f in SHAPE_FIELDS} | {"gate_up_ratio": "--ratio"})
     if args.weights == "quantized":
         progress(f"quantizing real-valued weights: {problem.experts} experts, H={problem.hidden}, "
                  f"I={problem.intermediate}")
@@ -157,7 +159,7 @@ def scales_line(weights, into: str, total: dict) -> str:
 
 def main(argv=None) -> int:
     d = MoEProblem()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--ratio", type=float, default=d.gate_up_ratio,
                    help="gate global / up global for the all-codes rows, and the synthetic weights' ratio "
                         "(default: the study's 1.2308)")
@@ -180,7 +182,7 @@ def main(argv=None) -> int:
     p.add_argument("--mean-tokens", type=float, default=8.0, help="routed batch: mean tokens per expert")
     p.add_argument("--sample-experts", type=int, default=8,
                    help="experts whose layer output is computed in float64 (0: skip the layer)")
-    p.add_argument("--json", type=Path, help="write every table here as JSON")
+    p.add_argument("--json", type=output_path, metavar="PATH", help="write every table here as JSON")
     args = p.parse_args(argv)
     if not (np.isfinite(args.ratio) and args.ratio > 0):
         p.error(f"--ratio: must be finite and > 0, got {args.ratio}")
@@ -289,7 +291,7 @@ def main(argv=None) -> int:
                "smaller": {"scales": small_total, "experts": sampled(small_per, effects["smaller"]),
                            "layer": effects["smaller"]}}
         # allow_nan=False: an undefined figure is null, never a bare NaN that JSON readers reject
-        args.json.write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
+        Path(args.json).write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
         print(f"wrote {args.json}")
     return 0
 

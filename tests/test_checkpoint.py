@@ -1,6 +1,8 @@
+import importlib.util
 import json
 import struct
 import tracemalloc
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -11,9 +13,12 @@ from hypothesis import strategies as st
 from lab.checkpoint import (
     CheckpointError,
     expert_tensors,
+    inspect_checkpoint,
     load_checkpoint,
     read_header,
     save_checkpoint,
+    save_sharded_checkpoint,
+    shard_name,
     tensor_name,
     write_safetensors,
 )
@@ -258,3 +263,73 @@ def test_truncated_and_garbage_files(tmp_path):
     tiny.write_bytes(b"abc")
     with pytest.raises(CheckpointError, match="too short"):
         load_checkpoint(tiny)
+
+
+# ---------------------------------------------------------------------------------------------
+# top-k: config.json's, else the files' metadata, else the caller's default
+# ---------------------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_a_single_file_keeps_its_top_k(tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_checkpoint(path, random_weights(SMALL, 1), top_k=2)
+    _, rep = load_checkpoint(path)
+    assert rep.top_k == 2 and "top-k 2" in rep.summary()
+    assert inspect_checkpoint(path).problem().top_k == 2
+
+
+def test_a_file_without_top_k_keeps_the_default(tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_checkpoint(path, random_weights(SMALL, 1))  # as files were written before the metadata key
+    _, rep = load_checkpoint(path)
+    assert rep.top_k is None and "top-k" not in rep.summary()
+    assert inspect_checkpoint(path).problem().top_k == min(8, SMALL.experts)
+
+
+def test_make_checkpoint_single_file_reads_back_its_top_k(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("make_checkpoint", ROOT / "scripts" / "make_checkpoint.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    path = tmp_path / "f.safetensors"
+    assert mod.main([str(path), "--experts", "4", "--hidden", "64", "--intermediate", "64", "--top-k", "2",
+                     "--check"]) == 0
+    assert "top-k 2" in capsys.readouterr().out
+    assert load_checkpoint(path)[1].top_k == 2
+
+
+def test_sharded_and_single_file_store_top_k_alike(tmp_path):
+    w = random_weights(SMALL, 3)
+    save_sharded_checkpoint(tmp_path / "d", w, shards=2, top_k=3)
+    for k in (1, 2):
+        raw = (tmp_path / "d" / shard_name(k, 2)).read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        assert json.loads(raw[8:8 + n])["__metadata__"]["top_k"] == "3"
+    (tmp_path / "d" / "config.json").unlink()  # the metadata alone still says it
+    assert load_checkpoint(tmp_path / "d" / "model.safetensors.index.json")[1].top_k == 3
+
+
+def test_config_json_wins_over_the_metadata(tmp_path):
+    save_checkpoint(tmp_path / "model.safetensors", random_weights(SMALL, 4), top_k=2)
+    (tmp_path / "config.json").write_text(json.dumps({"num_experts": 4, "num_experts_per_tok": 1}))
+    assert load_checkpoint(tmp_path)[1].top_k == 1
+
+
+@pytest.mark.parametrize("value, word", [("0", "metadata top_k is '0', expected a positive integer"),
+                                         ("two", "metadata top_k is 'two', expected a positive integer")])
+def test_a_bad_top_k_in_the_metadata_is_refused(tmp_path, value, word):
+    path = tmp_path / "m.safetensors"
+    write_safetensors(path, expert_tensors(random_weights(SMALL, 5)), {"top_k": value})
+    with pytest.raises(CheckpointError, match=word):
+        load_checkpoint(path)
+
+
+def test_shards_that_disagree_on_top_k_are_refused(tmp_path):
+    d = tmp_path / "d"
+    w = random_weights(SMALL, 6)
+    save_sharded_checkpoint(d, w, shards=2, top_k=2)
+    (d / "config.json").unlink()
+    write_safetensors(d / shard_name(2, 2), expert_tensors(w, 0, range(2, 4)), {"top_k": 3})
+    with pytest.raises(CheckpointError, match="disagree on top_k"):
+        load_checkpoint(d)

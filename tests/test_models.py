@@ -73,8 +73,9 @@ def test_explicit_flags_override_the_preset(argv, want):
 
 @pytest.mark.parametrize("argv, word", [
     (["--model", "nope"], "--model: unknown 'nope'"),
-    (["--model", "llama-4-maverick", "--hidden", "100"], "hidden must be a multiple of 64"),
-    (["--model", "qwen3-30b-a3b", "--experts", "4"], "top_k=8 must be <= experts=4"),
+    (["--model", "llama-4-maverick", "--hidden", "100"], "--hidden must be a multiple of 64"),
+    (["--model", "qwen3-30b-a3b", "--experts", "4"], "the qwen3-30b-a3b model's top_k=8 must be <= --experts=4"),
+    (["--model", "qwen3-30b-a3b", "--top-k", "200"], "--top-k=200 must be <= the qwen3-30b-a3b model's experts=128"),
     (["--experts", "0"], "--experts: must be >= 1"),
 ])
 def test_bad_shapes_exit_2_naming_the_flag(argv, word, capsys):

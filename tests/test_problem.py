@@ -48,6 +48,18 @@ def test_validate_names_the_field(kwargs, field):
         MoEProblem(**kwargs).validate()
 
 
+def test_validate_calls_a_field_what_the_caller_names_it():
+    flags = {"experts": "--experts", "hidden": "--hidden", "top_k": "--top-k", "gate_up_ratio": "--ratio"}
+    with pytest.raises(ValueError, match="^--hidden must be a multiple of 64, got 100$"):
+        MoEProblem(hidden=100).validate(flags)
+    with pytest.raises(ValueError, match="^--top-k=9 must be <= --experts=8$"):
+        MoEProblem(experts=8, top_k=9).validate(flags)
+    with pytest.raises(ValueError, match="^--ratio must be a finite positive number"):
+        MoEProblem(gate_up_ratio=0.0).validate(flags)
+    with pytest.raises(ValueError, match="^top_k=9 must be <= experts=8$"):  # the API's own words
+        MoEProblem(experts=8, top_k=9).validate()
+
+
 def test_tokens_for_mean_matches_the_studys_points():
     # mean tokens per expert 2, 4, 8, 32 with 288 experts, top 8
     assert [tokens_for_mean(m, 288, 8) for m in (2, 4, 8, 32)] == [72, 144, 288, 1152]

@@ -72,8 +72,9 @@ def test_default_problem_bytes_match_the_study(run_layer, capsys):
     (["--iterations", "3", "--rounds", "4"], "--rounds: at most --iterations (3)"),
     (["--skew", "-0.5"], "--skew"),
     (["--check-experts", "4"], "--check-experts"),
-    (["--hidden", "100"], "hidden must be a multiple of 64"),
-    (["--experts", "4", "--top-k", "8"], "top_k=8 must be <= experts=4"),
+    (["--hidden", "100"], "--hidden must be a multiple of 64"),
+    (["--experts", "4", "--top-k", "8"], "--top-k=8 must be <= --experts=4"),
+    (["--experts", "4"], "the study model's top_k=8 must be <= --experts=4"),
     (["--experts", "0"], "--experts"),
     (["--layer", "2"], "--layer: needs --checkpoint"),
     (["--checkpoint", "/nonexistent/c.safetensors"], "no such file"),
@@ -107,6 +108,18 @@ def test_checkpoint_that_does_not_match_the_flags_is_refused(run_layer, capsys, 
     assert "experts=4, the problem expects 8" in capsys.readouterr().err
     assert run_layer.main(["--checkpoint", str(small_checkpoint), "--layer", "0"]) == 2
     assert "layer 0 missing" in capsys.readouterr().err
+
+
+def test_a_single_file_checkpoint_gives_its_top_k_or_says_it_has_none(run_layer, capsys, tmp_path):
+    weights = random_weights(MoEProblem(8, 128, 64, 2), seed=2)
+    save_checkpoint(tmp_path / "k.safetensors", weights, top_k=2)
+    problem, _ = run_layer.resolve_problem(run_layer.parse_args(["--checkpoint", str(tmp_path / "k.safetensors")]))
+    assert problem.top_k == 2 and "no top-k stored" not in capsys.readouterr().err
+    save_checkpoint(tmp_path / "old.safetensors", weights)
+    problem, _ = run_layer.resolve_problem(run_layer.parse_args(["--checkpoint", str(tmp_path / "old.safetensors")]))
+    assert problem.top_k == 8 and "no top-k stored" in capsys.readouterr().err
+    assert run_layer.main(["--checkpoint", str(tmp_path / "k.safetensors"), "--top-k", "9"]) == 2
+    assert "--top-k=9 must be <= the checkpoint's experts=8" in capsys.readouterr().err
 
 
 def test_malformed_checkpoint_is_refused(run_layer, capsys, tmp_path):

@@ -23,6 +23,7 @@ CPU_RUNS = {
     "scale_fold_probe": lambda tmp: [],
     "report": None,
     "sass_mix": None,  # needs nvcc and nvdisasm: run by tests/test_sass.py
+    "check_gpu_verdict": None,  # reads a check_gpu.sh run: tests/test_check_gpu.py
 }
 # scripts that print something useful before saying they need a GPU (run_layer: the bytes table)
 PRINTS_FIRST = {"run_layer"}
@@ -86,3 +87,14 @@ def test_bench_gemm_split_names_a_bad_bound(value, tmp_path):
     res = run(ROOT / "scripts" / "bench_gemm.py", ["--split", value], tmp_path)
     assert res.returncode == 2 and "--split" in res.stderr and value in res.stderr, res.stderr[-2000:]
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("script, argv, word", [
+    ("scale_fold_probe", ["--hidden", "100"], "--hidden must be a multiple of 64, got 100"),
+    ("scale_fold_probe", ["--experts", "0"], "--experts must be a positive int, got 0"),
+    ("make_checkpoint", ["c.safetensors", "--ratio", "nan"], "--ratio must be a finite positive number, got nan"),
+    ("make_checkpoint", ["c.safetensors", "--experts", "4", "--top-k", "8"], "--top-k=8 must be <= --experts=4"),
+])
+def test_shape_errors_name_the_flag(script, argv, word, tmp_path):
+    res = run(ROOT / "scripts" / f"{script}.py", argv, tmp_path)
+    assert res.returncode == 2 and res.stderr.splitlines()[-1].endswith(f"error: {word}"), res.stderr[-2000:]

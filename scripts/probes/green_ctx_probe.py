@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from lab.cli import output_path
 from lab.gemm_bench import GemmBench, class_rows, log, write_json
 from lab.gpu import require_gpu, run_script
 from lab.kernels import grouped_gemm as gg
@@ -138,7 +139,7 @@ def main(argv=None):
                     help="SMs asked for the large class's green context (the driver may round up)")
     ap.add_argument("--iterations", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json")
+    ap.add_argument("--json", type=output_path, metavar="PATH")
     args = ap.parse_args(argv)
     cp = require_gpu("green_ctx_probe")
     cp.zeros(1)  # (the primary context, before any green one retains it)

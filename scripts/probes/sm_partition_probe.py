@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 
+from lab.cli import output_path
 from lab.gemm_bench import GemmBench, StreamPair, class_rows, write_json
 from lab.gpu import require_gpu, run_script
 from lab.kernels import grouped_gemm as gg
@@ -40,7 +41,7 @@ def main(argv=None):
                          "kernel), so that the large class's activation image pass is done and its CTAs placed first")
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json")
+    ap.add_argument("--json", type=output_path, metavar="PATH")
     args = ap.parse_args(argv)
     cp = require_gpu("sm_partition_probe")
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]

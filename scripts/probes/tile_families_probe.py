@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 
+from lab.cli import output_path
 from lab.gemm_bench import write_json
 from lab.gpu import require_gpu, run_script
 from lab.kernels import grouped_gemm as gg
@@ -27,7 +28,7 @@ def random_nvfp4(rng, shape, scale_codes):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--json", help="write the counts here")
+    ap.add_argument("--json", type=output_path, metavar="PATH", help="write the counts here")
     args = ap.parse_args(argv)
     cp = require_gpu("tile_families_probe")  # before any output: without a GPU, one line
     rows = []

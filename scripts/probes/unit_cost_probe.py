@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 
+from lab.cli import output_path
 from lab.gemm_bench import write_json
 from lab.gpu import require_gpu, run_script
 from lab.kernels import grouped_gemm as gg
@@ -36,7 +37,7 @@ def main(argv=None):
     ap.add_argument("--out", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
     ap.add_argument("--iterations", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", help="write the rows and fits here")
+    ap.add_argument("--json", type=output_path, metavar="PATH", help="write the rows and fits here")
     args = ap.parse_args(argv)
     for k in args.k:
         if k % 256:

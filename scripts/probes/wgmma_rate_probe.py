@@ -13,6 +13,7 @@ import sys
 
 import numpy as np
 
+from lab.cli import output_path
 from lab.gemm_bench import write_json
 from lab.gpu import require_gpu, run_script
 
@@ -151,7 +152,7 @@ def main(argv=None):
                     help="1: consecutive groups use two accumulator sets (a group never waits on the last)")
     ap.add_argument("--ss", action="store_true", help="also A from shared memory")
     ap.add_argument("--mma-off", action="store_true", help="also each split case with no MMAs (the ALU work alone)")
-    ap.add_argument("--json")
+    ap.add_argument("--json", type=output_path, metavar="PATH")
     args = ap.parse_args(argv)
     cp = require_gpu("wgmma_rate_probe")  # before any output: without a GPU, one line
 
