@@ -38,7 +38,7 @@ def _smi_clocks() -> dict:
 
 # Read before and after timing: under held load the H200's 700 W cap lowers the SM clock, and
 # boards of one memory speed time the fused layer 1% apart for a reason not yet known
-# (notes/layer.md v16); the readings are there to tell.
+# (notes/layer-log.md v16); the readings are there to tell.
 _STATE_FIELDS = (("temperature.gpu", "temp_c"), ("power.draw", "power_w"), ("power.limit", "power_limit_w"),
                  ("clocks.sm", "sm_clock_mhz"), ("clocks_event_reasons.sw_power_cap", "sw_power_cap"))
 

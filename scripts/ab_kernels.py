@@ -2,7 +2,7 @@
 laid out as lab/kernels: another commit's, or the working tree's with an edit), run on the same
 inputs and buffers, outputs compared bit for bit with the first tree's, and timed in rounds that
 alternate the trees' order. A kernel's time moves with ptxas's schedule and with the machine from
-one process to the next; only a comparison inside one process counts (notes/gemm.md v24).
+one process to the next; only a comparison inside one process counts (notes/gemm-log.md v24).
 
     mkdir -p /tmp/base && git archive HEAD lab/kernels | tar -x -C /tmp/base
     python scripts/ab_kernels.py --tree base=/tmp/base/lab/kernels --tree work=lab/kernels \\
@@ -108,7 +108,7 @@ def time_trees(run, trees: dict, args, stream=None) -> dict[str, list[float]]:
     if getattr(args, "hold_ms", 0) > 0:
         # Held load first, so that every round runs at the clocks the power cap leaves: from an idle
         # start the first rounds run 5-15% fast, and the fastest-round ratio then rewards whichever
-        # tree the alternation put first (notes/gemm.md v33)
+        # tree the alternation put first (notes/gemm-log.md v33)
         with use(trees, names[0], args):
             once = time_cuda(run, iterations=3, stream=stream).median_ms
             time_sustained(run, once, args.hold_ms, iterations=1, stream=stream)

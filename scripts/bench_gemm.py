@@ -15,7 +15,7 @@ the pre-pass instead (bits compared). The pre-pass is also timed alone, as its s
 with it and its rate against the read roofline for the activations it reads and the image it writes.
 Every figure is a burst (the --iterations runs after 3 untimed ones, between host-side checks). With `--sustain-ms` the flat read
 and each GEMM are also timed after that long of back-to-back runs: held load trips the H200's
-700 W power cap, which slows the GEMM by ~10% and the flat read not at all (notes/gemm.md v15).
+700 W power cap, which slows the GEMM by ~10% and the flat read not at all (notes/gemm-log.md v15).
 The GEMMs a user would run instead (torch's grouped GEMMs on bf16 and fp8 weights) are timed
 stage by stage, beside the lab's, by scripts/token_axis.py.
 "Bytes" are what the GEMM must move: weights of experts with tokens, activations in, fp32 out.

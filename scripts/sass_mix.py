@@ -9,7 +9,7 @@ tensor instruction 1, and the rest is the loop's loads, descriptors, barriers an
 `uniform` counts instructions on the uniform datapath (R2UR moves into it included). The last
 column is the consumers' issue time for one k16 step of a unit (every consumer warp's tile-steps of
 it, over the SM's four schedulers), a floor to set against the measured cycles per k16 step
-(notes/gemm.md v29: ~214-240 at 32 tokens per expert on the 64-token tile).
+(notes/gemm-log.md v29: ~214-240 at 32 tokens per expert on the 64-token tile).
 
 With several `--tree NAME=DIR` (each laid out as lab/kernels) the same tiles are compiled from
 each tree, side by side: whether an edit moved the hot loop, before a same-process A/B on the GPU

@@ -253,7 +253,7 @@ def test_skewed_routing_takes_the_tile_measured_fastest(skew, frags, mma, ctas):
     """Mean 8 at the study's shape: bench_gemm measured (w13 / w2 % of the read) at skew 0.4 the
     16-token tile 84.2 / 83.4 against the percentile's 32-token one 77.9 / 76.3, and at skew 1.2
     the 32-token mma.sync tile 67.3 / 66.2 against the percentile's 64-token wgmma one 63.3 / 61.5
-    (notes/gemm.md v20)."""
+    (notes/gemm-log.md v20)."""
     routing = make_routing(tokens_for_mean(8, 288, 8), 288, 8, skew=skew, seed=0)
     for n, k in ((4096, 4096), (4096, 2048)):
         cfg = gg.heuristic(n, k, np.diff(routing.offsets))

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBES = sorted((ROOT / "scripts/probes").glob("*.py"))
-NOTES = (ROOT / "notes/gemm.md").read_text() + (ROOT / "notes/layer.md").read_text()
+NOTES = "\n".join(p.read_text() for p in sorted((ROOT / "notes").glob("*.md")))  # designs and version logs
 
 
 def load(path: Path):

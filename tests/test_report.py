@@ -422,6 +422,7 @@ def test_notes_and_readme_cite_paths_that_exist():
     with its commit (`git show <commit>:<path>`)."""
     pat = re.compile(r"(?<![\w/:.-])((?:results|notes|scripts/probes|docs)/[\w./-]*\w)")
     missing = []
+    # the version logs (notes/*-log.md) are history: a path there was right at its version's commit
     for doc in ["README.md", report.PAGE, "notes/gemm.md", "notes/layer.md"]:
         text = re.sub(r"git show [0-9a-f]{7,40}:\S+", "", (ROOT / doc).read_text())
         for path in dict.fromkeys(pat.findall(text)):

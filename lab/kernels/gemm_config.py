@@ -261,7 +261,7 @@ def frags_for(max_count: int) -> int:
     return next((f for f in MAX_FRAGS_CHOICES if f >= need), MAX_FRAGS_CHOICES[-1])
 
 
-# The token-tile model (notes/gemm.md v20). One pass of a unit (an expert's row block) with token
+# The token-tile model (notes/gemm-log.md v20). One pass of a unit (an expert's row block) with token
 # tile 8 * max_frags costs max(floor, a + b * F) times reading its weights at the flat-read rate, F
 # the 8-token fragments the pass holds: (floor, a, b) per max_frags, fitted to bench_gemm on the H200
 # at the study's shape (uniform means 2-32 at 927f4c5: 97% at 2 and 89-90% at 8 for the 8- and
@@ -339,7 +339,7 @@ def heuristic(n: int, k: int, counts, layout: tuple[int, int] | None = None, act
     else:
         stages, cap = max(3, min(8, (80 * 1024) // stage_w)), 0
     # 64-token tiles: wgmma, one commit group per k atom; smaller tiles stay on mma.sync, which
-    # wgmma did not beat there (notes/gemm.md v9-v12).
+    # wgmma did not beat there (notes/gemm-log.md v9-v12).
     mma = 1 if frags >= 8 and warps % 4 == 0 and wgmma else 0
     image = mma == 1
     if frags > 8 and (not image or warps != 8 or row_tiles != 2):
@@ -377,7 +377,7 @@ def counts_range(counts_in) -> tuple[int, int]:
 # SPLIT_AT tokens on the 16-token tile, the others on theirs (bench_gemm --split at mean 8, 2eab60f
 # and 9d76701: the split at 16 beat the one launch by 1.13-1.18x at skew 1.2 and 1.08-1.12x at 0.8;
 # at 32 and 64 by less; with the hot experts on the 64-token mma.sync tile instead of the
-# 160-token image tile only 1.04-1.10x; three or four classes lost to two, notes/gemm.md v26).
+# 160-token image tile only 1.04-1.10x; three or four classes lost to two, notes/gemm-log.md v26).
 SPLIT_AT = 16
 
 
@@ -413,7 +413,7 @@ def gemm_plan(n: int, k: int, counts, layout: tuple[int, int] | None = None,
     expert, or, for skewed routing whose one launch is a mma.sync tile, with experts on both sides
     of SPLIT_AT, split_configs' two launches at SPLIT_AT. With NVFP4 activations that includes the
     16-token tile (hot experts of 17-45 tokens at skew 0.4 each took up to three passes; their
-    class on the image tile beside the rest on two streams is 4% faster, notes/gemm.md v26); with
+    class on the image tile beside the rest on two streams is 4% faster, notes/gemm-log.md v26); with
     bf16 ones only tiles past 16 tokens (measured there).
     Every tile writes the same bits: the 16 products of a k16 step share one pair of block scales,
     each being an e2m1 x e2m1 product (a multiple of 1/4, at most 36) times that pair, so their sum
@@ -446,7 +446,7 @@ SHIPPED_CONFIGS = tuple(
 
 
 # Fused tiles of 8-16 tokens take at least four stages where the plain ones take three: faster
-# for fused-layer, slower for the plain GEMMs (notes/layer.md v16).
+# for fused-layer, slower for the plain GEMMs (notes/layer-log.md v16).
 FUSED_SMALL_STAGES = 4
 # Shared memory the compacted expert list may take beside a small fused tile's pipeline when
 # two CTAs share an SM: up to 512 experts (launch_smem).

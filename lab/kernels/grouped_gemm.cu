@@ -516,7 +516,7 @@ grouped_gemm_nvfp4(  // problem 0; problem 1 (num_experts1 = 0 for a single prob
       // dispatch per pass to a loop over its stages with a compile-time fragment count, where the
       // other tiles dispatch per stage: at 512 tokens per expert (K 2048) the per-stage switch
       // (compares, a jump table, branch targets cold in the instruction cache) held ~7% of the
-      // consumers' stall samples (notes/gemm.md v31). The full pass is tested first, outside the
+      // consumers' stall samples (notes/gemm-log.md v31). The full pass is tested first, outside the
       // switch (inside it, the 160-token tile spilled ~0.8 KB; the register SwiGLU spills and
       // serializes its wgmma in either form, so it keeps the per-stage dispatch). The loop leaves
       // with the pass's last stage released and kc on it, for the epilogue below. Rings of an

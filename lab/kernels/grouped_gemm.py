@@ -335,7 +335,7 @@ def prepass_by_default(counts_in: tuple[int, int]) -> bool:
     out of the way and the launch starts with its image ready; inside the launch its first units
     wait for their pieces, and at mean 8, skew 1.2 (classes 1-16 / 17-max) the plan took 0.615 /
     0.325 ms (w13 / w2) with the pre-pass against 0.630 / 0.335 with builders (ab_kernels --plan, one
-    process; notes/gemm.md v35). Over every expert the builders win: x0.95 at 128 and 256 tokens
+    process; notes/gemm-log.md v35). Over every expert the builders win: x0.95 at 128 and 256 tokens
     per expert, x0.97-0.99 at 512, against x1.00 / x1.03 for the pre-pass."""
     return counts_in[0] > 1
 

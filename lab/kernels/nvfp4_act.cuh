@@ -48,7 +48,7 @@ __device__ __forceinline__ uint32_t e2m1_encode(float q) {
 // instruction (the w2 epilogue is issue bound: ~5 us of fused-layer went to a per-value form); its
 // NaN is canonical, so a NaN half takes the quiet form by a select, not a branch: a branch per
 // pair made the image tiles' bf16 epilogue ~3000 instructions of short blocks (BSSY/BSYNC,
-// instruction-cache misses), 1.9x the fp32 epilogue's count (Nsight Compute, notes/gemm.md v31).
+// instruction-cache misses), 1.9x the fp32 epilogue's count (Nsight Compute, notes/gemm-log.md v31).
 __device__ __forceinline__ uint32_t bf16x2_bits(float v0, float v1) {
   uint32_t r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(v1), "f"(v0));  // first source -> high half

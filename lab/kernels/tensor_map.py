@@ -4,7 +4,7 @@ The producer copies each pipeline stage (one contiguous run of `stage_bytes`) wi
 `cp.async.bulk.tensor.3d`: the map views the weights as [stage][row][element], a box is one
 whole stage, and the kernel names it by its stage index alone. The bytes and their order in
 shared memory are those of a 1-D `cp.async.bulk` of the same run; the tensor path streams
-faster (notes/gemm.md v13).
+faster (notes/gemm-log.md v13).
 
 CuPy has no binding for the driver's cuTensorMapEncodeTiled, so it is called through ctypes.
 The 128-byte map lives in device memory (the kernel takes its address), one per weight array,

@@ -44,7 +44,7 @@ NAMES = tuple(REGISTRY)
 # class), kept for the A/B against its large class on image tiles (results/skew_split.json
 # fused_layer_image_form; the two are the same where no expert passes HOT_TOKENS, 48).
 # fused-layer-swiglu runs the large class with the SwiGLU in w13's epilogue (fused-layer's form of
-# ea736dd-d1bc039), kept for the A/B against fused-out's stages (notes/gemm.md v28).
+# ea736dd-d1bc039), kept for the A/B against fused-out's stages (notes/gemm-log.md v28).
 ON_REQUEST: tuple[str, ...] = ("fused-layer-classes", "fused-layer-swiglu")
 DEFAULT = tuple(n for n in NAMES if n not in ON_REQUEST)
 

@@ -80,7 +80,7 @@ class FusedLayer:
     results/h200/token_axis.json), so fused-layer is fused-out there.
     `large` says how the large experts run: "staged" (above), "swiglu" (fused-layer-swiglu, the
     form of ea736dd-d1bc039: w13 with the SwiGLU epilogue, in the consumers' registers on the
-    160-token tile; the register SwiGLU costs ~45% of w13 at 128 tokens per expert, notes/gemm.md
+    160-token tile; the register SwiGLU costs ~45% of w13 at 128 tokens per expert, notes/gemm-log.md
     v27, and this form was 1-36% slower than the staged one at skew 0.8-1.2 and 64-512 tokens per
     expert, v28), or None (fused-layer-classes: one fused layer per size class, the form of
     947d39e-0015690)."""

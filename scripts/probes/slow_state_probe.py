@@ -1,7 +1,7 @@
 """Probe: whether the layer's slow state follows the process, the buffers, the variant or the bandwidth."""
 # Some processes time the layer 10-13% slower than others, for every variant or for some only.
 # Interleaved rounds of the variants, then a rebuild of the layer (runner, buffers, graphs), a few
-# times in one process with the flat read before each, separate those causes (notes/layer.md v15:
+# times in one process with the flat read before each, separate those causes (notes/layer-log.md v15:
 # it is the power cap).
 import sys
 

@@ -1,6 +1,6 @@
 """Probe: which warp slot (%warpid, so which of four schedulers) each warp gets when two CTAs share an SM."""
 # For the plain (6-warp) and fused (8-warp) CTA sizes: the kernel's argument for where its decoder
-# warps sit rests on this mapping (notes/layer.md v15).
+# warps sit rests on this mapping (notes/layer-log.md v15).
 import argparse
 import collections
 import sys

@@ -1,7 +1,7 @@
 // The activation image: the GEMM's B operand decoded once per launch, for tiles with no decoder
 // warps (Config DECODER_WARPS = 0, GemmConfig.image). With token tiles past 64 the decoder warps'
 // work per stage (TOKEN_TILE x K_STEP values, for every row block of the expert again) is what
-// bounds the tile (notes/gemm.md v20); the image moves it out of the consumers, and the producer
+// bounds the tile (notes/gemm-log.md v20); the image moves it out of the consumers, and the producer
 // copies each stage's activations as they are. Two writers of the same bytes:
 //   act_image       a pre-pass kernel before the GEMM (the 64- and 96-token tiles, and a split's
 //                   larger size class on any image tile: grouped_gemm.prepass_by_default);
@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(IMAGE_THREADS) act_image(const uint8_t* __rest
 // copies the piece. No deadlock: a builder never waits, and a piece is claimed only by a running
 // warp. The builders are not paced: they write the image well ahead of the units' need, at the
 // DRAM rate the GEMM leaves; holding each expert's pieces until the unit counter came within 1, 4
-// or 16 waves of its first unit timed level with this (notes/gemm.md v34).
+// or 16 waves of its first unit timed level with this (notes/gemm-log.md v34).
 //
 // unit_end as split_units leaves it; units0: problem 0's split units. Returns the pieces of the
 // launch (n_pieces0: problem 0's).

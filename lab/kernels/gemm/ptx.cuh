@@ -61,7 +61,7 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
 // Stage `stage` of a weight tensor map (box = one whole stage, lab/kernels/tensor_map.py) into
 // shared memory at dst (128-byte aligned). The same bytes in the same order as one 1-D
 // cp.async.bulk of the stage, but the tensor path streams faster: +2 points of the read roofline
-// at @8, +6-7 at @2 (notes/gemm.md v13).
+// at @8, +6-7 at @2 (notes/gemm-log.md v13).
 __device__ __forceinline__ void tensor_copy_stage(uint32_t dst, const void* map, int stage, uint32_t bar,
                                                   uint64_t pol) {
   asm volatile(

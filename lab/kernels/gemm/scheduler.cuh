@@ -63,7 +63,7 @@ struct SplitUnit {
 // block, token block of TOKEN_TILE), the token block fastest, one pass each. The CTAs that take
 // one row block's token blocks then stream its weights at about the same time, once from DRAM
 // and the rest from L2, where a unit of several passes re-read them from DRAM once per pass
-// (notes/gemm.md v21). The producer warp's scan: unit_end[i] = units of active experts 0..i;
+// (notes/gemm-log.md v21). The producer warp's scan: unit_end[i] = units of active experts 0..i;
 // returns their total.
 template <int TOKEN_TILE>
 __device__ __forceinline__ int split_units(const int* active, int n_active, int n_active0, const int* offsets0,
