@@ -18,7 +18,13 @@ less, and larger p only pushes more values below e4m3's normal range (2^-6), so 
 fewest subnormal and flushed weights of all p that do not overflow. No product m * s lies in
 (448, 464), the values that RNE without saturation would still take to 448, so "exceeds 448" and
 "does not round to a finite e4m3" are the same test. amax <= 6 * 448 gives p <= 3; a p given by
-the caller that lets a value exceed 448 raises ValueError naming ``p``.
+the caller that lets a value exceed 448 raises ValueError naming ``p``. A matrix quantized with
+its global computed from its amax (nvfp4.quantize without a global, as ModelOpt does) has a block
+with scale 448 holding a 6, so amax = 2688 and p = 3 for every such matrix (w13's gate and up
+halves alike): one table and a constant 2^3 in the epilogue. A per-row p differs from it only in
+rows whose largest |m * s| is below 224, and changes only weights that fall below 2^-6 at p = 3
+(|m * s| < 1/8: blocks some 2000 times below the matrix's amax); at or above 2^-6 which weights
+round does not depend on p.
 
 Which weights round. An e4m3 value has a 4-bit significand. With M the scale's significand
 (8 + mantissa for a normal scale code, the mantissa for a subnormal one), m * s * 2^-p is
@@ -311,7 +317,8 @@ def decode_fp8_reference(words, table_lo, table_hi) -> tuple[np.ndarray, np.ndar
     w = np.asarray(words).astype(np.uint64)
     lo, hi = np.asarray(table_lo), np.asarray(table_hi)
     if lo.dtype != np.uint8 or hi.dtype != np.uint8 or lo.shape[-1] != 8 or hi.shape[-1] != 8:
-        raise ValueError(f"table_lo and table_hi must be (..., 8) uint8, got {lo.dtype} {lo.shape}, {hi.dtype} {hi.shape}")
+        raise ValueError(f"table_lo and table_hi must be (..., 8) uint8, got {lo.dtype} {lo.shape}, "
+                         f"{hi.dtype} {hi.shape}")
     sign_bit = [7, 15, 23, 31, 3, 11, 19, 27]
     outs = []
     for half, table in ((0, lo), (1, hi)):

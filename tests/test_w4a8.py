@@ -15,7 +15,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from lab import reference, w4a8
+from lab import nvfp4, w4a8
 from lab.kernels import jit, sass
 from lab.problem import MoEProblem, make_routing, random_activations, random_weights
 from oracles import E4M3_FINITE, decode_blocks, e4m3_from_bits, e4m3_round, unpack
@@ -119,6 +119,20 @@ def test_p_is_the_smallest_that_keeps_every_weight_within_448(w, per_row):
         w4a8.convert_weights(packed, scales, low)
 
 
+@given(hnp.arrays(f32, st.tuples(st.integers(1, 3), st.integers(1, 8), st.sampled_from([16, 48])),
+                  elements=st.floats(-1, 1, width=32)), st.integers(-60, 60))
+def test_a_global_from_the_amax_makes_p_3(x, e):
+    """nvfp4.quantize's computed global puts a 6 in a block of scale 448 in every matrix that is
+    not all zero: p = 3 per matrix, whatever the magnitude (short of amax / 2688 below float32's
+    normal range, where the global is floored at 2^-126)."""
+    x = (x * np.float32(2.0**e)).astype(f32)
+    q = nvfp4.quantize(x)
+    amax = np.abs(x).max(axis=(1, 2))
+    assume(((amax == 0) | (amax / f32(2688) >= 2.0**-126)).all())
+    live = amax > 0
+    np.testing.assert_array_equal(w4a8.choose_p(q.packed, q.scales), np.where(live, 3, 0))
+
+
 def test_smallest_p_on_the_edges():
     amax = np.array([0.0, 448.0, 448.0 * (1 + 2.0**-52), 2688.0, 2.0**-10, 224.0, 449.0])
     np.testing.assert_array_equal(w4a8.smallest_p(amax), [0, 0, 1, 3, -18, -1, 1])
@@ -204,8 +218,8 @@ def test_table_equals_the_direct_conversion(w, shift):
     over = mag > 448
     np.testing.assert_array_equal(table[:127][~over], e4m3_round(mag[~over]))
     assert (table[:127][over] == 0x7F).all() and (table[0x7F] == 0x7F).all()
-    np.testing.assert_array_equal(table.view("<u4")[:, 0], table[:, 0].astype(np.uint32) | table[:, 1].astype(np.uint32) << 8
-                                  | table[:, 2].astype(np.uint32) << 16 | table[:, 3].astype(np.uint32) << 24)
+    t32 = table.astype(np.uint32)
+    np.testing.assert_array_equal(table.view("<u4")[:, 0], t32[:, 0] | t32[:, 1] << 8 | t32[:, 2] << 16 | t32[:, 3] << 24)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,7 +318,8 @@ def test_decode_header_on_the_host_matches_the_reference_bit_for_bit(tmp_path):
     t = np.ascontiguousarray(recs[:, 1:]).view(np.uint8).reshape(-1, 2, 8)
     lo, hi = w4a8.decode_fp8_reference(recs[:, 0], t[:, 0], t[:, 1])
     bad = np.flatnonzero((got[:, 0] != lo) | (got[:, 1] != hi))
-    assert bad.size == 0, f"{bad.size} records differ, first {recs[bad[0]]}: {got[bad[0]]} vs {lo[bad[0]]}, {hi[bad[0]]}"
+    assert bad.size == 0, (f"{bad.size} records differ, first {recs[bad[0]]}: {got[bad[0]]} vs "
+                           f"{lo[bad[0]]}, {hi[bad[0]]}")
 
 
 @needs_nvcc
