@@ -21,6 +21,8 @@ CPU_RUNS = {
     "make_checkpoint": lambda tmp: [str(tmp / "c.safetensors"), "--experts", "2", "--hidden", "64",
                                     "--intermediate", "64"],
     "scale_fold_probe": lambda tmp: [],
+    "w4a8_error_study": lambda tmp: ["--hidden", "128", "--intermediate", "64", "--tokens", "32",
+                                     "--json", str(tmp / "w4a8.json")],
     "report": None,
     "sass_mix": None,  # needs nvcc and nvdisasm: run by tests/test_sass.py
     "check_gpu_verdict": None,  # reads a check_gpu.sh run: tests/test_check_gpu.py
