@@ -49,7 +49,7 @@ PAGE_RUNS = {
     "chunk_study": "results/chunk_study.json",
     "tile_sweep": "results/tile_sweep.json",
     # one full token axis per board, the board the lab is built for first (it gives README's table)
-    "token_axis": ("results/h200/token_axis.json",),
+    "token_axis": ("results/h200/token_axis.json", "results/h100/token_axis.json"),
 }
 
 def _us(ms: float) -> str:

@@ -309,11 +309,31 @@ def token_png(run: dict) -> str:
     return f"token-axis-{board(run).lower()}.png"
 
 
+def failed_peers(p: dict) -> list[str]:
+    """The peers that failed at this point (an error, not a skip for want of torch)."""
+    return [n for n, e in p["impls"].items() if e["peer"] and e.get("error")]
+
+
+def left_out(ta: dict) -> str:
+    """' Left out: 1024 (torch-fp8 failed: prepare: OutOfMemoryError)': the means where a peer
+    failed, which no verdict against the fastest peer may use (the fastest may be the one missing)."""
+    notes = []
+    for p in sorted(ta["points"], key=lambda p: p["mean"]):
+        bad = failed_peers(p)
+        if bad:
+            why = sorted({(p["impls"][n]["error"].split(":")[0] + ": " + p["impls"][n]["error"].split(":")[1].strip())
+                          if ":" in p["impls"][n]["error"] else p["impls"][n]["error"] for n in bad})
+            notes.append(f"{p['mean']:g} ({', '.join(bad)} failed: {'; '.join(why)})")
+    return f" Left out, where a peer failed: {', '.join(notes)}." if notes else ""
+
+
 def against_fastest_peer(ta: dict) -> list[tuple[float, float, str]]:
     """(mean, the fastest peer's ms / the lab's best valid variant's ms, that peer) at each mean
-    where both ran, in order of mean: above 1 the lab is faster."""
+    where both ran and no peer failed, in order of mean: above 1 the lab is faster."""
     out = []
     for p in sorted(ta["points"], key=lambda p: p["mean"]):
+        if failed_peers(p):
+            continue
         best = _ta_impl(p, p["best_lab"]) if p.get("best_lab") else None
         peer = _ta_impl(p, p["fastest_peer"]) if p.get("fastest_peer") else None
         if best and peer:
@@ -365,7 +385,17 @@ def crossover_sentence(ta: dict) -> str | None:
         parts.append(f"{side} at {_span(means)} ({how})")
     peers = sorted({n for _, _, n in rs})
     return (f"On the {board(ta)}, the lab's best valid variant against the fastest peer measured in the same run "
-            f"({', '.join(peers)}), by tokens per expert: " + "; ".join(parts) + ".")
+            f"({', '.join(peers)}{_eager_note(ta)}), by tokens per expert: " + "; ".join(parts) + "." + left_out(ta))
+
+
+def _eager_note(ta: dict) -> str:
+    """'; its activation stage eager: ...' for a run made before the peers compiled that stage
+    (their entries carry no `stand_in` field), so that the sentence does not pass such a peer off
+    as the compiled one."""
+    peer_entries = [e for p in ta["points"] for e in p["impls"].values() if e["peer"] and e.get("ms")]
+    if peer_entries and not any("stand_in" in e for e in peer_entries):
+        return "; a run from before the compiled peers: its activation stage ran eagerly"
+    return ""
 
 
 def board_shift_sentence(runs: list[dict]) -> str | None:
@@ -400,7 +430,9 @@ def headline_table(ta: dict) -> str:
         w16 = best_w4a16(p)
         peer = _ta_impl(p, p["fastest_peer"]) if p.get("fastest_peer") else None
         versus = "-"
-        if best and peer:
+        if failed_peers(p):
+            versus = f"- ({', '.join(failed_peers(p))} failed)"
+        elif best and peer:
             r = peer["ms"] / best["ms"]
             versus = {"faster": f"{r:.2f}x faster", "slower": f"{1 / r:.2f}x slower", "level": "level"}[_side(r)]
         body.append([f"{p['mean']:g}", "-" if not best else f"{best['ms']:.3f} ({p['best_lab']})", _pct(best),
