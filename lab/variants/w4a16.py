@@ -117,7 +117,11 @@ class W4A16Fused(_Graphed):
 
 class W4A16Layer(_Graphed):
     """w4a16-layer: the whole W4A16 layer in one persistent launch (the fused layer's kernel with
-    bf16 activations); bf16 output straight from the w2 epilogue."""
+    bf16 activations); bf16 output straight from the w2 epilogue. Past HOT_TOKENS on the largest
+    expert it runs staged, as fused-layer does: w4a16's w13 and SwiGLU, then w2 writing the bf16
+    output from its epilogue where w2 runs an image tile (one pass of the layer mode holds 64
+    tokens, and at 2048 tokens per expert the one-launch form took 1.7x w4a16's time). Either
+    form writes w4a16's bits (the epilogue rounds as the conversion kernel does)."""
 
     name = "w4a16-layer"
     expect = "approx"
@@ -126,15 +130,33 @@ class W4A16Layer(_Graphed):
     def setup(self, runner, layer) -> None:
         from dataclasses import replace
 
+        from .fused_layer import HOT_TOKENS
         from .one_launch_2g import pair_plan
 
-        self.x, self.a, self.ones, self.w2_global, _, _ = bf16_operands(runner, layer)
+        self.x, self.a, self.ones, self.w2_global, self.cfg13, self.cfg2 = bf16_operands(runner, layer)
+        self.staged = int(layer.counts.max()) > HOT_TOKENS
+        if self.staged:
+            self.fp32_out = not self.cfg2.image  # (an image w2 writes the bf16 output only)
+            return
         cfg, self.w13, self.w2 = pair_plan(layer, paired=True)  # one tile, one layout for both GEMMs
         self.cfg = replace(cfg, act="bf16")  # (fused_config fits its stages to shared memory)
         w = layer.weights
         self.fusion = gg.Fusion(w.gate_global, w.up_global, 1.0, self.a, None, runner.counter, layer.out_bf16)
 
     def launch(self, runner, layer) -> None:
-        with runner.stage("layer", runner.stream):
-            gg.fused_layer(self.w13, self.x, None, layer.offsets, self.ones, self.w2, self.w2_global,
-                           self.fusion, self.cfg, stream=runner.stream)
+        if not self.staged:
+            with runner.stage("layer", runner.stream):
+                gg.fused_layer(self.w13, self.x, None, layer.offsets, self.ones, self.w2, self.w2_global,
+                               self.fusion, self.cfg, stream=runner.stream)
+            return
+        w, s = layer.weights, runner.stream
+        with runner.stage("w13", s):
+            gg.grouped_gemm(w.w13, self.x, None, layer.offsets, self.ones, layer.h, self.cfg13, stream=s)
+        with runner.stage("act", s):
+            sq.swiglu_bf16(layer.h, layer.offsets, w.gate_global, w.up_global, self.a, runner.counter, stream=s)
+        if self.cfg2.image:
+            with runner.stage("w2", s):
+                gg.grouped_gemm(w.w2, self.a, None, layer.offsets, self.w2_global, layer.out_bf16, self.cfg2,
+                                stream=s, nonfinite=runner.counter)
+        else:
+            self.w2_out(runner, layer)
