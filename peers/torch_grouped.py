@@ -26,10 +26,13 @@ compares the two on the layer's own h and keeps the count (`vs_eager`). Where co
 (`stand_in`, and `label` names the row as the eager form).
 
 Blockwise fp8 (the DeepSeek-V3 recipe: activations scaled per token and 128 columns, weights per
-128 x 128 block) as a grouped GEMM: `blockwise_support()` asks this torch. torch 2.11's
-`_scaled_grouped_mm` on sm_90 takes rowwise scales only (TODO-PROBE), so there is no
-torch-fp8-block peer; torch's dense `_scaled_mm` has the recipe on sm_90, but one launch per
-expert is not a grouped GEMM a user would run for 288 experts.
+128 x 128 block) as a grouped GEMM: `blockwise_support()` asks this torch, and token_axis records
+its answer. torch 2.11 (2.11.0+cu130) names the recipe (torch.nn.functional.scaled_grouped_mm
+with ScalingType.Blockwise_1x128 / Blockwise_128x128) but on sm_90 raises "No gemm
+implementation was found" (an H100, results/h100/token_axis.json `peers`); 2.8-2.10 have no
+blockwise grouped form either. So there is no torch-fp8-block peer: torch's dense `_scaled_mm`
+has the recipe on sm_90, but one launch per expert is not a grouped GEMM a user would run for
+288 experts.
 
 The gate/up/w2 globals live in the dequantized weights, so SwiGLU is the plain one. Launches go
 to the runner's stream (torch.cuda.ExternalStream over it), so NVTX ranges and CUDA events are
