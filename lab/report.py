@@ -41,8 +41,8 @@ PAGE = "docs/findings.md"
 PAGE_RUNS = {
     "layer": ("results/run_layer.json", "results/run_layer_sustained.json", "results/run_layer_skew0.4.json",
               "results/run_layer_skew0.8.json", "results/run_layer_skew1.2.json"),
-    "gemm": ("results/bench_gemm.json", "results/bench_gemm_wide_tiles.json", "results/bench_gemm_wide_64.json",
-             "results/bench_gemm_skew1.2.json"),
+    "gemm": ("results/bench_gemm.json", "results/bench_gemm_wide_tiles.json",
+             "results/bench_gemm_tiles_96_160_at_64_128.json", "results/bench_gemm_skew1.2.json"),
     "models": ("results/run_layer.json", "results/run_layer_deepseek-v3.json", "results/run_layer_qwen3-235b-a22b.json",
                "results/run_layer_qwen3-30b-a3b.json", "results/run_layer_llama-4-maverick.json"),
     "read_roofline": "results/read_roofline.json",

@@ -6,7 +6,7 @@ one process to the next; only a comparison inside one process counts (notes/gemm
 
     mkdir -p /tmp/base && git archive HEAD lab/kernels | tar -x -C /tmp/base
     python scripts/ab_kernels.py --tree base=/tmp/base/lab/kernels --tree work=lab/kernels \\
-        --gemm w2 --mean-tokens 512 2048 --out fp32 bf16 --json results/ab_<what>.json
+        --gemm w2 --mean-tokens 512 2048 --out fp32 bf16 --json results/studies/<question>.json
 
 --json is rewritten after every row ("complete": false until the last one), so a run that a
 timeout stops keeps the rows it finished. Each row's rounds follow --hold-ms (default 1000) of

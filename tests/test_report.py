@@ -400,30 +400,50 @@ def test_page_runs_are_the_files_under_results():
 
 # What scripts/check_gpu.sh writes under results/: run output, not committed (.gitignore).
 WRITTEN_NOT_KEPT = {"results/pytest_gpu.log", "results/sanitizer.txt"}
-CITED_FROM = ["README.md", report.PAGE, *sorted(p.relative_to(ROOT).as_posix()
-                                                           for p in (ROOT / "scripts").rglob("*") if p.is_file())]
+# The index of results/: a line for each file, and the files whose run records no lab commit.
+RESULTS_INDEX = ROOT / "results" / "README.md"
+NO_LAB_COMMIT = "## Without setup.lab_commit"
 
 
-def test_results_hold_the_cited_runs_only():
-    """results/ keeps the current run of each script, as JSON, each cited by the README, the
-    findings page or a script; older runs are cited from git history."""
-    files = sorted(p.relative_to(ROOT / "results").as_posix() for p in (ROOT / "results").rglob("*") if p.is_file())
-    folders = sorted(p.name for p in (ROOT / "results").iterdir() if p.is_dir())
-    assert all(re.fullmatch(r"[a-z]+\d+", f) for f in folders), folders  # board folders only: h200, h100
-    assert len(files) <= 21, files
-    assert all(f.endswith(".json") for f in files), files
-    text = "\n".join((ROOT / p).read_text() for p in CITED_FROM)
-    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `results/` |"))
-    assert [f for f in files if f"results/{f}" not in text and f"`{f}`" not in row] == []
+def results_json() -> list[str]:
+    return sorted(p.relative_to(ROOT / "results").as_posix() for p in (ROOT / "results").rglob("*.json"))
+
+
+def test_results_hold_json_listed_in_their_index():
+    """results/ keeps JSON only, in board folders (h200, h100) and studies/ one level down, each file
+    with its line in results/README.md, which names no file that is gone (older runs are cited from
+    git history)."""
+    under = [p.relative_to(ROOT / "results") for p in (ROOT / "results").rglob("*")]
+    folders = sorted(p.as_posix() for p in under if (ROOT / "results" / p).is_dir())
+    assert all(re.fullmatch(r"[a-z]+\d+|studies", f) for f in folders), folders
+    files = sorted(p.as_posix() for p in under if (ROOT / "results" / p).is_file())
+    assert [f for f in files if not f.endswith(".json") and f != "README.md"] == []
+    index = RESULTS_INDEX.read_text()
+    rows = re.findall(r"^\| `([\w./-]+\.json)` \|", index, re.M)
+    assert [f for f in results_json() if f not in rows] == []
+    assert len(rows) == len(set(rows)), rows
+    named = re.findall(r"`([\w./-]+\.json)`", re.sub(r"git show [0-9a-f]{7,40}:\S+", "", index))
+    assert [n for n in dict.fromkeys(named) if not (ROOT / "results" / n).is_file()] == []
+
+
+def test_runs_record_their_lab_commit():
+    """A results JSON a script wrote (a top-level "script") records the commit it ran
+    (setup.lab_commit), or results/README.md lists it under NO_LAB_COMMIT with the reason."""
+    lacking = [f for f in results_json()
+               if "script" in (run := json.loads((ROOT / "results" / f).read_text()))
+               and not (run.get("setup") or {}).get("lab_commit")]
+    excused = re.findall(r"^- `([\w./-]+\.json)`: \S", RESULTS_INDEX.read_text().split(NO_LAB_COMMIT, 1)[1], re.M)
+    assert lacking == sorted(excused)
 
 
 def test_notes_and_readme_cite_paths_that_exist():
     """A run, note or probe that the notes, the README or the page name is in the tree, or cited
-    with its commit (`git show <commit>:<path>`)."""
-    pat = re.compile(r"(?<![\w/:.-])((?:results|notes|scripts/probes|docs)/[\w./-]*\w)")
+    with its commit (`git show <commit>:<path>`). A command's --json argument is where that run was
+    written first (the page prints each run's command as recorded), not a file the tree keeps."""
+    pat = re.compile(r"(?<![\w/:.-])(?<!--json )((?:results|notes|scripts/probes|docs)/[\w./-]*\w)")
     missing = []
     # the version logs (notes/*-log.md) are history: a path there was right at its version's commit
-    for doc in ["README.md", report.PAGE, "notes/gemm.md", "notes/layer.md"]:
+    for doc in ["README.md", report.PAGE, "notes/gemm.md", "notes/layer.md", "results/README.md"]:
         text = re.sub(r"git show [0-9a-f]{7,40}:\S+", "", (ROOT / doc).read_text())
         for path in dict.fromkeys(pat.findall(text)):
             if path not in WRITTEN_NOT_KEPT and not (ROOT / path).exists():

@@ -41,8 +41,9 @@ NAMES = tuple(REGISTRY)
 # Variants scripts take only when asked by name: ones built and checked on the CPU but not yet run
 # on the H200 (so a default run reports measured kernels only), and forms kept for an A/B.
 # fused-layer-classes is fused-layer's form of 947d39e-0015690 (one persistent layer per size
-# class), kept for the A/B against its large class on image tiles (results/skew_split.json
-# fused_layer_image_form; the two are the same where no expert passes HOT_TOKENS, 48).
+# class), kept for the A/B against its large class on image tiles
+# (results/studies/fused_layer_large_class.json fused_layer_image_form; the two are the same where
+# no expert passes HOT_TOKENS, 48).
 # fused-layer-swiglu runs the large class with the SwiGLU in w13's epilogue (fused-layer's form of
 # ea736dd-d1bc039), kept for the A/B against fused-out's stages (notes/gemm-log.md v28).
 ON_REQUEST: tuple[str, ...] = ("fused-layer-classes", "fused-layer-swiglu")

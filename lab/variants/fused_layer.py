@@ -46,7 +46,7 @@ def launches(layer, cfg: gg.GemmConfig) -> list[tuple[gg.GemmConfig, tuple[int, 
 # tiles. One pass of the layer mode holds 64 tokens, yet the staged form was level at 40-45 tokens
 # (uniform mean 24, skew 0.4) and 4.6% faster at 56 (uniform mean 32: 1.700 against 1.782 ms), the
 # layer mode 0.8% faster at 35 (mean 20); run_layer and token_axis at 5053665,
-# results/token_axis_fused.json `hot_tokens`.
+# results/studies/fused_layer_large_class.json `hot_tokens`.
 HOT_TOKENS = 48
 
 

@@ -1,15 +1,15 @@
 """Probe: can a skewed GEMM's large experts run on the same SMs as its small ones, hiding their tensor work under the stream?"""
 # At mean 8, skew 1.2 the split w13 is a small-expert launch that streams at ~90% of DRAM with ~38%
-# of its issue slots and ~78% of its tensor pipe idle, and a large-expert launch that is tensor
-# and decode bound (ncu, results/skew_split.json ncu_skew1.2_w13_classes). On two streams they
-# overlap only in each other's tail: the shipped large tile (256 rows x 160 tokens, 137 KB of
-# shared memory per stage ring and all of the register file) cannot sit beside the small tile's
-# two CTAs. A large-class tile of one consumer warpgroup (64 rows x 160 tokens, 151 or 137
-# registers, 137 or 68 KB) can, one CTA per SM: beside the small tile's two CTAs (k_step 64) or
-# one (k_step 128, the small tile at one CTA per SM). This times, alternating rounds in one process,
-# the shipped split on two streams against those pairings (and each launch alone), and compares
-# every output bit for bit with the shipped split's on the rows it writes. The 64-row tile needs
-# the weights in its own layout (a second copy, for the probe only).
+# of its issue slots and ~78% of its tensor pipe idle, and a large-expert launch that is tensor and
+# decode bound (ncu, results/studies/skew_split_classes_on_sms.json ncu_skew1.2_w13_classes). On two
+# streams they overlap only in each other's tail: the shipped large tile (256 rows x 160 tokens,
+# 137 KB of shared memory per stage ring and all of the register file) cannot sit beside the small
+# tile's two CTAs. A large-class tile of one consumer warpgroup (64 rows x 160 tokens, 151 or 137
+# registers, 137 or 68 KB) can, one CTA per SM: beside the small tile's two CTAs (k_step 64) or one
+# (k_step 128, the small tile at one CTA per SM). This times, alternating rounds in one process, the
+# shipped split on two streams against those pairings (and each launch alone), and compares every
+# output bit for bit with the shipped split's on the rows it writes. The 64-row tile needs the
+# weights in its own layout (a second copy, for the probe only).
 import argparse
 import sys
 from dataclasses import replace

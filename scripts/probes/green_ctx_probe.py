@@ -1,8 +1,9 @@
 """Probe: do the lab's kernels run on green-context streams, on the SMs given them, and does such an SM partition let a skewed split's two launches run side by side?"""
 # sm_partition_probe caps each launch's grid, but where CTAs land is the block scheduler's choice:
-# the small class's CTAs spread over every SM before the large class's can be placed (skew_split.json
-# sm_partition_probe). A green context (CUDA 12.4+ driver API) owns a set of SMs; work on its streams
-# runs there only. This asks, in order, and says where it stops:
+# the small class's CTAs spread over every SM before the large class's can be placed
+# (studies/skew_split_classes_on_sms.json sm_partition_probe). A green context (CUDA 12.4+ driver
+# API) owns a set of SMs; work on its streams runs there only. This asks, in order, and says where
+# it stops:
 #   1. does the driver split the SMs (the partition sizes it grants for the asked counts)?
 #   2. does a CuPy kernel, loaded in the primary context, launch on a green context's stream, and on
 #      which SMs does it run (%smid per block, the two partitions disjoint)?

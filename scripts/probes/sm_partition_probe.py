@@ -1,12 +1,12 @@
 """Probe: does a skewed GEMM's split run faster with its large class on a fixed share of the SMs, issued first, and the small class on the rest?"""
 # At mean 8, skew 1.2 the two launches of the split w13 barely overlap on two streams (0.612 ms
-# against 0.480 + 0.144-0.165 alone, skew_split.json coresident_probe): whichever is issued first
-# takes every SM, the other runs in its tail. The small class is read bound, the large one tensor
-# and decode bound, so a partition could pay: the large class on S SMs from the start (its CTAs
-# take a whole SM each), the small class's CTAs on the other SMs at the read rate, both ending
-# together. This times, alternating rounds in one process, the shipped split on two streams
-# against the large class issued first on S SMs (grouped_gemm's `sms`) beside the small class on
-# the rest, and each capped launch alone, and compares every output bit for bit.
+# against 0.480 + 0.144-0.165 alone, studies/skew_split_classes_on_sms.json coresident_probe):
+# whichever is issued first takes every SM, the other runs in its tail. The small class is read
+# bound, the large one tensor and decode bound, so a partition could pay: the large class on S SMs
+# from the start (its CTAs take a whole SM each), the small class's CTAs on the other SMs at the
+# read rate, both ending together. This times, alternating rounds in one process, the shipped split
+# on two streams against the large class issued first on S SMs (grouped_gemm's `sms`) beside the
+# small class on the rest, and each capped launch alone, and compares every output bit for bit.
 import argparse
 import sys
 
