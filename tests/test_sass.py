@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from lab.kernels import gemm_config as gc
 from lab.kernels import grouped_gemm as gg
 from lab.kernels import jit, sass
 
@@ -89,12 +90,12 @@ def test_an_unresolved_label_leaves_no_target():
 
 
 @TOOLS
-@pytest.mark.parametrize("act", gg.ACTS)
+@pytest.mark.parametrize("act", gc.ACTS)
 def test_the_64_token_image_tile_has_one_stage_loop_per_fragment_count(act):
     """The per-pass dispatch (grouped_gemm.cu): a loop for each fragment count 1..8, each issuing
     one wgmma shape, m64 x (8F), two row tiles x eight k16 steps per stage, with the decode's 4
     HMUL2 and 1 scale conversion per tile-step and nothing on the FP32 pipe."""
-    cfg = gg.GemmConfig(8, 2, 128, 4, 8, 1, act=act, image=True)
+    cfg = gc.GemmConfig(8, 2, 128, 4, 8, 1, act=act, image=True)
     mixes = sass.stage_mixes(gg.SOURCE, cfg.expression)
     assert sorted(m.tokens for m in mixes) == [8 * f for f in range(1, 9)]
     for m in mixes:
@@ -107,7 +108,7 @@ def test_the_64_token_image_tile_has_one_stage_loop_per_fragment_count(act):
 
 @TOOLS
 def test_the_160_token_tile_with_builders_has_twenty_stage_loops():
-    cfg = gg.GemmConfig(8, 2, 128, 3, 20, 1, image=True)
+    cfg = gc.GemmConfig(8, 2, 128, 3, 20, 1, image=True)
     mixes = sass.stage_mixes(gg.SOURCE, cfg.expression_for(False, builders=True))
     assert sorted(m.tokens for m in mixes) == [8 * f for f in range(1, 21)]
     assert all(m.n_tensor == 16 and len(m.tensor_ops) == 1 for m in mixes)
@@ -123,7 +124,7 @@ def test_sass_of_another_tree_compiles_from_that_tree(tmp_path):
     edited = text.replace("  p0 = (w << 6) & DECODE_MASK;", "  p0 = ((w << 6) & DECODE_MASK) ^ (w >> 17);")
     assert edited != text and cu.is_file()
     (tree / "gemm" / "decode.cuh").write_text(edited)
-    cfg = gg.GemmConfig(8, 2, 128, 4, 8, 1, image=True)
+    cfg = gc.GemmConfig(8, 2, 128, 4, 8, 1, image=True)
     base = {m.tokens: m for m in sass.stage_mixes(gg.SOURCE, cfg.expression)}
     other = {m.tokens: m for m in sass.stage_mixes(gg.SOURCE, cfg.expression, tree)}
     assert base.keys() == other.keys()
