@@ -23,6 +23,7 @@ CPU_RUNS = {
     "scale_fold_probe": lambda tmp: [],
     "report": None,
     "sass_mix": None,  # needs nvcc and nvdisasm: run by tests/test_sass.py
+    "same_sass": None,  # needs nvcc and two trees: run by tests/test_sass.py
 }
 # scripts that print something useful before saying they need a GPU (run_layer: the bytes table)
 PRINTS_FIRST = {"run_layer"}
