@@ -21,6 +21,8 @@ import numpy as np
 from lab import checks, models, nvfp4, reference
 from lab.cli import HelpFormatter, output_path
 from lab.device_info import setup_info
+from lab.kernels import gemm_config as gc
+from lab.kernels import gemm_weights as gw
 from lab.kernels import grouped_gemm as gg
 from lab.problem import (W2_INPUT_SCALE, W13_INPUT_SCALE, MoEProblem, make_routing, random_activations,
                          random_weights, tokens_for_mean)
@@ -50,12 +52,12 @@ def parse_config(text: str) -> tuple[int, ...]:
     return vals
 
 
-def config_of(values: tuple[int, ...], default: gg.GemmConfig) -> gg.GemmConfig:
+def config_of(values: tuple[int, ...], default: gc.GemmConfig) -> gc.GemmConfig:
     """The GemmConfig a --config value names (not yet validated); what it leaves out comes from
     `default` (max_frags and the activation form) or is 0 (mma, ctas_per_sm, image)."""
     w, r, ks, st, *rest = values
     frags = rest[2] if len(rest) > 2 else default.max_frags
-    return gg.GemmConfig(w, r, ks, st, frags, mma=rest[0] if rest else 0,
+    return gc.GemmConfig(w, r, ks, st, frags, mma=rest[0] if rest else 0,
                          ctas_per_sm=rest[1] if len(rest) > 1 else 0, act=default.act,
                          image=bool(rest[3]) if len(rest) > 3 else False,
                          build_image=len(rest) > 3 and rest[3] == 2)
@@ -161,23 +163,23 @@ class GemmBench:
         }
         self._prep: dict[str, tuple] = {}
 
-    def prepared(self, gemm: str, layout: tuple[int, int]) -> gg.PreparedWeights:
+    def prepared(self, gemm: str, layout: tuple[int, int]) -> gw.PreparedWeights:
         cached = self._prep.get(gemm)
         if cached is None or cached[0] != layout:
             self._prep.pop(gemm, None)  # free the old layout first
             g = self.gemms[gemm]
             log(self.tag, f"{gemm}: preparing the kernel layout {layout} on the GPU")
-            self._prep[gemm] = (layout, gg.prepare_weights(g["packed"], g["scales"], xp=self.cp, layout=layout))
+            self._prep[gemm] = (layout, gw.prepare_weights(g["packed"], g["scales"], xp=self.cp, layout=layout))
         return self._prep[gemm][1]
 
-    def paired_w13(self, layout: tuple[int, int]) -> gg.PreparedWeights:
+    def paired_w13(self, layout: tuple[int, int]) -> gw.PreparedWeights:
         """w13 with gate/up rows paired (the SwiGLU epilogue's weights) in `layout`, one layout kept."""
         cached = self._prep.get("w13_paired")
         if cached is None or cached[0] != layout:
             self._prep.pop("w13_paired", None)
             g = self.gemms["w13"]
             log(self.tag, f"w13 (gate/up paired): preparing the kernel layout {layout} on the GPU")
-            self._prep["w13_paired"] = (layout, gg.prepare_weights(g["packed"], g["scales"], xp=self.cp, layout=layout,
+            self._prep["w13_paired"] = (layout, gw.prepare_weights(g["packed"], g["scales"], xp=self.cp, layout=layout,
                                                                    pair_gate_up=True))
         return self._prep["w13_paired"][1]
 
@@ -223,7 +225,7 @@ class GemmBench:
         for skew in skews:
             for gemm in gemms:
                 case = self.case(gemm, mean_tokens, skew)
-                plan = gg.gemm_plan(case.n, case.k, case.counts)
+                plan = gc.gemm_plan(case.n, case.k, case.counts)
                 if len(plan) != 2:
                     log(self.tag, f"{gemm} skew {skew}: the plan is one launch; skipped")
                     continue
@@ -235,7 +237,7 @@ class GemmBench:
         rows = []
         for m, g in got.items():
             rows.append({"gemm": case.gemm, "skew": skew, "mean_tokens": case.mean_tokens, "mode": m, **extra,
-                         "plan": gg.plan_record(plan), **g, "bytes": nbytes})
+                         "plan": gc.plan_record(plan), **g, "bytes": nbytes})
             log(self.tag, f"{case.gemm} skew {skew} {m:{width}s} rounds "
                           f"{' '.join(f'{v:.4f}' for v in g['round_median_ms'])} ms  "
                           f"differ {g['differ']} unwritten {g['unwritten']}")
@@ -286,7 +288,7 @@ class GemmBench:
         with two or more size classes: the small experts' launch on a second stream, issued first,
         beside the rest in order on the first, as the layer's graph variants run a split of two
         (separate.run_plan); the row's "streams" says which ran."""
-        plan = gg.split_configs(case.n, case.k, case.counts, hot_from, act=act, wgmma=wgmma)
+        plan = gc.split_configs(case.n, case.k, case.counts, hot_from, act=act, wgmma=wgmma)
         layouts = {(c.block_rows, c.k_step) for c, _ in plan}
         assert len(layouts) == 1, plan  # (one prepared layout: the heuristic's for this N and K)
         prep = self.prepared(case.gemm, layouts.pop())
@@ -317,11 +319,11 @@ class GemmBench:
         t_roof = nbytes / (roofline_gbps * 1e9) * 1e3
         return {"gemm": case.gemm, "act": act, "mean_tokens": case.mean_tokens, "rows": case.rows,
                 "max_count": int(case.counts.max()), "config": plan[0][0].__dict__, "split": [int(b) for b in np.atleast_1d(hot_from)], "wgmma": wgmma, "streams": streams,
-                "plan": gg.plan_record(plan), "bytes": nbytes,
+                "plan": gc.plan_record(plan), "bytes": nbytes,
                 "ms": t.median_ms, "ms_min": t.min_ms, "ms_max": t.max_ms, "gbps": nbytes / t.median_ms / 1e6,
                 "roof_pct": 100 * t_roof / t.median_ms, "unwritten": unwritten}
 
-    def measure(self, case: GemmCase, cfg: gg.GemmConfig, roofline_gbps: float, iterations: int,
+    def measure(self, case: GemmCase, cfg: gc.GemmConfig, roofline_gbps: float, iterations: int,
                 read_pattern: bool = True) -> dict:
         """Time `cfg` on `case` (after one poisoned run whose unwritten elements are counted)."""
         prep = self.prepared(case.gemm, (cfg.block_rows, cfg.k_step))
@@ -367,7 +369,7 @@ class GemmBench:
         row.update(self.image_pass(case, prep, cfg, gemm_ms, roofline_gbps, iterations))
         return row
 
-    def image_pass(self, case: GemmCase, prep: gg.PreparedWeights, cfg: gg.GemmConfig, gemm_ms: float,
+    def image_pass(self, case: GemmCase, prep: gw.PreparedWeights, cfg: gc.GemmConfig, gemm_ms: float,
                    roofline_gbps: float, iterations: int) -> dict:
         """The activation-image pre-pass that an image tile's launch runs first (grouped_gemm's
         act_image), timed alone on the same inputs: its ms, its share of `gemm_ms` (the GEMM's with

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import ml_dtypes
 import numpy as np
 
-from .kernels import grouped_gemm as gg
+from .kernels import gemm_config as gc
+from .kernels import gemm_weights as gw
 from .kernels import swiglu_quant as sq
 from .problem import MoEProblem, MoEWeights, Routing
 
@@ -125,8 +126,8 @@ class DeviceWeights:
 
     problem: MoEProblem
     host: MoEWeights
-    w13: gg.PreparedWeights  # (E, 2I, H)
-    w2: gg.PreparedWeights  # (E, H, I)
+    w13: gw.PreparedWeights  # (E, 2I, H)
+    w2: gw.PreparedWeights  # (E, H, I)
     gate_global: object  # (E,) float32
     up_global: object  # (E,) float32
     w13_alpha: object  # (E,) float32: the w13 input global for every expert (no weight global)
@@ -143,8 +144,8 @@ def upload_weights(weights: MoEWeights) -> DeviceWeights:
     problem = check_weights(weights)
     cp = require_gpu("upload_weights")
     e = problem.experts
-    w13 = gg.prepare_weights(weights.w13_packed, weights.w13_scales, xp=cp)
-    w2 = gg.prepare_weights(weights.w2_packed, weights.w2_scales, xp=cp)
+    w13 = gw.prepare_weights(weights.w13_packed, weights.w13_scales, xp=cp)
+    w2 = gw.prepare_weights(weights.w2_packed, weights.w2_scales, xp=cp)
     g1 = np.float32(weights.w13_input_scale)
     g2 = np.float32(weights.w2_input_scale)
     w2_alpha = (g2 * weights.w2_global.astype(np.float32)).astype(np.float32)
@@ -169,8 +170,8 @@ class Part:
     r0: int
     r1: int
     offsets: object  # (e1-e0+1,) int32, offsets[e0:e1+1] - r0
-    w13: gg.PreparedWeights
-    w2: gg.PreparedWeights
+    w13: gw.PreparedWeights
+    w2: gw.PreparedWeights
     w13_alpha: object
     w2_alpha: object
     gate_global: object
@@ -206,10 +207,10 @@ class Layer:
     a_scales: object
     out: object
     out_bf16: object
-    w13_cfg: gg.GemmConfig  # the heuristic's tile for one launch over every expert (fused kernels)
-    w2_cfg: gg.GemmConfig
+    w13_cfg: gc.GemmConfig  # the heuristic's tile for one launch over every expert (fused kernels)
+    w2_cfg: gc.GemmConfig
     full: Part = None
-    # The launches of each unfused GEMM (gg.gemm_plan): w13_cfg's alone, or, under skewed routing,
+    # The launches of each unfused GEMM (gc.gemm_plan): w13_cfg's alone, or, under skewed routing,
     # two by expert size on tiles whose bits equal its own
     w13_plan: tuple = ()
     w2_plan: tuple = ()
@@ -275,8 +276,8 @@ def load_layer(runner, weights: DeviceWeights, routing: Routing, x) -> Layer:
             buf("h", (rows, 2 * I), np.float32),
             buf("a_packed", (rows, I // 2), np.uint8), buf("a_scales", (rows, I // 16), np.uint8),
             buf("out", (rows, H), np.float32), buf("out_bf16", (rows, H), np.uint16),
-            gg.heuristic(2 * I, H, counts), gg.heuristic(H, I, counts),
-            w13_plan=gg.gemm_plan(2 * I, H, counts), w2_plan=gg.gemm_plan(H, I, counts))
+            gc.heuristic(2 * I, H, counts), gc.heuristic(H, I, counts),
+            w13_plan=gc.gemm_plan(2 * I, H, counts), w2_plan=gc.gemm_plan(H, I, counts))
         layer.full = layer.part(runner, 0, E, "offsets/full")
         runner.counter.fill(0)
         sq.quantize_input(xd, weights.w13_input_scale, layer.x_packed, layer.x_scales, runner.counter,

@@ -57,6 +57,7 @@ from lab.device_info import setup_info
 from lab.gemm_bench import (CONFIG_HELP, GemmBench, StreamPair, class_rows, config_of, log, parse_config, problem_of,
                             study_parser, write_json)
 from lab.gpu import require_gpu, run_script
+from lab.kernels import gemm_config as gc
 from lab.kernels import grouped_gemm as gg
 from lab.kernels import jit
 from lab.problem import W2_INPUT_SCALE
@@ -127,7 +128,7 @@ def plan_rows(bench: GemmBench, case, names: list[str], trees: dict, args, bad: 
     for bit against the base tree's (the plan's also against float64 on the busiest experts), then
     timed in rounds that alternate the trees' order."""
     cp = bench.cp
-    plan = gg.gemm_plan(case.n, case.k, case.counts)
+    plan = gc.gemm_plan(case.n, case.k, case.counts)
     prep = bench.prepared(case.gemm, (plan[0][0].block_rows, plan[0][0].k_step))
     streams = StreamPair(cp)
     # (the pair's streams do not wait on the legacy stream that prepared the weights and poisons
@@ -154,7 +155,7 @@ def plan_rows(bench: GemmBench, case, names: list[str], trees: dict, args, bad: 
     for form, (run, written) in forms.items():
         row = {"gemm": case.gemm, "mean_tokens": case.mean_tokens, "skew": args.skew, "out": form, "act": "nvfp4",
                "rows": case.rows, "rows_written": int(written.sum()), "max_count": int(case.counts.max()),
-               "plan": gg.plan_record(plan), "config": plan[-1][0].__dict__, "trees": {}}
+               "plan": gc.plan_record(plan), "config": plan[-1][0].__dict__, "trees": {}}
         first = None
         for name in names:
             with use(trees, name, args):
@@ -264,7 +265,7 @@ def main(argv=None) -> int:
                 rows += plan_rows(bench, case, names, trees, args, bad)
                 save(complete=False)
                 continue
-            cfg = gg.heuristic(case.n, case.k, case.counts, act=args.act)
+            cfg = gc.heuristic(case.n, case.k, case.counts, act=args.act)
             if args.config:
                 cfg = config_of(args.config, cfg)
             try:
@@ -280,7 +281,7 @@ def main(argv=None) -> int:
                 if out == "swiglu" and gemm != "w13":
                     log(TAG, f"{gemm} mean {mean:g}: --out swiglu skipped: the SwiGLU epilogue is w13's")
                     continue
-                run_cfg = gg.fused_config(cfg, "swiglu") if out == "swiglu" else cfg
+                run_cfg = gc.fused_config(cfg, "swiglu") if out == "swiglu" else cfg
                 if out == "swiglu":
                     # the SwiGLU's a (rows, I) as NVFP4: codes then scales, one buffer so one comparison
                     i = case.n // 2

@@ -39,6 +39,7 @@ from lab.checks import format_rel
 from lab.device_info import setup_info
 from lab.gemm_bench import CONFIG_HELP, GemmBench, config_of, log, parse_config, problem_of, study_parser, write_json
 from lab.gpu import require_gpu, run_script
+from lab.kernels import gemm_config as gc
 from lab.kernels import grouped_gemm as gg
 from lab.kernels.stream_read import measure_read_roofline
 from lab.kernels.stream_read import stream_read
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
         for override in args.config or [None]:
             for gemm, act in [(g, a) for g in ("w13", "w2") for a in args.act]:
                 case = cases[gemm]
-                cfg = gg.heuristic(case.n, case.k, case.counts, act=act)
+                cfg = gc.heuristic(case.n, case.k, case.counts, act=act)
                 if override:
                     try:
                         cfg = config_of(override, cfg).validate(case.n, case.k)
@@ -144,8 +145,8 @@ def main(argv=None) -> int:
         for hot_from, wgmma in [(t, w) for t in args.split for w in (True, False)]:
             for gemm, act in [(g, a) for g in ("w13", "w2") for a in args.act]:
                 case = cases[gemm]
-                if not wgmma and (gg.split_configs(case.n, case.k, case.counts, hot_from, act=act)
-                                  == gg.split_configs(case.n, case.k, case.counts, hot_from, act=act, wgmma=False)):
+                if not wgmma and (gc.split_configs(case.n, case.k, case.counts, hot_from, act=act)
+                                  == gc.split_configs(case.n, case.k, case.counts, hot_from, act=act, wgmma=False)):
                     continue  # (no wgmma tile in the split: the row above is the mma.sync one)
                 row = bench.measure_split(case, hot_from, bw, args.iterations, act, wgmma,
                                           streams=2 if args.split_streams else 1)

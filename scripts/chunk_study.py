@@ -20,6 +20,7 @@ from tabulate import tabulate
 from lab.device_info import setup_info
 from lab.gpu import require_gpu, run_script
 from lab.gemm_bench import log, problem_of, study_parser, write_json
+from lab.kernels import gemm_config as gc
 from lab.kernels import grouped_gemm as gg
 from lab.kernels import jit
 from lab.kernels.stream_read import measure_read_roofline
@@ -30,7 +31,7 @@ from lab.roofline import layer_bytes, roofline_ms
 TAG = "chunk_study"
 
 
-def waves(counts: np.ndarray, bounds, cfg: gg.GemmConfig, n: int, ctas: int) -> list[float]:
+def waves(counts: np.ndarray, bounds, cfg: gc.GemmConfig, n: int, ctas: int) -> list[float]:
     """w13 units of each chunk over the resident CTAs (1.25 = one full wave and a quarter)."""
     return [float((counts[e0:e1] > 0).sum() * (n // cfg.block_rows) / ctas) for e0, e1 in bounds]
 
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
             runner.run(direct, layer)  # warm
             tl = timeline(runner.stage_spans(direct, layer))
             bounds = chunk_bounds(problem.experts, k)
-            ctas = sms * gg.resident_ctas(cfg, max(e1 - e0 for e0, e1 in bounds), fn.num_regs)
+            ctas = sms * gc.resident_ctas(cfg, max(e1 - e0 for e0, e1 in bounds), fn.num_regs)
             wv = waves(routing.counts, bounds, cfg, 2 * problem.intermediate, ctas)
             row = {"mean_tokens": mean, "k": k, "ms": t.median_ms, "ms_min": t.min_ms, "ms_max": t.max_ms,
                    "roof_pct": 100 * roof_ms / t.median_ms, "w13_waves": wv,

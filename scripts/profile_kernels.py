@@ -25,6 +25,8 @@ import sys
 from lab.cli import HelpFormatter
 from lab.gemm_bench import CONFIG_HELP, config_of, log, parse_config
 from lab.gpu import require_gpu, run_script
+from lab.kernels import gemm_config as gc
+from lab.kernels import gemm_weights as gw
 from lab.kernels import grouped_gemm as gg
 from lab.kernels.stream_read import stream_read
 from lab.layer import load_layer, upload_weights
@@ -64,7 +66,7 @@ def main(argv=None) -> int:
     fusion = fusion_for(runner, layer, part.gate_global, part.up_global)
     w13_paired = paired_w13(weights)
     cp.cuda.Device().synchronize()
-    log(TAG, f"w13 tile {cfg}; fused {gg.fused_config(cfg, 'swiglu')}")
+    log(TAG, f"w13 tile {cfg}; fused {gc.fused_config(cfg, 'swiglu')}")
     gg.grouped_gemm(part.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, part.h, cfg)
     gg.swiglu_gemm(w13_paired, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, fusion, cfg)
     gg.grouped_gemm(part.w13, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, part.h, cfg,
@@ -80,12 +82,12 @@ def main(argv=None) -> int:
         x, a, ones, _, cfg16, _ = bf16_operands(runner, layer)
         fusion16 = gg.Fusion(weights.gate_global, weights.up_global, 1.0, a, None, runner.counter)
         cp.cuda.Device().synchronize()
-        log(TAG, f"W4A16 w13 tile {cfg16}; fused {gg.fused_config(cfg16, 'swiglu')}")
+        log(TAG, f"W4A16 w13 tile {cfg16}; fused {gc.fused_config(cfg16, 'swiglu')}")
         gg.grouped_gemm(part.w13, x, None, part.offsets, ones, part.h, cfg16)
         gg.swiglu_gemm(w13_paired, x, None, part.offsets, ones, fusion16, cfg16)
     for values in args.config:
         tile = config_of(values, cfg).validate(part.w13.n, part.w13.k)
-        prep = gg.prepare_weights(weights.host.w13_packed, weights.host.w13_scales, xp=cp,
+        prep = gw.prepare_weights(weights.host.w13_packed, weights.host.w13_scales, xp=cp,
                                   layout=(tile.block_rows, tile.k_step))
         log(TAG, f"--config {values}: {tile}")
         gg.grouped_gemm(prep, part.x_packed, part.x_scales, part.offsets, part.w13_alpha, part.h, tile)

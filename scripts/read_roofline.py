@@ -14,7 +14,7 @@ from tabulate import tabulate
 from lab.device_info import setup_info
 from lab.gpu import require_gpu, run_script
 from lab.gemm_bench import GemmBench, log, problem_of, study_parser, write_json
-from lab.kernels import grouped_gemm as gg
+from lab.kernels import gemm_config as gc
 from lab.kernels.stream_read import measure_read_roofline
 from lab.models import resolve_shape
 
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     for mean in args.mean_tokens:
         for gemm in ("w13", "w2"):
             case = bench.case(gemm, mean)
-            cfg = gg.heuristic(case.n, case.k, case.counts)
+            cfg = gc.heuristic(case.n, case.k, case.counts)
             rows.append(bench.measure(case, cfg, bw, args.iterations, read_pattern=True))
     table = [[r["gemm"], r["mean_tokens"], f"{r['read_pattern_ms']:.3f}", f"{r['read_pattern_roof_pct']:.1f}",
               f"{r['ms']:.3f}", f"{r['roof_pct']:.1f}"] for r in rows]

@@ -35,7 +35,7 @@ from lab import memory, models, reference, roofline
 from lab.cli import HelpFormatter, output_path
 from lab.checkpoint import CheckpointError, describe_skipped, inspect_checkpoint, load_checkpoint
 from lab.checks import format_rel, sample_experts
-from lab.kernels import grouped_gemm as gg
+from lab.kernels import gemm_config as gc
 from lab.timing import Timing
 from lab.problem import MoEProblem, make_routing, random_activations, random_weights, tokens_for_mean
 from lab.variants import DEFAULT as LAB_DEFAULT, NAMES as LAB_NAMES
@@ -277,11 +277,11 @@ def run_gpu(args, problem, weights, routings, cp) -> dict:
         x = random_activations(routing.tokens, problem.hidden, seed=args.seed + i)
         runner = Runner()
         layer = load_layer(runner, dweights, routing, x)
-        plans[f"{mean:g}"] = {"w13": gg.plan_record(layer.w13_plan), "w2": gg.plan_record(layer.w2_plan)}
+        plans[f"{mean:g}"] = {"w13": gc.plan_record(layer.w13_plan), "w2": gc.plan_record(layer.w2_plan)}
         if len(layer.w13_plan) > 1 or len(layer.w2_plan) > 1:
             log("  GEMM plans by expert size: " + "; ".join(
                 f"{g} " + " + ".join(f"{c.max_frags * 8}-token {'image' if c.image else 'mma.sync' if not c.mma else 'wgmma'} "
-                                     f"tile on {lo}..{'' if hi == gg.ALL_COUNTS[1] else hi}" for c, (lo, hi) in plan)
+                                     f"tile on {lo}..{'' if hi == gc.ALL_COUNTS[1] else hi}" for c, (lo, hi) in plan)
                 for g, plan in (("w13", layer.w13_plan), ("w2", layer.w2_plan))))
         n_check = problem.experts if small else args.check_experts
         experts = checks.sample_experts(routing.counts, n_check, seed=args.seed + i)

@@ -38,6 +38,7 @@ if str(ROOT) not in sys.path:
 
 from lab.cli import HelpFormatter, output_path  # noqa: E402
 from lab.gemm_bench import CONFIG_HELP, config_of, parse_config  # noqa: E402
+from lab.kernels import gemm_config as gc  # noqa: E402
 from lab.kernels import grouped_gemm as gg  # noqa: E402
 from lab.kernels import jit, sass  # noqa: E402
 from lab.problem import make_routing, tokens_for_mean  # noqa: E402
@@ -53,22 +54,22 @@ def parse_tree(text: str) -> tuple[str, Path]:
     return name, Path(path).resolve()
 
 
-def heuristic_tiles(means, experts=288, top_k=8, n=4096, k=4096) -> list[gg.GemmConfig]:
+def heuristic_tiles(means, experts=288, top_k=8, n=4096, k=4096) -> list[gc.GemmConfig]:
     """The heuristic's w13 tile at each mean (the study's shape, seeded ragged routing)."""
     tiles = []
     for mean in means:
         r = make_routing(tokens_for_mean(mean, experts, top_k), experts, top_k, seed=0)
-        tiles.append(gg.heuristic(n, k, r.counts))
+        tiles.append(gc.heuristic(n, k, r.counts))
     return list(dict.fromkeys(tiles))
 
 
-def tile_name(cfg: gg.GemmConfig) -> str:
+def tile_name(cfg: gc.GemmConfig) -> str:
     form = {0: "mma.sync", 1: "wgmma", 2: "wgmma SS"}[cfg.mma] + (" image" if cfg.image else "")
     return (f"{cfg.warps}x{cfg.row_tiles} k{cfg.k_step} s{cfg.stages} {8 * cfg.max_frags} tok "
             f"{form}{' ' + cfg.act if cfg.act != 'nvfp4' else ''}")
 
 
-def rows_for(cfg: gg.GemmConfig, tree_name: str, tree: Path, tokens: set[int] | None, prepass: bool) -> list[dict]:
+def rows_for(cfg: gc.GemmConfig, tree_name: str, tree: Path, tokens: set[int] | None, prepass: bool) -> list[dict]:
     """One row per tensor loop of the tile's plain instantiation: the in-kernel image where the tile
     writes it (GemmConfig.builders) unless `prepass`, as a launch over every expert runs it."""
     expression = cfg.validate().expression_for(False, builders=cfg.builders and not prepass)
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
                     help="the heuristic's w13 tile at each mean tokens per expert (the study's shape)")
     ap.add_argument("--config", type=parse_config, action="append", default=[],
                     help=CONFIG_HELP + "; given, only these tiles")
-    ap.add_argument("--act", choices=gg.ACTS, default="nvfp4", help="the activations of --config tiles")
+    ap.add_argument("--act", choices=gc.ACTS, default="nvfp4", help="the activations of --config tiles")
     ap.add_argument("--tokens", type=int, nargs="+", help="only the loops of these wgmma N (8 x fragments)")
     ap.add_argument("--tree", type=parse_tree, action="append", default=[],
                     help="NAME=DIR: compile from this kernel tree (repeatable; default: lab/kernels)")
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
               f"pip install nvidia-cuda-nvdisasm)", file=sys.stderr)
         return 2
     if args.config:
-        default = gg.GemmConfig(act=args.act)
+        default = gc.GemmConfig(act=args.act)
         tiles = [config_of(v, default) for v in args.config]
     else:
         tiles = heuristic_tiles(args.mean_tokens)

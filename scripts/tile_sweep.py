@@ -21,7 +21,7 @@ from tabulate import tabulate
 from lab.device_info import setup_info
 from lab.gpu import require_gpu, run_script
 from lab.gemm_bench import GemmBench, log, problem_of, study_parser, write_json
-from lab.kernels import grouped_gemm as gg
+from lab.kernels import gemm_config as gc
 from lab.kernels.stream_read import measure_read_roofline
 from lab.models import resolve_shape
 
@@ -32,14 +32,14 @@ K_STEPS = (64, 128, 256)
 STAGES = (2, 3, 4, 6)
 
 
-def candidates(base: gg.GemmConfig, full: bool) -> list[tuple[dict, object]]:
+def candidates(base: gc.GemmConfig, full: bool) -> list[tuple[dict, object]]:
     """(tile description, GemmConfig or the reason it cannot exist) for the sweep."""
     def make(tokens, block_rows, k_step, stages):
         # the heuristic's own warp split for its block_rows, the table's for the others
         w, r = (base.warps, base.row_tiles) if block_rows == base.block_rows else BLOCK_ROWS[block_rows]
         desc = {"token_tile": tokens, "block_rows": block_rows, "k_step": k_step, "stages": stages}
-        if tokens // 8 not in gg.MAX_FRAGS_CHOICES:
-            return desc, f"token tile {tokens} not compiled (max {8 * gg.MAX_FRAGS_CHOICES[-1]})"
+        if tokens // 8 not in gc.MAX_FRAGS_CHOICES:
+            return desc, f"token tile {tokens} not compiled (max {8 * gc.MAX_FRAGS_CHOICES[-1]})"
         try:
             return desc, replace(base, warps=w, row_tiles=r, k_step=k_step, stages=stages,
                                  max_frags=tokens // 8).validate()
@@ -78,11 +78,11 @@ def main(argv=None) -> int:
     for mean in args.mean_tokens:
         for gemm in args.gemms:
             case = bench.case(gemm, mean)
-            base = gg.heuristic(case.n, case.k, case.counts)
+            base = gc.heuristic(case.n, case.k, case.counts)
             cands = candidates(base, args.full)
             for i, (desc, cfg) in enumerate(cands):
                 row = {"gemm": gemm, "mean_tokens": mean, **desc}
-                if not isinstance(cfg, gg.GemmConfig):
+                if not isinstance(cfg, gc.GemmConfig):
                     row["error"] = cfg
                 else:
                     log(TAG, f"{gemm} mean {mean}: {i + 1}/{len(cands)} {cfg}")

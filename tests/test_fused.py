@@ -12,6 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lab.checks import compare_bits
+from lab.kernels import gemm_config as gc
+from lab.kernels import gemm_weights as gw
 from lab.kernels import grouped_gemm as gg
 from lab.kernels import jit
 from test_grouped_gemm import (SCALE_PROFILES, assert_counts_in_compiles_clean, counts_strategy, edge_nvfp4,
@@ -27,36 +29,36 @@ def test_pairing_puts_gate_and_up_columns_in_one_block(e, halves, block, ka, see
     rng = np.random.default_rng(seed)
     i = halves * block // 2
     packed, scales = random_nvfp4(rng, (e, 2 * i, 64 * ka))
-    paired = gg.pair_gate_up_rows(packed, block)
+    paired = gw.pair_gate_up_rows(packed, block)
     half = block // 2
     for b in range(2 * i // block):
         np.testing.assert_array_equal(paired[:, b * block:b * block + half], packed[:, b * half:(b + 1) * half])
         np.testing.assert_array_equal(paired[:, b * block + half:(b + 1) * block],
                                       packed[:, i + b * half:i + (b + 1) * half])
-    np.testing.assert_array_equal(gg.unpair_gate_up_rows(paired, block), packed)
-    prep = gg.prepare_weights(packed, scales, layout=(block, 64), pair_gate_up=True)
+    np.testing.assert_array_equal(gw.unpair_gate_up_rows(paired, block), packed)
+    prep = gw.prepare_weights(packed, scales, layout=(block, 64), pair_gate_up=True)
     assert prep.pair_gate_up and prep.experts_slice(0, 1).pair_gate_up
-    p2, s2 = gg.unprepare_weights(prep)
+    p2, s2 = gw.unprepare_weights(prep)
     np.testing.assert_array_equal(p2, packed)
     np.testing.assert_array_equal(s2, scales)
 
 
 def test_fused_config_adds_the_epilogue_warps_and_fits_shared_memory():
-    for f in gg.MAX_FRAGS_CHOICES:
-        plain = gg.GemmConfig(*((4, 4) if f <= 2 else (8, 2)), 128, 4, f)
-        fused = gg.fused_config(plain, "layer")
+    for f in gc.MAX_FRAGS_CHOICES:
+        plain = gc.GemmConfig(*((4, 4) if f <= 2 else (8, 2)), 128, 4, f)
+        fused = gc.fused_config(plain, "layer")
         assert fused.threads % 128 == 0 and fused.epilogue_warps >= 1 and fused.expression.endswith("lab_gemm::Mode::layer, lab_gemm::Act::nvfp4, false, false>")
-        assert fused.smem_bytes > plain.smem_bytes and fused.smem_bytes + 4096 <= gg.SMEM_LIMIT
+        assert fused.smem_bytes > plain.smem_bytes and fused.smem_bytes + 4096 <= gc.SMEM_LIMIT
         assert fused.stages == 4
         if f <= 2:  # the plain heuristic's three stages become four in fused CTAs of 8-16 tokens
-            assert gg.fused_config(replace(plain, stages=3), "swiglu").stages == gg.FUSED_SMALL_STAGES
+            assert gc.fused_config(replace(plain, stages=3), "swiglu").stages == gc.FUSED_SMALL_STAGES
     with pytest.raises(ValueError, match="mode must be"):
-        gg.GemmConfig(mode="fused").validate()
+        gc.GemmConfig(mode="fused").validate()
 
 
 def test_pairing_rejects_halves_that_do_not_split():
     with pytest.raises(ValueError, match="pair_gate_up"):
-        gg.pair_gate_up_rows(np.zeros((1, 192, 8), np.uint8), 256)  # I = 96 is not a multiple of 128
+        gw.pair_gate_up_rows(np.zeros((1, 192, 8), np.uint8), 256)  # I = 96 is not a multiple of 128
 
 
 def _split_layer(skew: float = 1.2, mean: int = 8):
@@ -67,8 +69,8 @@ def _split_layer(skew: float = 1.2, mean: int = 8):
 
     p = MoEProblem()
     counts = make_routing(mean * p.experts // p.top_k, p.experts, p.top_k, skew=skew, seed=0).counts
-    return SimpleNamespace(problem=p, counts=counts, w13_plan=gg.gemm_plan(2 * p.intermediate, p.hidden, counts),
-                           w2_plan=gg.gemm_plan(p.hidden, p.intermediate, counts))
+    return SimpleNamespace(problem=p, counts=counts, w13_plan=gc.gemm_plan(2 * p.intermediate, p.hidden, counts),
+                           w2_plan=gc.gemm_plan(p.hidden, p.intermediate, counts))
 
 
 def _split_fused_tiles():
@@ -79,8 +81,8 @@ def _split_fused_tiles():
     cfgs = set()
     for skew in (0.4, 0.8, 1.2):
         layer = _split_layer(skew)
-        cfgs |= {gg.fused_config(c, "swiglu") for c, _ in layer.w13_plan}
-        cfgs |= {gg.fused_config(c, "layer") for c, _ in fused_layer.launches(layer, _one_tile(layer))}
+        cfgs |= {gc.fused_config(c, "swiglu") for c, _ in layer.w13_plan}
+        cfgs |= {gc.fused_config(c, "layer") for c, _ in fused_layer.launches(layer, _one_tile(layer))}
     return sorted(cfgs, key=lambda c: c.expression)
 
 
@@ -89,8 +91,8 @@ def _one_tile(layer):
     from lab.variants.one_launch_2g import pair_config
 
     p = layer.problem
-    return pair_config(gg.heuristic(2 * p.intermediate, p.hidden, layer.counts),
-                       gg.heuristic(p.hidden, p.intermediate, layer.counts))
+    return pair_config(gc.heuristic(2 * p.intermediate, p.hidden, layer.counts),
+                       gc.heuristic(p.hidden, p.intermediate, layer.counts))
 
 
 def test_fused_layer_runs_one_launch_per_size_class_under_skew():
@@ -101,7 +103,7 @@ def test_fused_layer_runs_one_launch_per_size_class_under_skew():
     layer = _split_layer(1.2)
     one = _one_tile(layer)
     got = fused_layer.launches(layer, one)
-    assert [r for _, r in got] == [(1, gg.SPLIT_AT), (gg.SPLIT_AT + 1, gg.ALL_COUNTS[1])]
+    assert [r for _, r in got] == [(1, gc.SPLIT_AT), (gc.SPLIT_AT + 1, gc.ALL_COUNTS[1])]
     assert got[0][0].max_frags <= 2 < got[1][0].max_frags
     assert {(c.block_rows, c.k_step) for c, _ in got} == {(one.block_rows, one.k_step)}
     # at skew 0.4 (17-45 tokens) the large class stays one fused layer
@@ -109,7 +111,7 @@ def test_fused_layer_runs_one_launch_per_size_class_under_skew():
     assert low.counts.max() <= fused_layer.HOT_TOKENS
     assert fused_layer.hot_image_plan(low, _one_tile(low), fused_layer.launches(low, _one_tile(low))) is None
     uniform = _split_layer(0.0)
-    assert fused_layer.launches(uniform, _one_tile(uniform)) == [(_one_tile(uniform), gg.ALL_COUNTS)]
+    assert fused_layer.launches(uniform, _one_tile(uniform)) == [(_one_tile(uniform), gc.ALL_COUNTS)]
 
 
 def test_fused_layer_runs_its_large_class_on_image_tiles_under_skew():
@@ -132,12 +134,12 @@ def test_fused_layer_runs_its_large_class_on_image_tiles_under_skew():
         hot = fused_layer.hot_image_plan(layer, one, launches, same_layout=False)
         assert hot is not None, skew
         w13_hot, w2_hot, counts_in = hot
-        assert counts_in == (gg.SPLIT_AT + 1, gg.ALL_COUNTS[1])
+        assert counts_in == (gc.SPLIT_AT + 1, gc.ALL_COUNTS[1])
         assert w13_hot.image and w2_hot.image
         assert (w13_hot, w2_hot) == (layer.w13_plan[-1][0], layer.w2_plan[-1][0])
         # (the 160-token tile takes the SwiGLU in its registers; the 96-token one, the heuristic's
         # for the 17-93-token class at skew 0.6, fuses on its epilogue warps)
-        assert gg.fused_config(w13_hot, "swiglu").swiglu_regs == (w13_hot.max_frags == 20), (skew, w13_hot)
+        assert gc.fused_config(w13_hot, "swiglu").swiglu_regs == (w13_hot.max_frags == 20), (skew, w13_hot)
         assert {(c.block_rows, c.k_step) for c in (w13_hot, w2_hot)} == {(one.block_rows, one.k_step)}
         assert fused_layer.hot_image_plan(layer, one, launches) == hot
         # a threshold at the largest expert keeps the class in the layer mode
@@ -154,10 +156,10 @@ def test_fused_layer_runs_its_large_class_on_image_tiles_under_skew():
         large = _split_layer(0.0, mean)
         one = _one_tile(large)
         launches = fused_layer.launches(large, one)
-        assert launches == [(one, gg.ALL_COUNTS)]
+        assert launches == [(one, gc.ALL_COUNTS)]
         assert large.counts.max() > fused_layer.HOT_TOKENS, mean
         w13_all, w2_all, counts_in = fused_layer.hot_image_plan(large, one, launches)
-        assert counts_in == gg.ALL_COUNTS and w13_all.image and w2_all.image, mean
+        assert counts_in == gc.ALL_COUNTS and w13_all.image and w2_all.image, mean
         assert (w13_all, w2_all) == (large.w13_plan[0][0], large.w2_plan[0][0])
     # ...and not while the largest expert holds at most HOT_TOKENS (mean 24: 40 tokens)
     mid = _split_layer(0.0, 24)
@@ -173,7 +175,7 @@ def test_split_fused_instantiations_compile_without_spills(cfg):
 
 
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
-@pytest.mark.parametrize("cfg", gg.SHIPPED_FUSED, ids=lambda c: c.expression.split("<")[1][:-1])
+@pytest.mark.parametrize("cfg", gc.SHIPPED_FUSED, ids=lambda c: c.expression.split("<")[1][:-1])
 def test_fused_instantiations_compile_without_spills(cfg):
     info = jit.ptxas_report(gg.SOURCE, cfg.expression)
     assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
@@ -182,7 +184,7 @@ def test_fused_instantiations_compile_without_spills(cfg):
     plain = replace(cfg, mode="plain")
     # the fused kernel keeps as many CTAs per SM as the plain one
     plain_regs = jit.ptxas_report(gg.SOURCE, plain.expression).registers
-    assert gg.resident_ctas(cfg, 288, info.registers) == gg.resident_ctas(plain, 288, plain_regs)
+    assert gc.resident_ctas(cfg, 288, info.registers) == gc.resident_ctas(plain, 288, plain_regs)
 
 
 # ------------------------------------------------------------------------------- GPU
@@ -203,8 +205,8 @@ def _problem(cp, rng, counts, h, i):
     xq, xs = edge_nvfp4(rng, (rows, h), rng.integers(0, p, rows))
     d = dict(
         offsets=cp.asarray(offsets), offsets_host=offsets, rows=rows,
-        w13=gg.prepare_weights(w13p, w13s, xp=cp), w13_paired=gg.prepare_weights(w13p, w13s, xp=cp, pair_gate_up=True),
-        w2=gg.prepare_weights(w2p, w2s, xp=cp), xq=cp.asarray(xq), xs=cp.asarray(xs),
+        w13=gw.prepare_weights(w13p, w13s, xp=cp), w13_paired=gw.prepare_weights(w13p, w13s, xp=cp, pair_gate_up=True),
+        w2=gw.prepare_weights(w2p, w2s, xp=cp), xq=cp.asarray(xq), xs=cp.asarray(xs),
         alpha13=cp.asarray(rng.uniform(0.5, 2, e).astype(np.float32) * np.float32(2.0**-6)),
         alpha2=cp.asarray(rng.uniform(0.5, 2, e).astype(np.float32) * np.float32(2.0**-6)),
         gate=cp.asarray(rng.uniform(0.2, 3, e).astype(np.float32)),
@@ -249,8 +251,8 @@ def test_fused_kernels_equal_the_separate_kernels_bitwise(counts, h, i, seed):
     cp = require_gpu("test")
     rng = np.random.default_rng(seed)
     d = _problem(cp, rng, np.array(counts), h, i)
-    cfg13 = gg.heuristic(2 * i, h, np.array(counts))
-    cfg2 = gg.heuristic(h, i, np.array(counts))
+    cfg13 = gc.heuristic(2 * i, h, np.array(counts))
+    cfg2 = gc.heuristic(h, i, np.array(counts))
     want_p, want_s, want_bf16 = _separate(cp, d, cfg13, cfg2)
     assert d["counter"].get()[0] == 0
 
@@ -286,8 +288,8 @@ def test_register_swiglu_epilogue_equals_the_separate_kernels_bitwise(i):
     counts = np.array([0, 3, 159, 160, 161, 323, 0, 97, 130])
     h = 256
     d = _problem(cp, rng, counts, h, i)
-    cfg13 = gg.heuristic(2 * i, h, counts)
-    fused = gg.fused_config(cfg13, "swiglu")
+    cfg13 = gc.heuristic(2 * i, h, counts)
+    fused = gc.fused_config(cfg13, "swiglu")
     assert fused.swiglu_regs and fused.max_frags == 20 and fused.epilogue_warps == 0, fused
     for overflow in (False, True):
         if overflow:
@@ -330,7 +332,7 @@ def test_fused_epilogue_counts_non_finite_values():
     d["alpha13"].fill(np.float32(3e38))
     fz = _fusion(cp, d, with_bf16=False)
     gg.swiglu_gemm(d["w13_paired"], d["xq"], d["xs"], d["offsets"], d["alpha13"], fz,
-                   gg.heuristic(256, 256, np.array([9, 0, 17])))
+                   gc.heuristic(256, 256, np.array([9, 0, 17])))
     assert d["counter"].get()[0] > 0
 
 
@@ -346,7 +348,7 @@ def test_fused_layer_counts_non_finite_outputs_as_the_separate_path_does():
     counts = np.array([9, 17, 0, 5])
     d = _problem(cp, rng, counts, 256, 128)
     d["alpha2"][1] = np.float32(3e38)
-    cfg13, cfg2 = gg.heuristic(256, 256, counts), gg.heuristic(256, 128, counts)
+    cfg13, cfg2 = gc.heuristic(256, 256, counts), gc.heuristic(256, 128, counts)
     _, _, want_bf16 = _separate(cp, d, cfg13, cfg2)
     want = int(d["counter"].get()[0])
     assert 0 < want <= counts[1] * 256, want  # expert 1's outputs only
@@ -367,7 +369,7 @@ def test_fused_launches_reject_bad_arguments_before_launch():
     rng = np.random.default_rng(1)
     counts = np.array([3, 5])
     d = _problem(cp, rng, counts, 256, 128)
-    cfg = gg.heuristic(256, 256, counts)
+    cfg = gc.heuristic(256, 256, counts)
     fz = _fusion(cp, d, with_bf16=False)
     with pytest.raises(ValueError, match="pair_gate_up=True"):
         gg.swiglu_gemm(d["w13"], d["xq"], d["xs"], d["offsets"], d["alpha13"], fz, cfg)
@@ -377,7 +379,7 @@ def test_fused_launches_reject_bad_arguments_before_launch():
     bad = gg.Fusion(d["gate"], d["up"], float("nan"), fz.a_packed, fz.a_scales, d["counter"])
     with pytest.raises(ValueError, match="act_global"):
         gg.swiglu_gemm(d["w13_paired"], d["xq"], d["xs"], d["offsets"], d["alpha13"], bad, cfg)
-    cfgp = pair_config(cfg, gg.heuristic(256, 128, counts))
+    cfgp = pair_config(cfg, gc.heuristic(256, 128, counts))
     with pytest.raises(ValueError, match="out_bf16"):
         gg.fused_layer(d["w13_paired"], d["xq"], d["xs"], d["offsets"], d["alpha13"], d["w2"], d["alpha2"], fz, cfgp)
     fz2 = _fusion(cp, d, with_bf16=True)

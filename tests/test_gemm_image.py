@@ -13,6 +13,8 @@ import pytest
 
 from lab import checks, reference
 from lab.gemm_bench import config_of, parse_config
+from lab.kernels import gemm_config as gc
+from lab.kernels import gemm_weights as gw
 from lab.kernels import grouped_gemm as gg
 from lab.kernels import jit
 from config_mirror import assert_config_mirror
@@ -22,7 +24,7 @@ IDS = lambda c: c.expression.split("<")[1][:-1] + (", build_image" if c.build_im
 
 
 def test_image_tiles_have_no_decoder_warps_and_no_raw_stage():
-    c = gg.GemmConfig(8, 2, 128, 4, 12, 1, image=True).validate(4096, 4096)
+    c = gc.GemmConfig(8, 2, 128, 4, 12, 1, image=True).validate(4096, 4096)
     assert c.decoder_warps == 0 and c.threads == 9 * 32 and c.token_tile == 96
     dec = replace(c, image=False)
     # the decoder tile's raw NVFP4 stage (codes and scales) is gone; the decoded ring stays
@@ -34,23 +36,23 @@ def test_image_tiles_have_no_decoder_warps_and_no_raw_stage():
     with pytest.raises(ValueError, match="in pairs"):
         c.validate(4096, 3 * 128)
     replace(c, max_frags=8).validate(4096, 3 * 128)
-    assert gg.heuristic(4096, 3 * 128, [90] * 8).max_frags == 8  # (no pairs: the 64-token image tile)
-    assert gg.heuristic(4096, 3 * 128, [300] * 8).max_frags == 20  # (3 stages, unpaired)
+    assert gc.heuristic(4096, 3 * 128, [90] * 8).max_frags == 8  # (no pairs: the 64-token image tile)
+    assert gc.heuristic(4096, 3 * 128, [300] * 8).max_frags == 20  # (3 stages, unpaired)
     for bad in (dict(mma=0), dict(mode="swiglu")):
         with pytest.raises(ValueError, match="image"):
             replace(c, **bad).validate()
     # a fused launch of an image or large tile runs the 64-token decoder tile
     for mode in ("swiglu", "layer"):
-        f = gg.fused_config(c, mode)
+        f = gc.fused_config(c, mode)
         assert not f.image and f.max_frags == 8 and f.mode == mode and f.decoder_warps >= 1
-    assert config_of(parse_config("8,2,128,4,1,0,12,1"), gg.GemmConfig()) == gg.GemmConfig(8, 2, 128, 4, 12, 1, image=True)
-    assert not config_of(parse_config("8,2,128,4,1,0,12"), gg.GemmConfig()).image
+    assert config_of(parse_config("8,2,128,4,1,0,12,1"), gc.GemmConfig()) == gc.GemmConfig(8, 2, 128, 4, 12, 1, image=True)
+    assert not config_of(parse_config("8,2,128,4,1,0,12"), gc.GemmConfig()).image
     import argparse
 
     with pytest.raises(argparse.ArgumentTypeError, match="image 0/1"):
         parse_config("8,2,128,4,1,0,12,3")
-    built = config_of(parse_config("8,2,128,4,1,0,12,2"), gg.GemmConfig())
-    assert built == gg.GemmConfig(8, 2, 128, 4, 12, 1, image=True, build_image=True) and built.builders
+    built = config_of(parse_config("8,2,128,4,1,0,12,2"), gc.GemmConfig())
+    assert built == gc.GemmConfig(8, 2, 128, 4, 12, 1, image=True, build_image=True) and built.builders
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -68,7 +70,7 @@ def test_image_groups_of_experts_never_overlap(seed):
 
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
 @pytest.mark.parametrize("bf16_out", [False, True], ids=["fp32-out", "bf16-out"])
-@pytest.mark.parametrize("cfg", gg.SHIPPED_IMAGE, ids=IDS)
+@pytest.mark.parametrize("cfg", gc.SHIPPED_IMAGE, ids=IDS)
 def test_image_tiles_compile_without_spills(cfg, bf16_out):
     info = jit.ptxas_report(gg.SOURCE, cfg.expression_for(False, bf16_out=bf16_out))
     assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
@@ -76,28 +78,28 @@ def test_image_tiles_compile_without_spills(cfg, bf16_out):
     assert not info.wgmma_serialized and not info.setmaxnreg_ignored, info
 
 
-BUILDER_TILES = [c for c in gg.SHIPPED_IMAGE if c.builders]
+BUILDER_TILES = [c for c in gc.SHIPPED_IMAGE if c.builders]
 # the 64- and 96-token image tiles (and 256 x 128 on one row tile) with the image built in the launch
-BUILT_TILES = [replace(c, build_image=True) for c in gg.SHIPPED_IMAGE if c.mma == 1 and c.warps == 8 and not c.wide]
+BUILT_TILES = [replace(c, build_image=True) for c in gc.SHIPPED_IMAGE if c.mma == 1 and c.warps == 8 and not c.wide]
 
 
 def test_builder_tiles_are_the_producer_warpgroup_ones():
     """The in-kernel image (BUILDERS) exists for the register-A image tiles with a producer
     warpgroup (its three idle warps build), and is refused by name for any other tile."""
-    assert {(c.max_frags, c.act) for c in BUILDER_TILES} == {(f, a) for f in (16, 20) for a in gg.ACTS}
+    assert {(c.max_frags, c.act) for c in BUILDER_TILES} == {(f, a) for f in (16, 20) for a in gc.ACTS}
     assert all(c.producer_warps == 4 for c in BUILDER_TILES)
-    assert not any(c.builders for c in gg.SHIPPED_IMAGE if c.producer_warps == 1)
-    assert not any(c.builders for c in gg.SHIPPED_SS + gg.SHIPPED_CONFIGS)
+    assert not any(c.builders for c in gc.SHIPPED_IMAGE if c.producer_warps == 1)
+    assert not any(c.builders for c in gc.SHIPPED_SS + gc.SHIPPED_CONFIGS)
     cfg = BUILDER_TILES[-1]
     assert cfg.expression_for(False, builders=True).endswith("false, false, false, true>")
     assert cfg.expression_for(False, True, bf16_out=True, builders=True).endswith("false, true, true, true>")
     with pytest.raises(ValueError, match="builders"):
-        gg.SHIPPED_IMAGE[0].expression_for(False, builders=True)
+        gc.SHIPPED_IMAGE[0].expression_for(False, builders=True)
     # build_image: the same warpgroup on the smaller image tiles, on request; its wgmma group size and
     # epilogue are the tile's own (WIDE), and a fused launch of it runs the decoder tile as before
     assert {c.max_frags for c in BUILT_TILES} == {8, 12, 16} and all(c.builders and c.threads == 12 * 32 for c in BUILT_TILES)
     assert not any(c.wide for c in BUILT_TILES) and all(c.wide for c in BUILDER_TILES)
-    assert not gg.fused_config(BUILT_TILES[0], "swiglu").build_image
+    assert not gc.fused_config(BUILT_TILES[0], "swiglu").build_image
     for bad in (dict(image=False, build_image=True), dict(mma=2), dict(warps=4)):
         with pytest.raises(ValueError, match="build_image|mma=2"):
             replace(BUILT_TILES[0], **bad).validate()
@@ -112,7 +114,7 @@ def test_builder_tiles_compile_without_spills(cfg, form):
     if form == "swiglu":
         if cfg.act != "nvfp4" or not cfg.wide:
             pytest.skip("the register SwiGLU epilogue: NVFP4 activations on the wide tiles")
-        expr = gg.fused_config(cfg, "swiglu").expression_for(False, builders=True)
+        expr = gc.fused_config(cfg, "swiglu").expression_for(False, builders=True)
     else:
         expr = cfg.expression_for(form == "read-only", form == "counts-in", bf16_out=form == "bf16-out", builders=True)
     info = jit.ptxas_report(gg.SOURCE, expr)
@@ -122,7 +124,7 @@ def test_builder_tiles_compile_without_spills(cfg, form):
 
 
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
-@pytest.mark.parametrize("act", gg.ACTS)
+@pytest.mark.parametrize("act", gc.ACTS)
 def test_image_kernel_compiles_without_spills(act):
     info = jit.ptxas_report(gg.SOURCE, f"lab_gemm::act_image<lab_gemm::Act::{act}>")
     assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
@@ -130,13 +132,13 @@ def test_image_kernel_compiles_without_spills(act):
 
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
 def test_image_smem_mirror(tmp_path):
-    assert_config_mirror(tmp_path, [*gg.SHIPPED_IMAGE, *BUILT_TILES])
+    assert_config_mirror(tmp_path, [*gc.SHIPPED_IMAGE, *BUILT_TILES])
 
 
 def test_a_split_larger_class_takes_the_pre_pass_unless_told():
     """prepass_by_default: the pre-pass for a size class from above one token, builders over every
     expert and for the smaller class; use_prepass overrides it either way, and unwinds."""
-    assert gg.prepass_by_default(gg.counts_range(None)) is False
+    assert gg.prepass_by_default(gc.counts_range(None)) is False
     assert gg.prepass_by_default((1, 16)) is False
     assert gg.prepass_by_default((17, 2**31 - 1)) is True
     assert gg._PREPASS == [None]
@@ -186,13 +188,13 @@ def _gemm_case(cp, rng, cfg, counts, n, k):
     scales = rng.integers(1, 127, (e, n, k // 16)).astype(np.uint8)
     offsets, xq, xs, _ = _problem(rng, cfg.act, counts, k)
     alpha = rng.uniform(0.5, 2, e).astype(np.float32)
-    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
+    prep = gw.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
     args = (cp.asarray(xq), None if xs is None else cp.asarray(xs), cp.asarray(offsets), cp.asarray(alpha))
     return prep, args, offsets, xq
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("act", gg.ACTS)
+@pytest.mark.parametrize("act", gc.ACTS)
 def test_image_layout_holds_each_token_in_its_expert_groups(act):
     """image[q][grp][half][row][8] (fp16): token t of expert e at group offsets[e] // 8 + e + t // 8,
     row t % 8; k16 block q's values in K_SLOTS order, times 2^-14 for NVFP4 rows (the decoders'
@@ -205,7 +207,7 @@ def test_image_layout_holds_each_token_in_its_expert_groups(act):
     k = 256
     offsets, xq, xs, xf = _problem(rng, act, counts, k)
     e = counts.size
-    prep = gg.PreparedWeights(cp.zeros(1, cp.uint8), e, 256, k, 256, 128)
+    prep = gw.PreparedWeights(cp.zeros(1, cp.uint8), e, 256, k, 256, 128)
     rows, groups = int(counts.sum()), gg.image_groups(int(counts.sum()), e)
     xq_d, xs_d, off_d = cp.asarray(xq), None if xs is None else cp.asarray(xs), cp.asarray(offsets)
     space = cp.full(gg.image_bytes(rows, e, k) + 512, 0xFF, cp.uint8)  # poisoned: every slot must be written
@@ -220,7 +222,7 @@ def test_image_layout_holds_each_token_in_its_expert_groups(act):
     for ex in range(e):
         for t in range(counts[ex]):
             grp, row = offsets[ex] // 8 + ex + t // 8, t % 8
-            v = xf[offsets[ex] + t].reshape(k // 16, 16)[:, gg.K_SLOTS] * scale
+            v = xf[offsets[ex] + t].reshape(k // 16, 16)[:, gw.K_SLOTS] * scale
             want[:, grp, :, row, :] = v.reshape(k // 16, 2, 8)
     want = want.astype(np.float16).astype(np.float64)  # bf16 -> fp16 rounds; NVFP4 is exact
     assert np.array_equal(img, want), f"seed {seed}"
@@ -257,16 +259,16 @@ def _twin(cfg):
     tiles past 96 tokens, with a producer warpgroup) the 96-token image tile of the same rows; for
     mma 2, the register-A 64-token image tile."""
     if cfg.mma == 2:
-        return gg.GemmConfig(8, 2, 128, 4, 8, 1, act=cfg.act, image=True)
+        return gc.GemmConfig(8, 2, 128, 4, 8, 1, act=cfg.act, image=True)
     dec = replace(cfg, image=False)
-    known = set(gg.SHIPPED_CONFIGS) | set(gg.SHIPPED_LARGE) | set(gg.SHIPPED_W4A16)
+    known = set(gc.SHIPPED_CONFIGS) | set(gc.SHIPPED_LARGE) | set(gc.SHIPPED_W4A16)
     if dec in known:
         return dec
     return replace(cfg, max_frags=12, stages=4) if cfg.producer_warps > 1 else None
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", gg.SHIPPED_IMAGE + gg.SHIPPED_SS, ids=IDS)
+@pytest.mark.parametrize("cfg", gc.SHIPPED_IMAGE + gc.SHIPPED_SS, ids=IDS)
 def test_image_tiles_match_float64_and_their_decoder_twins_bit_for_bit(cfg):
     """Counts around each token tile and past it (several passes), empty experts included:
     relative error <= 1e-5 against float64, every element written, the same bits on a second
@@ -290,7 +292,7 @@ def test_image_tiles_match_float64_and_their_decoder_twins_bit_for_bit(cfg):
     for c in (cfg, cfg, _twin(cfg)):
         if c is None:
             continue
-        prep = gg.prepare_weights(packed, scales, xp=cp, layout=(c.block_rows, c.k_step))
+        prep = gw.prepare_weights(packed, scales, xp=cp, layout=(c.block_rows, c.k_step))
         out = cp.full((xq.shape[0], n), cp.nan, cp.float32)
         gg.grouped_gemm(prep, args[0], args[1], args[2], args[3], out, c)
         outs.append(out.get())
@@ -306,7 +308,7 @@ def test_image_tiles_match_float64_and_their_decoder_twins_bit_for_bit(cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [c for c in gg.SHIPPED_IMAGE if c.warps == 8 and c.row_tiles == 2] + [gg.SHIPPED_SS[0]],
+@pytest.mark.parametrize("cfg", [c for c in gc.SHIPPED_IMAGE if c.warps == 8 and c.row_tiles == 2] + [gc.SHIPPED_SS[0]],
                          ids=IDS)
 def test_image_tiles_write_bf16_as_the_conversion_rounds_it(cfg):
     """A uint16 out: the bits of the fp32 output through swiglu_quant.to_bf16, and the same count
@@ -326,7 +328,7 @@ def test_image_tiles_write_bf16_as_the_conversion_rounds_it(cfg):
     offsets, xq, xs, _ = _problem(rng, cfg.act, counts, k)
     alpha = rng.uniform(0.5, 2, e).astype(np.float32)
     alpha[6] = np.inf
-    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
+    prep = gw.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
     args = (cp.asarray(xq), None if xs is None else cp.asarray(xs), cp.asarray(offsets), cp.asarray(alpha))
     rows = xq.shape[0]
     out32 = cp.full((rows, n), cp.nan, cp.float32)
@@ -349,7 +351,7 @@ def test_a_launch_on_part_of_the_sms_computes_every_unit(sms):
     Out-of-range caps are refused before the launch."""
     import cupy as cp
 
-    cfg = gg.GemmConfig(8, 2, 128, 3, 20, 1, image=True)
+    cfg = gc.GemmConfig(8, 2, 128, 3, 20, 1, image=True)
     seed = int(np.random.default_rng().integers(2**31))
     rng = np.random.default_rng(seed)
     counts = np.array([5, 0, 170, 33, 1, 90])
@@ -376,13 +378,13 @@ def test_bf16_out_is_refused_where_it_cannot_run():
     if not gpu_available():
         pytest.skip("needs a CUDA GPU")
     e, n, k, rows = 2, 256, 256, 8
-    prep = gg.prepare_weights(np.zeros((e, n, k // 2), np.uint8), np.ones((e, n, k // 16), np.uint8), xp=cp)
+    prep = gw.prepare_weights(np.zeros((e, n, k // 2), np.uint8), np.ones((e, n, k // 16), np.uint8), xp=cp)
     xq, xs = cp.zeros((rows, k // 2), cp.uint8), cp.ones((rows, k // 16), cp.uint8)
     off, alpha = cp.asarray(np.array([0, 4, 8], np.int32)), cp.ones(e, cp.float32)
     bf, c = cp.zeros((rows, n), cp.uint16), cp.zeros(1, cp.uint32)
-    img = gg.GemmConfig(8, 2, 128, 4, 8, 1, image=True)
+    img = gc.GemmConfig(8, 2, 128, 4, 8, 1, image=True)
     with pytest.raises(ValueError, match="image tile"):
-        gg.grouped_gemm(prep, xq, xs, off, alpha, bf, gg.GemmConfig(8, 2, 128, 4, 8, 1), nonfinite=c)
+        gg.grouped_gemm(prep, xq, xs, off, alpha, bf, gc.GemmConfig(8, 2, 128, 4, 8, 1), nonfinite=c)
     with pytest.raises(ValueError, match="nonfinite"):
         gg.grouped_gemm(prep, xq, xs, off, alpha, bf, img)
     with pytest.raises(ValueError, match="nonfinite"):
@@ -396,11 +398,11 @@ def test_bf16_out_is_refused_where_it_cannot_run():
 def test_bf16_output_is_an_instantiation_of_its_own():
     """A register-A image tile's bf16 output compiles apart (BF16_OUT), the fp32 one keeps the
     twelve-argument name; the MMA = 2 tile chooses its output at run time."""
-    cfg = gg.SHIPPED_IMAGE[-1]
+    cfg = gc.SHIPPED_IMAGE[-1]
     assert cfg.expression_for(False).endswith("false, false>")
     assert cfg.expression_for(False, bf16_out=True).endswith("false, false, true>")
     assert cfg.expression_for(False, True, bf16_out=True).endswith("false, true, true>")
-    ss = gg.SHIPPED_SS[0]
+    ss = gc.SHIPPED_SS[0]
     assert ss.expression_for(False, bf16_out=True) == ss.expression_for(False)
 
 

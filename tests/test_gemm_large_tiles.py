@@ -8,40 +8,42 @@ import numpy as np
 import pytest
 
 from lab import checks, reference
+from lab.kernels import gemm_config as gc
+from lab.kernels import gemm_weights as gw
 from lab.kernels import grouped_gemm as gg
 from lab.kernels import jit
 from config_mirror import assert_config_mirror
 
 
 def test_large_tiles_need_wgmma_and_the_plain_epilogue():
-    ok = gg.GemmConfig(8, 1, 128, 4, 16, 1).validate(4096, 4096)
+    ok = gc.GemmConfig(8, 1, 128, 4, 16, 1).validate(4096, 4096)
     assert ok.token_tile == 128 and ok.block_rows == 128 and ok.decoder_warps == 3
     with pytest.raises(ValueError, match="with wgmma"):
-        gg.GemmConfig(8, 1, 128, 4, 16, 0).validate()
+        gc.GemmConfig(8, 1, 128, 4, 16, 0).validate()
     with pytest.raises(ValueError, match="with wgmma"):
-        gg.GemmConfig(8, 2, 128, 4, 16, 1, mode="swiglu").validate()
+        gc.GemmConfig(8, 2, 128, 4, 16, 1, mode="swiglu").validate()
     with pytest.raises(ValueError, match="max_frags"):
-        gg.GemmConfig(8, 1, 128, 4, 10, 1).validate()
+        gc.GemmConfig(8, 1, 128, 4, 10, 1).validate()
     # the heuristic: once the 99th percentile passes 64 tokens, the 256-row 96-token image tile
     # (paired, 4 stages) up to 96 and the 160-token one past that; the 160-token tile takes 3
     # unpaired stages, so it runs where K holds an odd number of chunks
-    assert gg.heuristic(4096, 4096, [9] * 8).max_frags <= 8
-    assert gg.heuristic(4096, 4096, [64] * 8).max_frags == 8
+    assert gc.heuristic(4096, 4096, [9] * 8).max_frags <= 8
+    assert gc.heuristic(4096, 4096, [64] * 8).max_frags == 8
     for counts, frags, stages in (([65] * 8, 12, 4), ([96] * 8, 12, 4), ([97] * 8, 20, 3), ([128] * 8, 20, 3),
                                   ([160] * 8, 20, 3), ([700] * 8, 20, 3)):
-        cfg = gg.heuristic(4096, 4096, counts)
+        cfg = gc.heuristic(4096, 4096, counts)
         assert (cfg.max_frags, cfg.stages, cfg.mma, cfg.image, cfg.block_rows) == (frags, stages, 1, True, 256), cfg
         assert cfg.paired_stages == (frags != 20) and cfg.producer_warps == (4 if frags > 12 else 1), cfg
-    assert gg.GemmConfig(8, 2, 128, 4, 16, 1, image=True).producer_warps == 4  # (compiled, timeable, not picked)
-    assert gg.heuristic(4096, 3 * 128, [90] * 8).max_frags == 8  # (no pairs: the 64-token tile)
-    assert gg.heuristic(4096, 3 * 128, [150] * 8).max_frags == 20
+    assert gc.GemmConfig(8, 2, 128, 4, 16, 1, image=True).producer_warps == 4  # (compiled, timeable, not picked)
+    assert gc.heuristic(4096, 3 * 128, [90] * 8).max_frags == 8  # (no pairs: the 64-token tile)
+    assert gc.heuristic(4096, 3 * 128, [150] * 8).max_frags == 20
     # no wgmma without whole warpgroups (64-row blocks: two consumer warps): the 64-token tile
-    small = gg.heuristic(192, 256, [300] * 8)
+    small = gc.heuristic(192, 256, [300] * 8)
     assert (small.max_frags, small.mma, small.image) == (8, 0, False), small
 
 
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
-@pytest.mark.parametrize("cfg", gg.SHIPPED_LARGE, ids=lambda c: c.expression.split("<")[1][:-1])
+@pytest.mark.parametrize("cfg", gc.SHIPPED_LARGE, ids=lambda c: c.expression.split("<")[1][:-1])
 def test_large_tiles_compile_without_spills(cfg):
     for read_only in (False,):
         info = jit.ptxas_report(gg.SOURCE, cfg.expression_for(read_only))
@@ -51,7 +53,7 @@ def test_large_tiles_compile_without_spills(cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", gg.SHIPPED_LARGE, ids=lambda c: c.expression.split("<")[1][:-1])
+@pytest.mark.parametrize("cfg", gc.SHIPPED_LARGE, ids=lambda c: c.expression.split("<")[1][:-1])
 def test_large_tiles_match_float64(cfg):
     """Every token count of a 128-token tile and past it (several passes), empty experts
     included: relative error <= 1e-5 against float64, every element written."""
@@ -68,7 +70,7 @@ def test_large_tiles_match_float64(cfg):
     xs = rng.integers(1, 127, (rows, k // 16)).astype(np.uint8)
     offsets = np.r_[0, np.cumsum(counts)].astype(np.int32)
     alpha = rng.uniform(0.5, 2, e).astype(np.float32)
-    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
+    prep = gw.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
     out = cp.full((rows, n), cp.nan, cp.float32)
     gg.grouped_gemm(prep, cp.asarray(xp), cp.asarray(xs), cp.asarray(offsets), cp.asarray(alpha), out, cfg)
     got = out.get()
@@ -80,4 +82,4 @@ def test_large_tiles_match_float64(cfg):
 
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
 def test_large_tiles_smem_mirror(tmp_path):
-    assert_config_mirror(tmp_path, gg.SHIPPED_LARGE)
+    assert_config_mirror(tmp_path, gc.SHIPPED_LARGE)

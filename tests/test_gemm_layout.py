@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lab import checks
-from lab.kernels import grouped_gemm as gg
+from lab.kernels import gemm_config as gc
+from lab.kernels import gemm_weights as gw
 from lab.problem import MoEProblem, make_routing, random_activations, random_weights
 from lab.variants import NAMES, make
 
@@ -18,30 +19,30 @@ ODD = MoEProblem(experts=8, hidden=576, intermediate=192, top_k=2)
 
 def test_the_odd_shape_needs_a_shared_layout():
     p = ODD
-    w13, w2 = gg.default_layout(2 * p.intermediate, p.hidden), gg.default_layout(p.hidden, p.intermediate)
+    w13, w2 = gw.default_layout(2 * p.intermediate, p.hidden), gw.default_layout(p.hidden, p.intermediate)
     assert w13 == (128, 64) and w2 == (64, 64)  # what made the fused layer refuse this shape
-    assert gg.shared_layout([(2 * p.intermediate, p.hidden), (p.hidden, p.intermediate)]) == (64, 64)
+    assert gw.shared_layout([(2 * p.intermediate, p.hidden), (p.hidden, p.intermediate)]) == (64, 64)
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 96), st.integers(1, 96)), min_size=1, max_size=3))
 def test_shared_layout_divides_every_shape_and_is_the_widest(units):
     shapes = [(64 * a, 64 * b) for a, b in units]
-    block_rows, k_step = gg.shared_layout(shapes)
+    block_rows, k_step = gw.shared_layout(shapes)
     assert all(n % block_rows == 0 and k % k_step == 0 for n, k in shapes)
     wider = [b for b in (256, 128) if b > block_rows]
     assert not any(all(n % b == 0 for n, _ in shapes) for b in wider)
     if all(k % 128 == 0 for _, k in shapes):
         assert k_step == 128
     for n, k in shapes:  # the tile the heuristic picks in that layout can run the shape
-        gg.heuristic(n, k, np.full(4, 9), (block_rows, k_step)).validate(n, k)
+        gc.heuristic(n, k, np.full(4, 9), (block_rows, k_step)).validate(n, k)
 
 
 def test_shared_layout_refuses_shapes_no_layout_serves():
     with pytest.raises(ValueError, match="multiples of 64"):
-        gg.shared_layout([(96, 128)])
+        gw.shared_layout([(96, 128)])
     with pytest.raises(ValueError, match="multiples of 64"):
-        gg.shared_layout([(128, 64), (128, 96)])
+        gw.shared_layout([(128, 64), (128, 96)])
 
 
 @pytest.mark.gpu

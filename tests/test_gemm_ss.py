@@ -13,6 +13,8 @@ import pytest
 
 from lab import checks
 from lab.gemm_bench import config_of, parse_config
+from lab.kernels import gemm_config as gc
+from lab.kernels import gemm_weights as gw
 from lab.kernels import grouped_gemm as gg
 from lab.kernels import jit
 from config_mirror import assert_config_mirror
@@ -22,25 +24,25 @@ IDS = lambda c: c.expression.split("<")[1][:-1]  # noqa: E731
 
 
 def test_ss_tile_roles_and_sizes():
-    c = gg.GemmConfig(8, 2, 64, 8, 8, 2, image=True).validate(4096, 4096)
-    assert c == config_of(parse_config("8,2,64,8,2,0,8,1"), gg.GemmConfig())
+    c = gc.GemmConfig(8, 2, 64, 8, 8, 2, image=True).validate(4096, 4096)
+    assert c == config_of(parse_config("8,2,64,8,2,0,8,1"), gc.GemmConfig())
     assert c.decoder_warps == 4 and c.producer_warps == 1 and c.epilogue_warps == 0 and c.threads == 13 * 32
     # per stage: raw weights (256 x 64 codes and scales), 64 image rows x 64 k, decoded 256 x 64 fp16
     register_a = replace(c, mma=1)
     assert c.smem_bytes - register_a.smem_bytes == 2 * 256 * 64 * 2
-    assert c in gg.SHIPPED_SS and replace(c, act="bf16") in gg.SHIPPED_SS
+    assert c in gc.SHIPPED_SS and replace(c, act="bf16") in gc.SHIPPED_SS
 
 
 @pytest.mark.parametrize("bad", [dict(image=False), dict(max_frags=4), dict(row_tiles=4), dict(warps=4),
                                  dict(mode="swiglu")])
 def test_ss_tile_refuses_shapes_it_cannot_run(bad):
-    c = replace(gg.GemmConfig(8, 2, 64, 8, 8, 2, image=True), **bad)
+    c = replace(gc.GemmConfig(8, 2, 64, 8, 8, 2, image=True), **bad)
     with pytest.raises(ValueError, match="mma=2"):
         c.validate()
 
 
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
-@pytest.mark.parametrize("cfg", gg.SHIPPED_SS, ids=IDS)
+@pytest.mark.parametrize("cfg", gc.SHIPPED_SS, ids=IDS)
 def test_ss_tiles_compile_without_spills(cfg):
     for counts_in in (False, True):
         info = jit.ptxas_report(gg.SOURCE, cfg.expression_for(False, counts_in))
@@ -51,7 +53,7 @@ def test_ss_tiles_compile_without_spills(cfg):
 
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
 def test_ss_smem_mirror(tmp_path):
-    assert_config_mirror(tmp_path, gg.SHIPPED_SS)
+    assert_config_mirror(tmp_path, gc.SHIPPED_SS)
 
 
 @pytest.mark.gpu
@@ -60,7 +62,7 @@ def test_ss_tile_writes_only_its_size_class():
     the whole launch; the rest keep their poison. (Its bf16 output: test_gemm_image.py.)"""
     import cupy as cp
 
-    cfg = gg.SHIPPED_SS[0]
+    cfg = gc.SHIPPED_SS[0]
     seed = int(np.random.default_rng().integers(2**31))
     rng = np.random.default_rng(seed)
     counts = np.array([0, 3, 63, 65, 131, 0, 40, 17])
@@ -69,7 +71,7 @@ def test_ss_tile_writes_only_its_size_class():
     scales = rng.integers(1, 127, (e, n, k // 16)).astype(np.uint8)
     offsets, xq, xs, _ = _problem(rng, "nvfp4", counts, k)
     alpha = rng.uniform(0.5, 2, e).astype(np.float32)
-    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
+    prep = gw.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
     args = (cp.asarray(xq), cp.asarray(xs), cp.asarray(offsets), cp.asarray(alpha))
     rows = xq.shape[0]
     full = cp.full((rows, n), cp.nan, cp.float32)

@@ -10,25 +10,27 @@ import numpy as np
 import pytest
 
 from lab import checks, nvfp4, reference
+from lab.kernels import gemm_config as gc
+from lab.kernels import gemm_weights as gw
 from lab.kernels import grouped_gemm as gg
 from lab.kernels import jit
 from config_mirror import assert_config_mirror
 
 
 def test_w4a16_configs_size_bf16_rows_and_name_the_activation():
-    c = gg.GemmConfig(4, 4, 128, 3, 2)
+    c = gc.GemmConfig(4, 4, 128, 3, 2)
     b = replace(c, act="bf16")
     # a stage holds 16 tokens x 128 k of bf16 (4 KB) instead of codes and scales (1 KB + 128 B)
     assert b.smem_bytes - c.smem_bytes == 3 * (16 * 128 * 2 - (16 * 64 + 16 * 8))
     assert b.expression.endswith("lab_gemm::Act::bf16, false, false>") and c.expression.endswith("Act::nvfp4, false, false>")
     with pytest.raises(ValueError, match="act must be one of"):
         replace(c, act="fp8").validate()
-    assert gg.heuristic(4096, 4096, [9] * 8, act="bf16") == replace(gg.heuristic(4096, 4096, [9] * 8), act="bf16")
-    assert {cfg.act for cfg in gg.SHIPPED_W4A16} == {"bf16"} and len(gg.SHIPPED_W4A16) >= 4
+    assert gc.heuristic(4096, 4096, [9] * 8, act="bf16") == replace(gc.heuristic(4096, 4096, [9] * 8), act="bf16")
+    assert {cfg.act for cfg in gc.SHIPPED_W4A16} == {"bf16"} and len(gc.SHIPPED_W4A16) >= 4
 
 
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
-@pytest.mark.parametrize("cfg", gg.SHIPPED_W4A16 + gg.SHIPPED_FUSED_W4A16, ids=lambda c: c.expression.split("<")[1][:-1])
+@pytest.mark.parametrize("cfg", gc.SHIPPED_W4A16 + gc.SHIPPED_FUSED_W4A16, ids=lambda c: c.expression.split("<")[1][:-1])
 def test_w4a16_instantiations_compile_without_spills(cfg):
     for read_only in (False,):  # (the read-only pattern reads the same bytes however it is fed)
         info = jit.ptxas_report(gg.SOURCE, cfg.expression_for(read_only))
@@ -39,7 +41,7 @@ def test_w4a16_instantiations_compile_without_spills(cfg):
 
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
 def test_w4a16_smem_mirror_equals_the_kernels_config(tmp_path):
-    assert_config_mirror(tmp_path, gg.SHIPPED_W4A16 + gg.SHIPPED_FUSED_W4A16,
+    assert_config_mirror(tmp_path, gc.SHIPPED_W4A16 + gc.SHIPPED_FUSED_W4A16,
                          extra=lambda conf, c: [f"{conf}::ACC_SCALE == 16384.0f"])
 
 
@@ -53,8 +55,8 @@ def test_bf16_activations_are_refused_in_the_wrong_form():
 
     packed = np.random.default_rng(0).integers(0, 256, (2, 64, 64), np.uint8)
     scales = np.full((2, 64, 8), 0x38, np.uint8)
-    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(64, 128))
-    cfg = replace(gg.heuristic(64, 128, [3, 2], (64, 128)), act="bf16")
+    prep = gw.prepare_weights(packed, scales, xp=cp, layout=(64, 128))
+    cfg = replace(gc.heuristic(64, 128, [3, 2], (64, 128)), act="bf16")
     off, alpha, out = cp.asarray([0, 3, 5], cp.int32), cp.ones(2, cp.float32), cp.zeros((5, 64), cp.float32)
     with pytest.raises(ValueError, match=r"x: expected \(T, 128\) uint16"):
         gg.grouped_gemm(prep, cp.zeros((5, 64), cp.uint8), None, off, alpha, out, cfg)
@@ -71,7 +73,7 @@ def _bf16(rng, shape, tiny=False):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", gg.SHIPPED_W4A16, ids=lambda c: c.expression.split("<")[1][:-1])
+@pytest.mark.parametrize("cfg", gc.SHIPPED_W4A16, ids=lambda c: c.expression.split("<")[1][:-1])
 def test_w4a16_gemm_matches_float64_and_is_deterministic(cfg):
     """out[r] = alpha[e] * x[r] @ dec(w[e]).T with x the bf16 values as given: relative error
     <= 1e-5 against float64 (the conversion to fp16 is exact in this range; only the fp32 sums
@@ -90,7 +92,7 @@ def test_w4a16_gemm_matches_float64_and_is_deterministic(cfg):
     x = _bf16(rng, (int(counts.sum()), k))
     offsets = np.r_[0, np.cumsum(counts)].astype(np.int32)
     alpha = rng.uniform(0.5, 2, e).astype(np.float32)
-    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
+    prep = gw.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
     outs = []
     for _ in range(2):
         out = cp.full((x.shape[0], n), cp.nan, cp.float32)
@@ -111,12 +113,12 @@ def test_w4a16_fp16_subnormal_activations_cost_at_most_their_rounding():
 
     seed = int(np.random.default_rng().integers(2**31))
     rng = np.random.default_rng(seed)
-    cfg = gg.heuristic(256, 256, [9, 9], act="bf16")
+    cfg = gc.heuristic(256, 256, [9, 9], act="bf16")
     packed = rng.integers(0, 256, (2, 256, 128), np.uint8)
     scales = rng.integers(1, 127, (2, 256, 16)).astype(np.uint8)
     x = _bf16(rng, (18, 256), tiny=True)
     offsets = np.array([0, 9, 18], np.int32)
-    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
+    prep = gw.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
     out = cp.full((18, 256), cp.nan, cp.float32)
     gg.grouped_gemm(prep, cp.asarray(x.view(np.uint16)), None, cp.asarray(offsets), cp.ones(2, cp.float32), out, cfg)
     got = out.get().astype(np.float64)

@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from lab import checks, models, nvfp4, reference
+from lab.kernels import gemm_config as gc
+from lab.kernels import gemm_weights as gw
 from lab.kernels import grouped_gemm as gg
 from lab.kernels import jit
 from lab.problem import make_routing, tokens_for_mean
@@ -76,9 +78,9 @@ def test_prepare_is_a_bijection(e, nt, ka, seed):
     n, k = 64 * nt, 64 * ka
     packed, scales = random_nvfp4(rng, (e, n, k))
     layout = (64 * [1, 1, 2, 4][nt % 4] if n % (64 * [1, 1, 2, 4][nt % 4]) == 0 else 64, 64)
-    prep = gg.prepare_weights(packed, scales, layout=layout)
-    assert prep.data.shape == (e, n // layout[0], k // 64, layout[0] // 16, 1, gg.ATOM_BYTES)
-    p2, s2 = gg.unprepare_weights(prep)
+    prep = gw.prepare_weights(packed, scales, layout=layout)
+    assert prep.data.shape == (e, n // layout[0], k // 64, layout[0] // 16, 1, gw.ATOM_BYTES)
+    p2, s2 = gw.unprepare_weights(prep)
     np.testing.assert_array_equal(p2, packed)
     np.testing.assert_array_equal(s2, scales)
 
@@ -89,10 +91,10 @@ def codes_through_decode_words(packed, scales) -> np.ndarray:
     lane 4g+t, register q holds rows g + 8*(q&1), k slots 2t + 8*(q>>1) + {0, 1} as fp16 v*2^-14
     (slot c of a k16 step being column K_SLOTS[c])."""
     e, n, k = packed.shape[0], packed.shape[1], 2 * packed.shape[2]
-    data = gg.prepare_weights(packed, scales, layout=(64, 64)).data  # [e][block][kc][tile][katom]
-    atoms = data.transpose(0, 1, 3, 2, 4, 5).reshape(e, n // 16, k // 64, gg.ATOM_BYTES)
+    data = gw.prepare_weights(packed, scales, layout=(64, 64)).data  # [e][block][kc][tile][katom]
+    atoms = data.transpose(0, 1, 3, 2, 4, 5).reshape(e, n // 16, k // 64, gw.ATOM_BYTES)
     words = atoms[..., :512].copy().view(np.uint32)
-    regs = gg.decode_words(words.reshape(e, n // 16, k // 64, 32, 4))
+    regs = gw.decode_words(words.reshape(e, n // 16, k // 64, 32, 4))
     out = np.full((e, n, k), np.nan)
     for q in range(4):
         h = regs[q].view(np.float16).reshape(e, n // 16, k // 64, 8, 4, 4, 2).astype(np.float64) * 2.0**14
@@ -101,7 +103,7 @@ def codes_through_decode_words(packed, scales) -> np.ndarray:
                 for j in range(4):
                     for half in range(2):
                         rows = np.arange(n // 16) * 16 + g + 8 * (q & 1)
-                        cols = np.arange(k // 64) * 64 + 16 * j + gg.K_SLOTS[2 * t + 8 * (q >> 1) + half]
+                        cols = np.arange(k // 64) * 64 + 16 * j + gw.K_SLOTS[2 * t + 8 * (q >> 1) + half]
                         out[:, rows[:, None], cols[None, :]] = h[:, :, :, g, t, j, half]
     return out
 
@@ -125,28 +127,28 @@ def test_activation_decode_fills_the_same_k_slots():
     codes = nvfp4.decode_codes(raw)  # (4096, 16) float: k = 0..15
     words = raw.view(np.uint32)  # (4096, 2): k 0..7, k 8..15
     for w in range(2):
-        regs = gg.decode_x_words(words[:, w])
+        regs = gw.decode_x_words(words[:, w])
         for a in range(4):
             h = regs[a].view(np.float16).reshape(-1, 2).astype(np.float64) * 2.0**14
             for half in range(2):
                 slot = 8 * w + 2 * a + half
-                np.testing.assert_array_equal(h[:, half], codes[:, gg.K_SLOTS[slot]])
+                np.testing.assert_array_equal(h[:, half], codes[:, gw.K_SLOTS[slot]])
 
 
 def test_permute_k_round_trip():
     rng = np.random.default_rng(6)
     packed = rng.integers(0, 256, size=(3, 5, 64), dtype=np.uint8)
-    out = gg.permute_k(packed, gg.K_SLOTS)
+    out = gw.permute_k(packed, gw.K_SLOTS)
     codes, got = nvfp4.decode_codes(packed), nvfp4.decode_codes(out)
-    np.testing.assert_array_equal(got.reshape(3, 5, -1, 16), codes.reshape(3, 5, -1, 16)[..., gg.K_SLOTS])
-    np.testing.assert_array_equal(gg.permute_k(out, np.argsort(gg.K_SLOTS)), packed)
-    assert sorted(gg.K_SLOTS.tolist()) == list(range(16))
+    np.testing.assert_array_equal(got.reshape(3, 5, -1, 16), codes.reshape(3, 5, -1, 16)[..., gw.K_SLOTS])
+    np.testing.assert_array_equal(gw.permute_k(out, np.argsort(gw.K_SLOTS)), packed)
+    assert sorted(gw.K_SLOTS.tolist()) == list(range(16))
 
 
 def test_scales_sit_where_the_kernel_reads_them():
     rng = np.random.default_rng(2)
     packed, scales = random_nvfp4(rng, (2, 64, 192))
-    data = gg.prepare_weights(packed, scales, layout=(64, 64)).data  # [e][block][kc][tile][1][576]
+    data = gw.prepare_weights(packed, scales, layout=(64, 64)).data  # [e][block][kc][tile][1][576]
     for e, nt, ka, g, j in [(0, 0, 0, 0, 0), (1, 3, 2, 7, 3), (0, 2, 1, 5, 1)]:
         got = data[e, 0, ka, nt, 0, 512 + 8 * g + 2 * j: 512 + 8 * g + 2 * j + 2]
         want = [scales[e, nt * 16 + g, ka * 4 + j], scales[e, nt * 16 + g + 8, ka * 4 + j]]
@@ -198,11 +200,11 @@ def test_element_bound_passes_fp32_accumulation_and_fails_a_kernel_flushing_subn
 
 def test_prepare_rejects_bad_shapes():
     with pytest.raises(ValueError, match="w_packed"):
-        gg.prepare_weights(np.zeros((64, 32), np.uint8), np.zeros((64, 4), np.uint8))
+        gw.prepare_weights(np.zeros((64, 32), np.uint8), np.zeros((64, 4), np.uint8))
     with pytest.raises(ValueError, match="w_scales"):
-        gg.prepare_weights(np.zeros((1, 64, 32), np.uint8), np.zeros((1, 64, 3), np.uint8))
+        gw.prepare_weights(np.zeros((1, 64, 32), np.uint8), np.zeros((1, 64, 3), np.uint8))
     with pytest.raises(ValueError, match="multiples of 64"):
-        gg.prepare_weights(np.zeros((1, 48, 32), np.uint8), np.zeros((1, 48, 4), np.uint8))
+        gw.prepare_weights(np.zeros((1, 48, 32), np.uint8), np.zeros((1, 48, 4), np.uint8))
 
 
 # ------------------------------------------------------------------------ CPU: configurations
@@ -212,9 +214,9 @@ def test_prepare_rejects_bad_shapes():
 @pytest.mark.parametrize("mean", [0.5, 2, 8, 32, 300])
 def test_heuristic_gives_a_valid_config(n, k, mean):
     counts = np.random.default_rng(0).poisson(mean, 64)
-    cfg = gg.heuristic(n, k, counts)
+    cfg = gc.heuristic(n, k, counts)
     assert n % cfg.block_rows == 0 and k % cfg.k_step == 0
-    assert cfg.smem_bytes <= gg.SMEM_LIMIT
+    assert cfg.smem_bytes <= gc.SMEM_LIMIT
     if (counts > 0).any():  # Poisson counts: the percentile's tile (the model is for skewed routing)
         assert cfg.max_frags == _percentile_frags(counts, cfg, k)
 
@@ -230,7 +232,7 @@ def _percentile_frags(counts, cfg, k) -> int:
             return 20
         if k % (2 * cfg.k_step) == 0:
             return 12
-    return gg.frags_for(q)
+    return gc.frags_for(q)
 
 
 @pytest.mark.parametrize("model", sorted(models.MODELS))
@@ -244,7 +246,7 @@ def test_uniform_routings_keep_the_percentile_tile(model):
         routing = make_routing(tokens_for_mean(mean, m.experts, m.top_k), m.experts, m.top_k, seed=mean)
         counts = np.diff(routing.offsets)
         for n, k in ((2 * m.intermediate, m.hidden), (m.hidden, m.intermediate)):
-            cfg = gg.heuristic(n, k, counts)
+            cfg = gc.heuristic(n, k, counts)
             assert cfg.max_frags == _percentile_frags(counts, cfg, k), (mean, n, k)
 
 
@@ -256,54 +258,54 @@ def test_skewed_routing_takes_the_tile_measured_fastest(skew, frags, mma, ctas):
     (notes/gemm-log.md v20)."""
     routing = make_routing(tokens_for_mean(8, 288, 8), 288, 8, skew=skew, seed=0)
     for n, k in ((4096, 4096), (4096, 2048)):
-        cfg = gg.heuristic(n, k, np.diff(routing.offsets))
+        cfg = gc.heuristic(n, k, np.diff(routing.offsets))
         assert (cfg.max_frags, cfg.mma, cfg.ctas_per_sm) == (frags, mma, ctas), cfg
 
 
 def test_token_tile_model():
-    assert gg.modelled_time(np.zeros(8, int), 2, 16, 2) == 1.0
-    one_pass = gg.modelled_time(np.full(256, 8), 1, 16, 2)
+    assert gc.modelled_time(np.zeros(8, int), 2, 16, 2) == 1.0
+    one_pass = gc.modelled_time(np.full(256, 8), 1, 16, 2)
     assert one_pass == pytest.approx(1.03, rel=0.02)  # every expert in one 8-token pass, a small tail
-    assert gg.modelled_time(np.full(256, 16), 1, 16, 2) == pytest.approx(2 * one_pass)  # two passes each
+    assert gc.modelled_time(np.full(256, 16), 1, 16, 2) == pytest.approx(2 * one_pass)  # two passes each
     # one hot expert: its units are longer than a CTA's share of the rest, so the tail binds
     hot = np.r_[np.full(255, 8), 400]
-    assert gg.modelled_time(hot, 1, 16, 2) > gg.modelled_time(hot, 8, 16, 1)
+    assert gc.modelled_time(hot, 1, 16, 2) > gc.modelled_time(hot, 8, 16, 1)
 
 
 def test_frags_for():
-    assert [gg.frags_for(c) for c in (1, 8, 9, 16, 17, 32, 33, 64, 65, 1000)] == [1, 1, 2, 2, 4, 4, 8, 8, 8, 8]
+    assert [gc.frags_for(c) for c in (1, 8, 9, 16, 17, 32, 33, 64, 65, 1000)] == [1, 1, 2, 2, 4, 4, 8, 8, 8, 8]
 
 
 def test_config_validation_names_the_problem():
     with pytest.raises(ValueError, match="k_step"):
-        gg.GemmConfig(k_step=96).validate()
+        gc.GemmConfig(k_step=96).validate()
     with pytest.raises(ValueError, match="shared memory"):
-        gg.GemmConfig(warps=8, row_tiles=4, k_step=256, stages=12, max_frags=8).validate()
+        gc.GemmConfig(warps=8, row_tiles=4, k_step=256, stages=12, max_frags=8).validate()
     with pytest.raises(ValueError, match="multiple of the block"):
-        gg.GemmConfig(warps=8, row_tiles=2).validate(n=192, k=256)
-    cfg = gg.GemmConfig(warps=4, row_tiles=1)  # 64-row blocks; the unit ring holds 15 bits of block
+        gc.GemmConfig(warps=8, row_tiles=2).validate(n=192, k=256)
+    cfg = gc.GemmConfig(warps=4, row_tiles=1)  # 64-row blocks; the unit ring holds 15 bits of block
     cfg.validate(n=((1 << 15) - 1) * cfg.block_rows, k=256)
     with pytest.raises(ValueError, match="row blocks"):
         cfg.validate(n=(1 << 15) * cfg.block_rows, k=256)
 
 
 def test_shipped_configs_fit():
-    for cfg in gg.SHIPPED_CONFIGS:
+    for cfg in gc.SHIPPED_CONFIGS:
         cfg.validate()
-        assert cfg.launch_smem(1024) <= gg.SMEM_LIMIT
+        assert cfg.launch_smem(1024) <= gc.SMEM_LIMIT
 
 
 def test_resident_ctas():
-    small = gg.GemmConfig(8, 2, 128, 4, 2)
-    assert gg.resident_ctas(small, 288, 64) == 2  # ~96 KB of shared memory each
-    assert gg.resident_ctas(gg.GemmConfig(8, 2, 128, 4, 8), 288, 143) == 1
+    small = gc.GemmConfig(8, 2, 128, 4, 2)
+    assert gc.resident_ctas(small, 288, 64) == 2  # ~96 KB of shared memory each
+    assert gc.resident_ctas(gc.GemmConfig(8, 2, 128, 4, 8), 288, 143) == 1
 
 
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
 def test_smem_mirror_equals_the_kernels_config(tmp_path):
     """GemmConfig.smem_bytes, .threads and .stage_bytes agree with Config<> for every shipped and
     fused instantiation."""
-    assert_config_mirror(tmp_path, sorted(set(gg.SHIPPED_CONFIGS) | set(gg.SHIPPED_FUSED), key=str))
+    assert_config_mirror(tmp_path, sorted(set(gc.SHIPPED_CONFIGS) | set(gc.SHIPPED_FUSED), key=str))
 
 
 def _heuristic_tiles() -> list:
@@ -312,7 +314,7 @@ def _heuristic_tiles() -> list:
     for n in (64, 128, 192, 256, 384, 512, 4096):
         for k in (64, 128, 320, 4096):
             for count in (1, 9, 17, 40, 70, 300):
-                cfg = gg.heuristic(n, k, np.full(8, count))
+                cfg = gc.heuristic(n, k, np.full(8, count))
                 seen[cfg.expression] = cfg
     return sorted(seen.values(), key=lambda c: c.expression)
 
@@ -336,7 +338,7 @@ def test_heuristic_tiles_compile_without_spills(cfg):
 
 
 @pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
-@pytest.mark.parametrize("cfg", gg.SHIPPED_CONFIGS, ids=lambda c: c.expression.split("<")[1][:-1])
+@pytest.mark.parametrize("cfg", gc.SHIPPED_CONFIGS, ids=lambda c: c.expression.split("<")[1][:-1])
 def test_shipped_configs_compile_without_spills(cfg):
     for read_only in (False, True):
         info = jit.ptxas_report(gg.SOURCE, cfg.expression_for(read_only))
@@ -351,11 +353,11 @@ def _split_tiles():
     from lab.problem import make_routing
 
     counts = np.array([0, 1, 3, 9, 12, 16, 5, 2, 40, 150, 270, 7] * 8)
-    plans = [gg.gemm_plan(n, k, counts) for n, k in ((4096, 4096), (4096, 2048))]
-    plans += [gg.split_configs(4096, 4096, counts, 16)]
+    plans = [gc.gemm_plan(n, k, counts) for n, k in ((4096, 4096), (4096, 2048))]
+    plans += [gc.split_configs(4096, 4096, counts, 16)]
     for skew in (0.4, 0.8, 1.2):  # the study's skewed routings at mean 8 (0.4: the 64-token image tile)
         c = make_routing(288, 288, 8, skew=skew, seed=0).counts
-        plans += [gg.gemm_plan(n, k, c) for n, k in ((4096, 4096), (4096, 2048))]
+        plans += [gc.gemm_plan(n, k, c) for n, k in ((4096, 4096), (4096, 2048))]
     return sorted({cfg for plan in plans for cfg, _ in plan}, key=lambda c: c.expression)
 
 
@@ -383,19 +385,19 @@ def test_gemm_plan_splits_skewed_routing_by_expert_size():
     sums round); one prepared layout; each plan covers every count exactly once."""
     from lab.problem import make_routing
 
-    assert gg.split_configs(4096, 4096, [3, 300], 16, wgmma=False)[1][0].mma == 0
-    for mean, skew, splits in ((8, 0.0, ()), (8, 0.4, ("nvfp4",)), (8, 0.8, gg.ACTS), (8, 1.2, gg.ACTS),
+    assert gc.split_configs(4096, 4096, [3, 300], 16, wgmma=False)[1][0].mma == 0
+    for mean, skew, splits in ((8, 0.0, ()), (8, 0.4, ("nvfp4",)), (8, 0.8, gc.ACTS), (8, 1.2, gc.ACTS),
                                (32, 0.0, ()), (32, 1.2, ()), (512, 0.0, ())):
         counts = make_routing(int(mean * 288 / 8), 288, 8, skew=skew, seed=3).counts
-        for (n, k), act in [(nk, a) for nk in ((4096, 4096), (4096, 2048)) for a in gg.ACTS]:
-            plan = gg.gemm_plan(n, k, counts, act=act)
-            one = gg.heuristic(n, k, counts, act=act)
+        for (n, k), act in [(nk, a) for nk in ((4096, 4096), (4096, 2048)) for a in gc.ACTS]:
+            plan = gc.gemm_plan(n, k, counts, act=act)
+            one = gc.heuristic(n, k, counts, act=act)
             split = act in splits
             assert (len(plan) == 2) == split, (mean, skew, act, plan)
             if not split:
-                assert plan == ((one, gg.ALL_COUNTS),)
+                assert plan == ((one, gc.ALL_COUNTS),)
                 continue
-            assert [r for _, r in plan] == [(1, gg.SPLIT_AT), (gg.SPLIT_AT + 1, gg.ALL_COUNTS[1])]
+            assert [r for _, r in plan] == [(1, gc.SPLIT_AT), (gc.SPLIT_AT + 1, gc.ALL_COUNTS[1])]
             (cold, _), (hot, _) = plan
             assert one.mma == 0 and cold.mma == 0 and not cold.image, plan
             assert hot.image if act == "nvfp4" else (hot.mma == 0 and not hot.image), plan
@@ -409,10 +411,10 @@ def test_gemm_plan_splits_skewed_routing_by_expert_size():
 
 
 def run_gemm(cp, packed, scales, xq, xs, offsets, alpha, cfg=None, poison=np.nan):
-    e, n, k = gg.check_weight_shapes(packed, scales)
+    e, n, k = gw.check_weight_shapes(packed, scales)
     counts = np.diff(offsets)
-    cfg = cfg or gg.heuristic(n, k, counts)
-    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
+    cfg = cfg or gc.heuristic(n, k, counts)
+    prep = gw.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
     out = cp.full((xq.shape[0], n), poison, dtype=cp.float32)
     gg.grouped_gemm(prep, cp.asarray(xq), cp.asarray(xs), cp.asarray(offsets.astype(np.int32)),
                     cp.asarray(alpha.astype(np.float32)), out, cfg)
@@ -471,7 +473,7 @@ def test_zero_subnormal_and_largest_scales_on_both_operands(mma):
     packed, scales = edge_nvfp4(rng, (e, n, k), np.tile(np.arange(n) % p, (e, 1)))
     xq, xs = edge_nvfp4(rng, (int(offsets[-1]), k), np.arange(int(offsets[-1])) % p)
     alpha = rng.uniform(0.5, 2, e).astype(np.float32)
-    cfg = gg.GemmConfig(4, 4, 128, 3, 8 if mma else 2, mma)
+    cfg = gc.GemmConfig(4, 4, 128, 3, 8 if mma else 2, mma)
     got = run_gemm(cp, packed, scales, xq, xs, offsets, alpha, cfg)
     assert np.isfinite(got).all()
     assert_within_element_bound(got, xq, xs, offsets, packed, scales, alpha)
@@ -492,7 +494,7 @@ def test_every_token_count_per_instruction(mma, frags):
     packed, scales = random_nvfp4(rng, (e, n, k))
     xq, xs = random_nvfp4(rng, (int(offsets[-1]), k))
     alpha = rng.uniform(0.5, 2, e).astype(np.float32)
-    cfg = gg.GemmConfig(4, 4, 128, 3, frags, mma)
+    cfg = gc.GemmConfig(4, 4, 128, 3, frags, mma)
     got = run_gemm(cp, packed, scales, xq, xs, offsets, alpha, cfg)
     assert np.isfinite(got).all()
     ref = reference.grouped_gemm(xq, xs, offsets, packed, scales, alpha)
@@ -564,7 +566,7 @@ def test_all_configs_bitwise_equal_and_deterministic():
     # NVFP4 on both sides those sums are exact (gemm_config.gemm_plan): the families agree too.
     first = None
     for mma in (0, 1):
-        cfgs = [c for c in gg.SHIPPED_CONFIGS if c.mma == mma]
+        cfgs = [c for c in gc.SHIPPED_CONFIGS if c.mma == mma]
         outs = [run_gemm(cp, packed, scales, xq, xs, offsets, alpha, cfg) for cfg in cfgs]
         outs.append(run_gemm(cp, packed, scales, xq, xs, offsets, alpha, cfgs[0], poison=7.0))
         assert checks.rel_error(outs[0], ref) <= 1e-5, f"mma={mma}"
@@ -599,12 +601,12 @@ def test_launch_rejects_bad_arguments():
     cp = require_gpu("test")
     rng = np.random.default_rng(3)
     packed, scales = random_nvfp4(rng, (2, 64, 128))
-    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(64, 128))
+    prep = gw.prepare_weights(packed, scales, xp=cp, layout=(64, 128))
     xq, xs = cp.asarray(random_nvfp4(rng, (5, 128))[0]), cp.asarray(random_nvfp4(rng, (5, 128))[1])
     off = cp.asarray(np.array([0, 2, 5], np.int32))
     alpha = cp.ones(2, cp.float32)
     out = cp.empty((5, 64), cp.float32)
-    cfg = gg.heuristic(64, 128, [2, 3])
+    cfg = gc.heuristic(64, 128, [2, 3])
     with pytest.raises(ValueError, match="x_packed"):
         gg.grouped_gemm(prep, xq[:, :32], xs, off, alpha, out, cfg)
     with pytest.raises(ValueError, match="offsets"):
@@ -623,14 +625,14 @@ def test_two_problems_in_one_launch_equal_two_launches():
 
     cp = require_gpu("test")
     rng = np.random.default_rng(21)
-    cfg = gg.GemmConfig(4, 4, 128, 3, 2)
+    cfg = gc.GemmConfig(4, 4, 128, 3, 2)
     probs, singles = [], []
     for e, n, k, counts in ((5, 256, 512, [3, 0, 17, 9, 1]), (3, 512, 256, [12, 0, 5])):
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         packed, scales = random_nvfp4(rng, (e, n, k))
         xq, xs = random_nvfp4(rng, (int(offsets[-1]), k))
         alpha = rng.uniform(0.5, 2, e).astype(np.float32)
-        prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
+        prep = gw.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
         args = [prep, cp.asarray(xq), cp.asarray(xs), cp.asarray(offsets), cp.asarray(alpha),
                 cp.full((int(offsets[-1]), n), cp.nan, dtype=cp.float32)]
         probs.append(tuple(args))
@@ -650,28 +652,28 @@ def test_split_configs_take_each_size_class_on_its_tile():
     one past hot_from on the tile for theirs (an image tile past 64 tokens), one prepared layout;
     one launch where a class is empty; a clear error for a bad threshold or count range."""
     counts = np.array([0, 3, 9, 12, 300, 5, 0, 140, 7])
-    plan = gg.split_configs(4096, 4096, counts, 32)
-    assert [r for _, r in plan] == [(1, 32), (33, gg.ALL_COUNTS[1])]
+    plan = gc.split_configs(4096, 4096, counts, 32)
+    assert [r for _, r in plan] == [(1, 32), (33, gc.ALL_COUNTS[1])]
     cold, hot = plan[0][0], plan[1][0]
-    assert cold == gg.heuristic(4096, 4096, np.where(counts <= 32, counts, 0)) and not cold.image
-    assert hot == gg.heuristic(4096, 4096, np.where(counts > 32, counts, 0)) and hot.image and hot.max_frags == 20
+    assert cold == gc.heuristic(4096, 4096, np.where(counts <= 32, counts, 0)) and not cold.image
+    assert hot == gc.heuristic(4096, 4096, np.where(counts > 32, counts, 0)) and hot.image and hot.max_frags == 20
     assert (cold.block_rows, cold.k_step) == (hot.block_rows, hot.k_step)
-    assert [r for _, r in gg.split_configs(4096, 4096, np.array([0, 3, 9]), 32)] == [(1, 32)]
-    assert [r for _, r in gg.split_configs(4096, 4096, np.array([0, 300]), 32)] == [(33, gg.ALL_COUNTS[1])]
+    assert [r for _, r in gc.split_configs(4096, 4096, np.array([0, 3, 9]), 32)] == [(1, 32)]
+    assert [r for _, r in gc.split_configs(4096, 4096, np.array([0, 300]), 32)] == [(33, gc.ALL_COUNTS[1])]
     for bad in (0, 2.5, [], [16, 16], [32, 16], [0, 16], "16"):
         with pytest.raises(ValueError, match="hot_from"):
-            gg.split_configs(4096, 4096, counts, bad)
+            gc.split_configs(4096, 4096, counts, bad)
     # several bounds: one class between each two, each on the tile for its counts; empty ones skipped
     more = np.r_[counts, 50, 80]
-    three = gg.split_configs(4096, 4096, more, [16, 96])
-    assert [r for _, r in three] == [(1, 16), (17, 96), (97, gg.ALL_COUNTS[1])]
+    three = gc.split_configs(4096, 4096, more, [16, 96])
+    assert [r for _, r in three] == [(1, 16), (17, 96), (97, gc.ALL_COUNTS[1])]
     assert [c.max_frags * 8 for c, _ in three] == [16, 96, 160] and three[1][0].image
-    assert gg.split_configs(4096, 4096, more, (16,)) == gg.split_configs(4096, 4096, more, 16)
-    assert [r for _, r in gg.split_configs(4096, 4096, counts, [8, 10, 11])] == [(1, 8), (9, 10), (12, gg.ALL_COUNTS[1])]
-    assert gg.counts_range(None) == gg.ALL_COUNTS and gg.counts_range((3, 5)) == (3, 5)
+    assert gc.split_configs(4096, 4096, more, (16,)) == gc.split_configs(4096, 4096, more, 16)
+    assert [r for _, r in gc.split_configs(4096, 4096, counts, [8, 10, 11])] == [(1, 8), (9, 10), (12, gc.ALL_COUNTS[1])]
+    assert gc.counts_range(None) == gc.ALL_COUNTS and gc.counts_range((3, 5)) == (3, 5)
     for bad in ((0, 5), (5, 3), (1.5, 3), "ab", (1, 2**31)):
         with pytest.raises(ValueError, match="counts_in"):
-            gg.counts_range(bad)
+            gc.counts_range(bad)
 
 
 def random_grouped(rng, counts: np.ndarray, n: int, k: int):
@@ -698,8 +700,8 @@ def test_split_launches_write_their_experts_as_their_tiles_do(hot_from):
     counts = np.array([0, 1, 7, 16, 17, 40, 0, 64, 65, 100, 161, 3, 330])
     n, k = 512, 256
     offsets, rows, packed, scales, xq, xs, alpha = random_grouped(rng, counts, n, k)
-    plan = gg.split_configs(n, k, counts, hot_from)
-    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(plan[0][0].block_rows, plan[0][0].k_step))
+    plan = gc.split_configs(n, k, counts, hot_from)
+    prep = gw.prepare_weights(packed, scales, xp=cp, layout=(plan[0][0].block_rows, plan[0][0].k_step))
     args = (cp.asarray(xq), cp.asarray(xs), cp.asarray(offsets), cp.asarray(alpha))
     both = cp.full((rows, n), cp.nan, cp.float32)
     for cfg, counts_in in plan:
@@ -716,7 +718,7 @@ def test_split_launches_write_their_experts_as_their_tiles_do(hot_from):
     assert np.isfinite(got).all(), f"seed {seed}: rows no launch wrote"
     # and bit for bit what one launch of the heuristic's mma.sync tile writes: NVFP4 products of a
     # k16 step sum exactly, so the families agree (gemm_plan relies on it)
-    one = gg.heuristic(n, k, counts, wgmma=False)
+    one = gc.heuristic(n, k, counts, wgmma=False)
     whole = cp.full((rows, n), cp.nan, cp.float32)
     gg.grouped_gemm(prep, *args, whole, one)
     ok, msg = checks.compare_bits(got.view(np.uint32), whole.get().view(np.uint32))
@@ -740,10 +742,10 @@ def test_a_size_class_of_more_experts_than_threads_computes_them_all():
     rng.shuffle(counts)
     n, k = 256, 256
     offsets, rows, packed, scales, xq, xs, alpha = random_grouped(rng, counts, n, k)
-    counts_in = (17, gg.ALL_COUNTS[1])
-    cfg = gg.heuristic(n, k, np.where(counts >= 17, counts, 0))
+    counts_in = (17, gc.ALL_COUNTS[1])
+    cfg = gc.heuristic(n, k, np.where(counts >= 17, counts, 0))
     assert cfg.image and cfg.threads < int((counts >= 17).sum()), cfg
-    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
+    prep = gw.prepare_weights(packed, scales, xp=cp, layout=(cfg.block_rows, cfg.k_step))
     args = (cp.asarray(xq), cp.asarray(xs), cp.asarray(offsets), cp.asarray(alpha))
     alone, whole = cp.full((rows, n), cp.nan, cp.float32), cp.full((rows, n), cp.nan, cp.float32)
     gg.grouped_gemm(prep, *args, alone, cfg, counts_in=counts_in)
@@ -767,6 +769,6 @@ def test_each_size_class_counts_its_units_on_its_own_counters(monkeypatch):
                               zeros=lambda n, dtype: object())
     out, off = arr(0x1000), arr(0x2000)
     state = lambda counts_in: gg._scheduler_state(fake_cp, out, off, None, 7, counts_in)  # noqa: E731
-    cold, hot, every = state((1, 16)), state((17, gg.ALL_COUNTS[1])), state(gg.ALL_COUNTS)
+    cold, hot, every = state((1, 16)), state((17, gc.ALL_COUNTS[1])), state(gc.ALL_COUNTS)
     assert len({id(cold[0]), id(hot[0]), id(every[0])}) == 3 and cold[1] is not hot[1]
-    assert state((1, 16)) is cold and state(gg.ALL_COUNTS) is every
+    assert state((1, 16)) is cold and state(gc.ALL_COUNTS) is every

@@ -134,6 +134,7 @@ def test_source_inlines_every_header_once_in_nvcc_include_order(tmp_path):
     import re
     import subprocess
 
+    from lab.kernels import gemm_config as gc
     from lab.kernels import grouped_gemm as gg
 
     text = jit.source(gg.SOURCE)
@@ -157,7 +158,7 @@ def test_source_inlines_every_header_once_in_nvcc_include_order(tmp_path):
     nvcc = jit.nvcc_path()
     if nvcc is None:
         pytest.skip("needs nvcc")
-    expr = gg.SHIPPED_FUSED[-1].expression
+    expr = gc.SHIPPED_FUSED[-1].expression
     cubins = []
     for name, src in (("files", f'#include "{jit.KERNEL_DIR / gg.SOURCE}"\n'), ("flat", text)):
         unit = tmp_path / f"{name}.cu"

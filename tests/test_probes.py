@@ -92,7 +92,7 @@ def test_warp_slot_probe_kernel_compiles_for_sm90a(tmp_path):
 def test_coresident_probe_narrow_tiles_fit_beside_the_small_tile():
     """The 64-row large-class tiles validate on the study's GEMMs and fit one CTA per SM beside the
     small tile: shared memory (two small CTAs beside the k_step-64 one, one beside the other)."""
-    from lab.kernels import grouped_gemm as gg
+    from lab.kernels import gemm_config as gc
     from lab.kernels.gemm_config import SM_SMEM, SMEM_PER_CTA_RESERVED
     from lab.problem import MoEProblem, make_routing
 
@@ -100,7 +100,7 @@ def test_coresident_probe_narrow_tiles_fit_beside_the_small_tile():
     p = MoEProblem()
     counts = make_routing(8 * p.experts // p.top_k, p.experts, p.top_k, skew=1.2, seed=0).counts
     for n, k in ((2 * p.intermediate, p.hidden), (p.hidden, p.intermediate)):
-        (cold, _), (hot, _) = gg.gemm_plan(n, k, counts)
+        (cold, _), (hot, _) = gc.gemm_plan(n, k, counts)
         narrow = mod.narrow_tiles(hot)
         assert len(narrow) == 2
         for cfg in narrow.values():

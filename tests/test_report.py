@@ -228,7 +228,7 @@ def test_tile_sweep_fixture_has_the_structure_tile_sweep_writes():
     """The fixture's tile points are the ones scripts/tile_sweep.py sweeps around the heuristic's
     tiles at means 8 and 32, and each row holds what it writes: a measurement or a reason.
     (Which tiles fail, and why, is the kernel's business: not pinned here.)"""
-    from lab.kernels import grouped_gemm as gg
+    from lab.kernels import gemm_config as gc
 
     spec = importlib.util.spec_from_file_location("tile_sweep", ROOT / "scripts/tile_sweep.py")
     ts = importlib.util.module_from_spec(spec)
@@ -236,7 +236,7 @@ def test_tile_sweep_fixture_has_the_structure_tile_sweep_writes():
     d = tile_json()
     assert {"script", "argv", "setup", "read_roofline", "rows"} <= d.keys()
     assert d["script"] == "scripts/tile_sweep.py"
-    bases = {8: gg.GemmConfig(4, 4, 128, 4, 2), 32: gg.GemmConfig(8, 2, 128, 4, 8)}
+    bases = {8: gc.GemmConfig(4, 4, 128, 4, 2), 32: gc.GemmConfig(8, 2, 128, 4, 8)}
     for mean, base in bases.items():
         mine = [r for r in d["rows"] if r["mean_tokens"] == mean]
         want = [tuple(desc.values()) for desc, _ in ts.candidates(base, full=False)]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from lab.kernels import gemm_config as gc
 from lab.kernels import grouped_gemm as gg
 from lab.kernels import jit, sass
 
@@ -89,12 +90,12 @@ def test_an_unresolved_label_leaves_no_target():
 
 
 @TOOLS
-@pytest.mark.parametrize("act", gg.ACTS)
+@pytest.mark.parametrize("act", gc.ACTS)
 def test_the_64_token_image_tile_has_one_stage_loop_per_fragment_count(act):
     """The per-pass dispatch (grouped_gemm.cu): a loop for each fragment count 1..8, each issuing
     one wgmma shape, m64 x (8F), two row tiles x eight k16 steps per stage, with the decode's 4
     HMUL2 and 1 scale conversion per tile-step and nothing on the FP32 pipe."""
-    cfg = gg.GemmConfig(8, 2, 128, 4, 8, 1, act=act, image=True)
+    cfg = gc.GemmConfig(8, 2, 128, 4, 8, 1, act=act, image=True)
     mixes = sass.stage_mixes(gg.SOURCE, cfg.expression)
     assert sorted(m.tokens for m in mixes) == [8 * f for f in range(1, 9)]
     for m in mixes:
@@ -107,7 +108,7 @@ def test_the_64_token_image_tile_has_one_stage_loop_per_fragment_count(act):
 
 @TOOLS
 def test_the_160_token_tile_with_builders_has_twenty_stage_loops():
-    cfg = gg.GemmConfig(8, 2, 128, 3, 20, 1, image=True)
+    cfg = gc.GemmConfig(8, 2, 128, 3, 20, 1, image=True)
     mixes = sass.stage_mixes(gg.SOURCE, cfg.expression_for(False, builders=True))
     assert sorted(m.tokens for m in mixes) == [8 * f for f in range(1, 21)]
     assert all(m.n_tensor == 16 and len(m.tensor_ops) == 1 for m in mixes)
@@ -123,7 +124,7 @@ def test_sass_of_another_tree_compiles_from_that_tree(tmp_path):
     edited = text.replace("  p0 = (w << 6) & DECODE_MASK;", "  p0 = ((w << 6) & DECODE_MASK) ^ (w >> 17);")
     assert edited != text and cu.is_file()
     (tree / "gemm" / "decode.cuh").write_text(edited)
-    cfg = gg.GemmConfig(8, 2, 128, 4, 8, 1, image=True)
+    cfg = gc.GemmConfig(8, 2, 128, 4, 8, 1, image=True)
     base = {m.tokens: m for m in sass.stage_mixes(gg.SOURCE, cfg.expression)}
     other = {m.tokens: m for m in sass.stage_mixes(gg.SOURCE, cfg.expression, tree)}
     assert base.keys() == other.keys()
@@ -150,3 +151,50 @@ def test_the_script_prints_a_tiles_loops_and_writes_them(tmp_path):
     # 256 rows: 16 tile-steps of every k16 step, over 4 schedulers
     assert all(r["issue_cycles_per_k16_step"] == round(r["per_tile_step"] * 4, 1) for r in rows)
     assert "8x2 k128 s4 64 tok wgmma image" in res.stdout
+
+
+def _same_sass():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("same_sass", ROOT / "scripts" / "same_sass.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_same_sass_covers_the_no_spill_checks_instantiations():
+    exprs = _same_sass().instantiations()
+    assert len(exprs) == len(set(exprs)) > 100
+    for cfg in gc.SHIPPED_CONFIGS + gc.SHIPPED_FUSED + gc.SHIPPED_W4A16 + gc.SHIPPED_LARGE:
+        assert cfg.expression in exprs, cfg
+    assert all(c.expression_for(False, True) in exprs for c in gc.SHIPPED_SS)
+    assert all(c.expression_for(False, bf16_out=True) in exprs for c in gc.SHIPPED_IMAGE)
+    assert {f"lab_gemm::act_image<lab_gemm::Act::{a}>" for a in gc.ACTS} <= set(exprs)
+
+
+@pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
+def test_same_sass_tells_an_edited_tree_from_a_copy(tmp_path):
+    """The refactor check on its smallest instantiation (the activation image kernel): a copy of the
+    tree compiles to the same .text, an edited constant (k16 blocks per thread) to another."""
+    same_sass = _same_sass()
+    copy, edited = tmp_path / "copy", tmp_path / "edited"
+    for tree in (copy, edited):
+        subprocess.run(["cp", "-r", str(jit.KERNEL_DIR), str(tree)], check=True)
+    header = edited / "gemm" / "act_image.cuh"
+    text = header.read_text()
+    assert "constexpr int IMAGE_QB = 4;" in text
+    header.write_text(text.replace("constexpr int IMAGE_QB = 4;", "constexpr int IMAGE_QB = 2;"))
+    expr = ["lab_gemm::act_image<lab_gemm::Act::nvfp4>"]
+    same = same_sass.compare([("main", jit.KERNEL_DIR), ("copy", copy)], expr)
+    assert [r["text_identical"] for r in same] == [True] and same[0]["text_bytes"]["main"] > 0
+    other = same_sass.compare([("main", jit.KERNEL_DIR), ("edited", edited)], expr)
+    assert [r["text_identical"] for r in other] == [False]
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "same_sass.py"), "--tree", f"main={jit.KERNEL_DIR}",
+                          "--tree", f"edited={edited}", "--expression", expr[0]], capture_output=True, text=True)
+    assert res.returncode == 1 and "DIFFERENT" in res.stdout and "identical in 0 of 1" in res.stdout, res.stderr[-2000:]
+
+
+def test_same_sass_names_a_bad_tree():
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "same_sass.py"), "--tree", "x=/nonexistent",
+                          "--tree", f"y={jit.KERNEL_DIR}"], capture_output=True, text=True)
+    assert res.returncode == 2 and "--tree: expected NAME=DIR" in res.stderr and "Traceback" not in res.stderr

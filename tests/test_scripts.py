@@ -26,6 +26,7 @@ CPU_RUNS = {
     "report": None,
     "sass_mix": None,  # needs nvcc and nvdisasm: run by tests/test_sass.py
     "check_gpu_verdict": None,  # reads a check_gpu.sh run: tests/test_check_gpu.py
+    "same_sass": None,  # needs nvcc and two trees: run by tests/test_sass.py
 }
 # scripts that print something useful before saying they need a GPU (run_layer: the bytes table)
 PRINTS_FIRST = {"run_layer"}

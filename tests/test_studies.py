@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lab.kernels import grouped_gemm as gg
+from lab.kernels import gemm_config as gc
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
@@ -20,14 +20,14 @@ def load(name):
 
 def test_tile_sweep_varies_one_factor_at_a_time_and_reports_what_cannot_exist():
     ts = load("tile_sweep")
-    base = gg.GemmConfig(4, 4, 128, 4, 2)
+    base = gc.GemmConfig(4, 4, 128, 4, 2)
     cands = ts.candidates(base, full=False)
     descs = [d for d, _ in cands]
     assert len(descs) == len({tuple(d.values()) for d in descs})  # no point twice
     for d, cfg in cands:  # every point differs from the base in at most one factor
         diffs = (d["token_tile"] != 16) + (d["block_rows"] != 256) + (d["k_step"] != 128) + (d["stages"] != 4)
         assert diffs <= 1
-        if isinstance(cfg, gg.GemmConfig):
+        if isinstance(cfg, gc.GemmConfig):
             assert (cfg.token_tile, cfg.block_rows, cfg.k_step, cfg.stages) == tuple(d.values())
     why = dict((d["token_tile"], c) for d, c in cands if d["block_rows"] == 256 and d["k_step"] == 128 and d["stages"] == 4)
     assert isinstance(why[128], str) and "not compiled" in why[128]
@@ -54,7 +54,7 @@ def test_chunk_timeline_gaps_and_idle():
 def test_chunk_waves():
     cs = load("chunk_study")
     counts = np.array([1, 0, 3, 5, 0, 2])
-    cfg = gg.GemmConfig(4, 4, 128, 4, 1)  # 256 rows per unit
+    cfg = gc.GemmConfig(4, 4, 128, 4, 1)  # 256 rows per unit
     w = cs.waves(counts, [(0, 3), (3, 6)], cfg, 1024, ctas=4)
     assert w == [2 * 4 / 4, 2 * 4 / 4]
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lab.kernels import grouped_gemm as gg
+from lab.kernels import gemm_config as gc
+from lab.kernels import gemm_weights as gw
 from lab.kernels import tensor_map as tm
 
 
@@ -15,7 +16,7 @@ def test_every_tile_stage_is_one_box_of_whole_rows(k_step):
         for rows in (1, 2, 4):
             if warps * rows > 32:
                 continue
-            cfg = gg.GemmConfig(warps, rows, k_step, 2, 1)
+            cfg = gc.GemmConfig(warps, rows, k_step, 2, 1)
             sb = cfg.stage_bytes
             geo = tm.stage_geometry(sb)
             assert geo.rows * geo.row_bytes == sb, cfg
@@ -24,7 +25,7 @@ def test_every_tile_stage_is_one_box_of_whole_rows(k_step):
 
 
 def test_rows_are_256_bytes_for_the_shipped_stages():
-    for cfg in gg.SHIPPED_CONFIGS:
+    for cfg in gc.SHIPPED_CONFIGS:
         geo = tm.stage_geometry(cfg.stage_bytes)
         assert (geo.elem_bytes, geo.elems) == (1, 256), cfg  # the width measured in results/probes_gemm_v13.json
 
@@ -53,8 +54,8 @@ def test_prepared_weights_know_their_stage():
     rng = np.random.default_rng(0)
     packed = rng.integers(0, 256, (2, 128, 128), dtype=np.uint8)
     scales = rng.integers(1, 127, (2, 128, 16), dtype=np.uint8)
-    prep = gg.prepare_weights(packed, scales, layout=(64, 128))
-    assert prep.stage_bytes == 4 * 2 * gg.ATOM_BYTES
+    prep = gw.prepare_weights(packed, scales, layout=(64, 128))
+    assert prep.stage_bytes == 4 * 2 * gw.ATOM_BYTES
     assert prep.data[0, 0, 0].nbytes == prep.stage_bytes  # one stage = one contiguous run of the layout
 
 
@@ -65,7 +66,7 @@ def test_device_map_is_made_once_per_array_and_slice():
     rng = np.random.default_rng(1)
     packed = rng.integers(0, 256, (3, 256, 256), dtype=np.uint8)
     scales = rng.integers(1, 127, (3, 256, 32), dtype=np.uint8)
-    prep = gg.prepare_weights(packed, scales, xp=cp, layout=(256, 128))
+    prep = gw.prepare_weights(packed, scales, xp=cp, layout=(256, 128))
     m = tm.device_map(prep.data, prep.stage_bytes)
     assert m.nbytes == tm.MAP_BYTES and m.data.ptr % 64 == 0
     assert tm.device_map(prep.data, prep.stage_bytes) is m  # made at preparation, found again

@@ -232,7 +232,8 @@ def test_the_tiles_of_every_variant_hold_from_1_to_2048_tokens_per_expert(skew):
     layer's readiness counts fit int32."""
     from dataclasses import replace
 
-    from lab.kernels import grouped_gemm as gg
+    from lab.kernels import gemm_config as gc
+    from lab.kernels import gemm_weights as gw
     from lab.problem import tokens_for_mean
 
     p = MoEProblem()
@@ -240,17 +241,17 @@ def test_the_tiles_of_every_variant_hold_from_1_to_2048_tokens_per_expert(skew):
         routing = make_routing(tokens_for_mean(mean, p.experts, p.top_k), p.experts, p.top_k, skew=skew, seed=1)
         counts = routing.counts
         shapes = {"w13": (2 * p.intermediate, p.hidden), "w2": (p.hidden, p.intermediate)}
-        cfgs = {g: gg.heuristic(n, k, counts).validate(n, k) for g, (n, k) in shapes.items()}
-        layout = gg.shared_layout(shapes.values())
-        paired = [gg.heuristic(n, k, counts, layout) for n, k in shapes.values()]
+        cfgs = {g: gc.heuristic(n, k, counts).validate(n, k) for g, (n, k) in shapes.items()}
+        layout = gw.shared_layout(shapes.values())
+        paired = [gc.heuristic(n, k, counts, layout) for n, k in shapes.values()]
         pair = replace(paired[0], max_frags=max(c.max_frags for c in paired))
         for n, k in shapes.values():
             pair.validate(n, k)
         for mode in ("swiglu", "layer"):
-            gg.fused_config(cfgs["w13"], mode).validate(*shapes["w13"])
+            gc.fused_config(cfgs["w13"], mode).validate(*shapes["w13"])
         units = sum(int((counts > 0).sum()) * (n // c.block_rows) for c, (n, _) in zip(cfgs.values(), shapes.values()))
         assert units < 2**31
-        fused = gg.fused_config(pair, "layer")
+        fused = gc.fused_config(pair, "layer")
         most = (shapes["w13"][0] // fused.block_rows) * fused.warps * -(-int(counts.max()) // fused.token_tile)
         assert most < 2**31, (mean, skew, most)
         assert routing.rows < 2**31  # offsets are int32

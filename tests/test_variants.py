@@ -50,10 +50,10 @@ def test_each_variant_file_declares_name_and_expect(module):
 def test_fused_swiglu_declares_the_stages_its_plan_launches():
     """Where w2 runs an image tile fused-swiglu's w2 writes the bf16 output (one "w2+out"
     stage, as launch_w2_out names it); else w2 and the conversion. (The GPU test times them.)"""
-    from lab.kernels import grouped_gemm as gg
+    from lab.kernels import gemm_config as gc
     from lab.variants.fused_swiglu import stages_for
 
-    small, large = gg.heuristic(4096, 2048, [8] * 8), gg.heuristic(4096, 2048, [300] * 8)
+    small, large = gc.heuristic(4096, 2048, [8] * 8), gc.heuristic(4096, 2048, [300] * 8)
     assert not small.image and stages_for(small) == ("w13+act", "w2", "out")
     assert large.image and stages_for(large) == ("w13+act", "w2+out")
 
@@ -64,13 +64,13 @@ def test_unknown_variant_names_the_known_ones():
 
 
 def test_one_launch_2g_takes_one_tile_for_both_gemms():
-    from lab.kernels import grouped_gemm as gg
+    from lab.kernels import gemm_config as gc
     from lab.variants.one_launch_2g import pair_config
 
-    cfg = pair_config(gg.GemmConfig(4, 4, 128, 4, 1), gg.GemmConfig(4, 4, 128, 4, 2))
-    assert cfg == gg.GemmConfig(4, 4, 128, 4, 2)
+    cfg = pair_config(gc.GemmConfig(4, 4, 128, 4, 1), gc.GemmConfig(4, 4, 128, 4, 2))
+    assert cfg == gc.GemmConfig(4, 4, 128, 4, 2)
     with pytest.raises(ValueError, match="share a layout"):
-        pair_config(gg.GemmConfig(4, 4, 128, 4, 1), gg.GemmConfig(4, 4, 64, 4, 1))
+        pair_config(gc.GemmConfig(4, 4, 128, 4, 1), gc.GemmConfig(4, 4, 64, 4, 1))
 
 
 @settings(max_examples=200)
@@ -226,13 +226,13 @@ GPU_CASES = [
 
 def test_the_skewed_gpu_case_runs_split_gemms():
     """The skewed GPU case exercises gemm_plan's two launches for both GEMMs."""
-    from lab.kernels import grouped_gemm as gg
+    from lab.kernels import gemm_config as gc
 
     problem, spec = next((p, s) for p, s in GPU_CASES if s.get("skew") == 0.8)
     for seed in range(8):
         counts = _case_routing(problem, spec, seed).counts
         for n, k in ((2 * problem.intermediate, problem.hidden), (problem.hidden, problem.intermediate)):
-            assert len(gg.gemm_plan(n, k, counts)) == 2, (seed, n, k)
+            assert len(gc.gemm_plan(n, k, counts)) == 2, (seed, n, k)
 
 
 def _case_routing(problem, spec, seed=0):
@@ -344,9 +344,9 @@ def test_fused_epilogues_on_image_tiles_are_bitwise_equal_to_separate(name, toke
     runner.prepare(v, layer)
     assert not v.fp32_out
     if name.startswith("fused-layer"):
-        from lab.kernels import grouped_gemm as gg
+        from lab.kernels import gemm_config as gc
 
-        assert v.hot is not None and v.hot[2] == gg.ALL_COUNTS, v.hot
+        assert v.hot is not None and v.hot[2] == gc.ALL_COUNTS, v.hot
     for _ in range(2):
         runner.checked_run(v, layer)
         ok, msg = checks.compare_bits(layer.out_bf16.get(), bf16)
@@ -368,16 +368,17 @@ TWO_FORM_CASE = (MoEProblem(288, 1024, 512, 8), dict(tokens=288, skew=0.8))
 def _fused_layer_plan(problem, counts):
     from types import SimpleNamespace
 
-    from lab.kernels import grouped_gemm as gg
+    from lab.kernels import gemm_config as gc
+    from lab.kernels import gemm_weights as gw
     from lab.variants import fused_layer
     from lab.variants.one_launch_2g import pair_config
 
     p = problem
-    layer = SimpleNamespace(problem=p, counts=counts, w13_plan=gg.gemm_plan(2 * p.intermediate, p.hidden, counts),
-                            w2_plan=gg.gemm_plan(p.hidden, p.intermediate, counts))
-    layout = gg.shared_layout([(2 * p.intermediate, p.hidden), (p.hidden, p.intermediate)])
-    one = pair_config(gg.heuristic(2 * p.intermediate, p.hidden, counts, layout),
-                      gg.heuristic(p.hidden, p.intermediate, counts, layout))
+    layer = SimpleNamespace(problem=p, counts=counts, w13_plan=gc.gemm_plan(2 * p.intermediate, p.hidden, counts),
+                            w2_plan=gc.gemm_plan(p.hidden, p.intermediate, counts))
+    layout = gw.shared_layout([(2 * p.intermediate, p.hidden), (p.hidden, p.intermediate)])
+    one = pair_config(gc.heuristic(2 * p.intermediate, p.hidden, counts, layout),
+                      gc.heuristic(p.hidden, p.intermediate, counts, layout))
     launches = fused_layer.launches(layer, one)
     return launches, fused_layer.hot_image_plan(layer, one, launches)
 

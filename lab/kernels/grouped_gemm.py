@@ -13,9 +13,9 @@ Shapes and dtypes (all CuPy arrays on the launch's device):
     weights    PreparedWeights   from `prepare_weights` (E, N, K) NVFP4 in the kernel's layout
     out        (T, N)    float32 every row of every expert with tokens is written
 
-This module holds the checked launches; the weight format lives in `gemm_weights`, the tile
-configuration, its sizing and heuristic in `gemm_config` (both re-exported here, so callers need
-one import).
+This module holds the checked launches and the activation image's sizes; the weight format
+(`prepare_weights`, `PreparedWeights`) lives in `gemm_weights`, the tile configuration, its sizing
+and heuristic (`GemmConfig`, `heuristic`, `gemm_plan`, the shipped tiles) in `gemm_config`.
 """
 
 from __future__ import annotations
@@ -26,29 +26,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from lab.kernels import jit, tensor_map
-from lab.kernels.gemm_config import (ACTS, counts_range, FUSED_SMALL_STAGES, IMAGE_FRAGS, MAX_FRAGS_CHOICES, MODEL_MARGIN, MODES,  # noqa: F401
-                                     SKEWED_DISPERSION,
-                                     SHIPPED_CONFIGS, modelled_time,
-                                     SHIPPED_FUSED, SHIPPED_FUSED_W4A16, SHIPPED_IMAGE, SHIPPED_LARGE, SHIPPED_SS, SHIPPED_W4A16,
-                                     LARGE_FRAGS, SMEM_LIMIT, GemmConfig, frags_for, fused_config, heuristic,
-                                     resident_ctas, split_configs, gemm_plan, plan_record, ALL_COUNTS, SPLIT_AT)
-from lab.kernels.gemm_weights import (ATOM_BYTES, ATOM_CODE_BYTES, ATOM_K, ATOM_ROWS, DECODE_MASK,  # noqa: F401
-                                      ENCODE_TABLES, K_SLOTS, PreparedWeights, check_weight_shapes,
-                                      decode_words, decode_x_words, default_layout, pair_gate_up_rows, permute_k, shared_layout,
-                                      prepare_weights, unpair_gate_up_rows, unprepare_weights)
+from lab.kernels.gemm_config import ALL_COUNTS, GemmConfig, counts_range, fused_config, resident_ctas
+from lab.kernels.gemm_weights import PreparedWeights
 
 SOURCE = "grouped_gemm.cu"
-
-__all__ = [  # the launchers, and what gemm_weights and gemm_config define, under one import
-    "SOURCE", "Fusion", "grouped_gemm", "grouped_gemm_pair", "swiglu_gemm", "fused_layer",
-    "ACTS", "FUSED_SMALL_STAGES", "IMAGE_FRAGS", "MAX_FRAGS_CHOICES", "MODEL_MARGIN", "MODES", "SKEWED_DISPERSION", "modelled_time", "SHIPPED_CONFIGS", "SHIPPED_FUSED", "SHIPPED_W4A16",
-    "SHIPPED_FUSED_W4A16", "SHIPPED_IMAGE", "SHIPPED_LARGE", "SHIPPED_SS", "activation_image", "image_bytes", "image_groups", "image_pieces", "image_workspace", "use_prepass", "LARGE_FRAGS", "SMEM_LIMIT",
-    "GemmConfig", "frags_for", "fused_config", "heuristic", "resident_ctas", "split_configs", "gemm_plan", "plan_record", "ALL_COUNTS", "SPLIT_AT",
-    "grouped_gemm_plan",
-    "ATOM_BYTES", "ATOM_CODE_BYTES", "ATOM_K", "ATOM_ROWS", "DECODE_MASK", "ENCODE_TABLES", "K_SLOTS",
-    "PreparedWeights", "check_weight_shapes", "decode_words", "decode_x_words", "default_layout",
-    "pair_gate_up_rows", "permute_k", "prepare_weights", "shared_layout", "unpair_gate_up_rows", "unprepare_weights",
-]
 
 
 def _check_activation(x_packed, x_scales, offsets, alpha, out, prep: PreparedWeights, optional_out=False,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from lab import scale_fold
-from lab.kernels import grouped_gemm as gg
+from lab.kernels import gemm_weights as gw
 
 from .fused_swiglu import FusedSwiglu
 
@@ -21,7 +21,7 @@ expect = "approx"
 INTO = "smaller"  # the fold direction: see lab/scale_fold.py
 
 
-def folded_w13(weights) -> tuple[gg.PreparedWeights, object, object]:
+def folded_w13(weights) -> tuple[gw.PreparedWeights, object, object]:
     """(w13 with the smaller-global half's scales folded, paired for the epilogue; alpha (E,);
     ones (E,)), cached."""
     import cupy as cp
@@ -30,7 +30,7 @@ def folded_w13(weights) -> tuple[gg.PreparedWeights, object, object]:
     if key not in weights.cache:
         h = weights.host
         scales, one_global, _ = scale_fold.fold_w13_scales(h, INTO)
-        prep = gg.prepare_weights(h.w13_packed, scales, xp=cp, pair_gate_up=True)
+        prep = gw.prepare_weights(h.w13_packed, scales, xp=cp, pair_gate_up=True)
         alpha = (np.float32(weights.w13_input_scale) * one_global).astype(np.float32)
         ones = cp.ones(weights.problem.experts, dtype=cp.float32)
         weights.cache[key] = (prep, cp.asarray(alpha), ones)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from lab.kernels import gemm_config as gc
 from lab.kernels import grouped_gemm as gg
 from lab.kernels import swiglu_quant as sq
 
@@ -26,19 +27,19 @@ name = "fused-layer"
 expect = "match"
 
 
-def launches(layer, cfg: gg.GemmConfig) -> list[tuple[gg.GemmConfig, tuple[int, int]]]:
+def launches(layer, cfg: gc.GemmConfig) -> list[tuple[gc.GemmConfig, tuple[int, int]]]:
     """(config, counts_in) of each launch: `cfg` (pair_plan's) over every expert, or, where both
     GEMMs' plans split by expert size at the same bounds, one fused layer per size class, on the
     tile pair_config gives that class's counts (in cfg's layout)."""
     bounds = [r for _, r in layer.w13_plan]
     if len(bounds) < 2 or bounds != [r for _, r in layer.w2_plan]:
-        return [(cfg, gg.ALL_COUNTS)]
+        return [(cfg, gc.ALL_COUNTS)]
     p, layout = layer.problem, (cfg.block_rows, cfg.k_step)
     out = []
     for lo, hi in bounds:
         c = np.where((layer.counts >= lo) & (layer.counts <= hi), layer.counts, 0)
-        out.append((pair_config(gg.heuristic(2 * p.intermediate, p.hidden, c, layout),
-                                gg.heuristic(p.hidden, p.intermediate, c, layout)), (lo, hi)))
+        out.append((pair_config(gc.heuristic(2 * p.intermediate, p.hidden, c, layout),
+                                gc.heuristic(p.hidden, p.intermediate, c, layout)), (lo, hi)))
     return out
 
 
@@ -50,7 +51,7 @@ def launches(layer, cfg: gg.GemmConfig) -> list[tuple[gg.GemmConfig, tuple[int, 
 HOT_TOKENS = 48
 
 
-def hot_image_plan(layer, cfg: gg.GemmConfig, launches_: list, hot_tokens: int = HOT_TOKENS,
+def hot_image_plan(layer, cfg: gc.GemmConfig, launches_: list, hot_tokens: int = HOT_TOKENS,
                    same_layout: bool = True):
     """(w13 config, w2 config, counts_in) of the experts that leave the layer mode for their
     plans' image tiles: the large class where the plans split both GEMMs at the same bounds, or

@@ -15,6 +15,7 @@ value the plain epilogue would have stored, so the output equals `separate`'s bi
 
 from __future__ import annotations
 
+from lab.kernels import gemm_weights as gw
 from lab.kernels import grouped_gemm as gg
 
 from .separate import launch_w2_out, run_plan
@@ -23,7 +24,7 @@ name = "fused-swiglu"
 expect = "match"
 
 
-def paired_w13(weights, layout: tuple[int, int] | None = None) -> gg.PreparedWeights:
+def paired_w13(weights, layout: tuple[int, int] | None = None) -> gw.PreparedWeights:
     """w13 prepared with gate/up pairing (in `layout`, default the heuristic's), once per
     DeviceWeights and layout (kept in its cache)."""
     import cupy as cp
@@ -31,7 +32,7 @@ def paired_w13(weights, layout: tuple[int, int] | None = None) -> gg.PreparedWei
     key = ("w13_paired", layout)
     if key not in weights.cache:
         h = weights.host
-        weights.cache[key] = gg.prepare_weights(h.w13_packed, h.w13_scales, xp=cp, layout=layout, pair_gate_up=True)
+        weights.cache[key] = gw.prepare_weights(h.w13_packed, h.w13_scales, xp=cp, layout=layout, pair_gate_up=True)
     return weights.cache[key]
 
 

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from lab.kernels import gemm_config as gc
+from lab.kernels import gemm_weights as gw
 from lab.kernels import grouped_gemm as gg
 
 name = "one-launch-2G"
 expect = "ceiling"
 
 
-def pair_config(w13_cfg: gg.GemmConfig, w2_cfg: gg.GemmConfig) -> gg.GemmConfig:
+def pair_config(w13_cfg: gc.GemmConfig, w2_cfg: gc.GemmConfig) -> gc.GemmConfig:
     """One tile for both GEMMs of a launch: w13's, with the larger token tile of the two; the
     two must share a weight layout."""
     if (w13_cfg.block_rows, w13_cfg.k_step) != (w2_cfg.block_rows, w2_cfg.k_step):
@@ -38,17 +40,17 @@ def pair_plan(layer, paired: bool = False):
 
     w = layer.weights
     p = layer.problem
-    layout = gg.shared_layout([(2 * p.intermediate, p.hidden), (p.hidden, p.intermediate)])
+    layout = gw.shared_layout([(2 * p.intermediate, p.hidden), (p.hidden, p.intermediate)])
     if layout == (layer.w13_cfg.block_rows, layer.w13_cfg.k_step) == (layer.w2_cfg.block_rows, layer.w2_cfg.k_step):
         w13_cfg, w2_cfg, w2 = layer.w13_cfg, layer.w2_cfg, w.w2
         w13 = paired_w13(w) if paired else w.w13
     else:
-        w13_cfg = gg.heuristic(2 * p.intermediate, p.hidden, layer.counts, layout)
-        w2_cfg = gg.heuristic(p.hidden, p.intermediate, layer.counts, layout)
+        w13_cfg = gc.heuristic(2 * p.intermediate, p.hidden, layer.counts, layout)
+        w2_cfg = gc.heuristic(p.hidden, p.intermediate, layer.counts, layout)
         if ("w2", layout) not in w.cache:
-            w.cache[("w2", layout)] = gg.prepare_weights(w.host.w2_packed, w.host.w2_scales, xp=cp, layout=layout)
+            w.cache[("w2", layout)] = gw.prepare_weights(w.host.w2_packed, w.host.w2_scales, xp=cp, layout=layout)
         if not paired and ("w13", layout) not in w.cache:
-            w.cache[("w13", layout)] = gg.prepare_weights(w.host.w13_packed, w.host.w13_scales, xp=cp, layout=layout)
+            w.cache[("w13", layout)] = gw.prepare_weights(w.host.w13_packed, w.host.w13_scales, xp=cp, layout=layout)
         w2 = w.cache[("w2", layout)]
         w13 = paired_w13(w, layout) if paired else w.cache[("w13", layout)]
     return pair_config(w13_cfg, w2_cfg), w13, w2

@@ -7,6 +7,7 @@ each GEMM is its plan's two launches by expert size, one after the other).
 
 from __future__ import annotations
 
+from lab.kernels import gemm_config as gc
 from lab.kernels import grouped_gemm as gg
 from lab.kernels import swiglu_quant as sq
 
@@ -16,7 +17,7 @@ STAGES = ("w13", "act", "w2", "out")
 
 
 def run_plan(runner, plan, launch, stream, split_streams: bool = False) -> None:
-    """`launch(cfg, counts_in, stream)` for each (cfg, counts_in) of a GEMM's plan (gg.gemm_plan).
+    """`launch(cfg, counts_in, stream)` for each (cfg, counts_in) of a GEMM's plan (gc.gemm_plan).
     `split_streams` (with `stream` the runner's main stream, and a plan of two size classes): the
     small experts' launch goes to the side stream, issued first, beside the large experts' launch
     on `stream`, and `stream` waits for both; each launch's CTAs then take the SMs that the other's
@@ -53,7 +54,7 @@ def launch_w2_out(runner, layer, part, stream, fuse_out: bool = False, split_str
     """The w2 GEMM on a_q and the bf16 conversion: the stages every unfused-w2 variant ends with.
     `fuse_out`: where w2 runs an image tile, its epilogue writes the bf16 output itself (one
     stage, "w2+out"; the same bits, grouped_gemm's bf16 out). Each GEMM runs its plan's launches
-    (gg.gemm_plan: one, or two by expert size under skewed routing; `split_streams` as for
+    (gc.gemm_plan: one, or two by expert size under skewed routing; `split_streams` as for
     run_plan)."""
     if fuse_out and layer.w2_cfg.image:
         assert len(layer.w2_plan) == 1, layer.w2_plan  # (gemm_plan splits only launches on mma.sync tiles)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from lab.kernels import gemm_config as gc
 from lab.kernels import grouped_gemm as gg
 from lab.kernels import swiglu_quant as sq
 
@@ -41,8 +42,8 @@ def bf16_operands(runner, layer):
     if bad:
         raise ValueError(f"x: {bad} values fp16 cannot hold (|x| >= 65536, Inf or NaN): the W4A16 GEMM converts "
                          f"its activations to fp16")
-    cfg13 = gg.heuristic(2 * p.intermediate, p.hidden, layer.counts, act="bf16")
-    cfg2 = gg.heuristic(p.hidden, p.intermediate, layer.counts, act="bf16")
+    cfg13 = gc.heuristic(2 * p.intermediate, p.hidden, layer.counts, act="bf16")
+    cfg2 = gc.heuristic(p.hidden, p.intermediate, layer.counts, act="bf16")
     return x, a, ones, w2_global, cfg13, cfg2
 
 

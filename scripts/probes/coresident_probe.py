@@ -19,13 +19,15 @@ import numpy as np
 from lab.cli import output_path
 from lab.gemm_bench import GemmBench, StreamPair, class_rows, log, write_json
 from lab.gpu import require_gpu, run_script
+from lab.kernels import gemm_config as gc
+from lab.kernels import gemm_weights as gw
 from lab.kernels import grouped_gemm as gg
 from lab.problem import MoEProblem
 
 TAG = "coresident"
 
 
-def narrow_tiles(hot: gg.GemmConfig) -> dict[str, gg.GemmConfig]:
+def narrow_tiles(hot: gc.GemmConfig) -> dict[str, gc.GemmConfig]:
     """The large class on one consumer warpgroup (64 rows, the shipped tile's token tile), one CTA
     per SM, at k_step 64 and 128."""
     return {f"64-row tile, k_step {k}": replace(hot, warps=4, row_tiles=1, k_step=k, stages=3, ctas_per_sm=1)
@@ -56,7 +58,7 @@ def main(argv=None):
             key = (cfg.block_rows, cfg.k_step)
             if key not in preps:
                 log(TAG, f"{gemm}: weights in the layout {key}")
-                preps[key] = gg.prepare_weights(g["packed"], g["scales"], xp=cp, layout=key)
+                preps[key] = gw.prepare_weights(g["packed"], g["scales"], xp=cp, layout=key)
 
         def one(cfg, counts_in, stream):
             gg.grouped_gemm(preps[(cfg.block_rows, cfg.k_step)], case.d_xp, case.d_xs, case.d_off, case.d_alpha,

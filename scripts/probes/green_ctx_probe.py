@@ -20,6 +20,7 @@ import numpy as np
 from lab.cli import output_path
 from lab.gemm_bench import GemmBench, class_rows, log, write_json
 from lab.gpu import require_gpu, run_script
+from lab.kernels import gemm_config as gc
 from lab.kernels import grouped_gemm as gg
 from lab.problem import MoEProblem
 
@@ -196,7 +197,7 @@ def main(argv=None):
         for m, launches in modes.items():
             w = writes(launches)
             row = {"gemm": gemm, "skew": skew, "mean_tokens": args.mean_tokens, "mode": m,
-                   "plan": gg.plan_record(plan), "round_median_ms": ms[m], "ms": min(ms[m]),
+                   "plan": gc.plan_record(plan), "round_median_ms": ms[m], "ms": min(ms[m]),
                    "rows_written": int(w.sum()), "differ": int((bits[m][w] != ref[w]).sum()),
                    "unwritten": int(np.isnan(bits[m][w].view(np.float32)).sum())}
             rows.append(row)

@@ -12,6 +12,8 @@ import numpy as np
 from lab.cli import output_path
 from lab.gemm_bench import write_json
 from lab.gpu import require_gpu, run_script
+from lab.kernels import gemm_config as gc
+from lab.kernels import gemm_weights as gw
 from lab.kernels import grouped_gemm as gg
 from lab.problem import make_routing
 
@@ -40,10 +42,10 @@ def main(argv=None):
         packed, scales = random_nvfp4(rng, (e, n, k), (1, 127))
         xq, xs = random_nvfp4(rng, (rows_t, k), scodes)
         alpha = rng.uniform(0.5, 2, e).astype(np.float32)
-        one = gg.heuristic(n, k, counts)
-        plans = {"one": ((one, gg.ALL_COUNTS),), "sync-split": gg.split_configs(n, k, counts, 16, wgmma=False),
-                 "wgmma-split": gg.split_configs(n, k, counts, 16)}
-        prep = gg.prepare_weights(packed, scales, xp=cp, layout=(one.block_rows, one.k_step))
+        one = gc.heuristic(n, k, counts)
+        plans = {"one": ((one, gc.ALL_COUNTS),), "sync-split": gc.split_configs(n, k, counts, 16, wgmma=False),
+                 "wgmma-split": gc.split_configs(n, k, counts, 16)}
+        prep = gw.prepare_weights(packed, scales, xp=cp, layout=(one.block_rows, one.k_step))
         dev = (cp.asarray(xq), cp.asarray(xs), cp.asarray(off), cp.asarray(alpha))
         outs = {}
         for name, plan in plans.items():

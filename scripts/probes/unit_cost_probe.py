@@ -15,6 +15,8 @@ import numpy as np
 from lab.cli import output_path
 from lab.gemm_bench import write_json
 from lab.gpu import require_gpu, run_script
+from lab.kernels import gemm_config as gc
+from lab.kernels import gemm_weights as gw
 from lab.kernels import grouped_gemm as gg
 from lab.problem import make_routing, tokens_for_mean
 from lab.timing import time_cuda_samples
@@ -56,8 +58,8 @@ def main(argv=None):
         alpha = cp.asarray(rng.uniform(0.5, 2, args.experts).astype(np.float32))
         cases = {}
         for k in args.k:
-            cfg = gg.heuristic(args.n, k, counts)
-            prep = gg.prepare_weights(*weights[k], xp=cp, layout=(cfg.block_rows, cfg.k_step))
+            cfg = gc.heuristic(args.n, k, counts)
+            prep = gw.prepare_weights(*weights[k], xp=cp, layout=(cfg.block_rows, cfg.k_step))
             xq, xs = random_nvfp4(rng, (t, k))
             dev = (cp.asarray(xq), cp.asarray(xs))
             outs = {"fp32": cp.full((t, args.n), cp.nan, cp.float32),
