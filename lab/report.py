@@ -852,7 +852,7 @@ def _layer_chart(plt, layer_runs: list[dict], path: Path) -> None:
     rows = {v: next(s["values"][v]["row"] for s in series if v in s["values"]) for v in variants}
     n = len(series)
     bar = 0.8 / n
-    fig, ax = plt.subplots(figsize=(12.5, 1.6 + 0.24 * len(variants) * n))
+    fig, ax = plt.subplots(figsize=(12.5, 3.0 + 0.24 * len(variants) * n))
     colors = plt.get_cmap("tab10").colors
     for k, s in enumerate(series):
         ys, xs, lo, hi, ms, hatch = [], [], [], [], [], []
@@ -875,23 +875,23 @@ def _layer_chart(plt, layer_runs: list[dict], path: Path) -> None:
                 b.set_hatch("//")
                 b.set_edgecolor("white")
         for y, x, t in zip(ys, xs, ms):
-            ax.text(x + 0.8, y, f"{t:.3f} ms", va="center", fontsize=8)
+            ax.text(x + 0.8, y, f"{t:.3f} ms", va="center", fontsize=10)
     ax.axvline(100, color="k", linewidth=1.5, linestyle="--",
                label="read roofline: the layer's bytes at the run's flat read (100%)")
-    ax.text(100.8, -0.6, "read roofline", fontsize=9, va="bottom")
+    ax.text(100.8, -0.6, "read roofline", fontsize=14, va="bottom")
     if any(not _valid(rows[v]) for v in variants):
         ax.bar(0, 0, color="white", edgecolor="grey", hatch="//",
                label="hatched: not counted among valid variants (approximate output, or the ceiling)")
-    ax.set_yticks(range(len(variants)), [_variant_label(rows[v]) for v in variants], fontsize=9)
+    ax.set_yticks(range(len(variants)), [_variant_label(rows[v]) for v in variants], fontsize=14)
     ax.invert_yaxis()
     ax.set_xlim(0, 118)
     ax.set_xlabel("% of the read roofline (higher is faster; bar labels: median layer time)")
     ax.grid(axis="x", alpha=0.3)
-    title = "; ".join(f"run {i} ({run.get(FILE_KEY, run.get('script', '?'))}, "
+    title = "\n".join(f"run {i} ({run.get(FILE_KEY, run.get('script', '?'))}, "
                       f"{run.get('setup', {}).get('lab_commit', '?')}): flat read "
                       f"{run['read_roofline']['gbps']:.0f} GB/s" for i, run in enumerate(layer_runs, 1))
-    ax.set_title("Layer time per variant against the read roofline\n" + title, fontsize=10)
-    ax.legend(loc="upper left", bbox_to_anchor=(0, -0.09), fontsize=8, frameon=False, ncol=2)
+    ax.set_title("Layer time per variant against the read roofline\n" + title, fontsize=15)
+    ax.legend(loc="upper left", bbox_to_anchor=(0, -0.07), fontsize=12, frameon=False, ncol=1)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
@@ -943,7 +943,7 @@ def _tile_chart(plt, sweep: dict, path: Path) -> None:
         none = "\n".join(textwrap.wrap("none ran: " + "; ".join(why[t]), 24))
         ticks.append(f"{t}" + (f"\n{none}" if all(v is None for v in col) else ""))
     ax.axhline(100, color="k", linewidth=1.5, linestyle="--", label="read roofline (100%)")
-    ax.set_xticks(range(len(tiles)), ticks, fontsize=9)
+    ax.set_xticks(range(len(tiles)), ticks, fontsize=14)
     ax.set_xlim(-0.5, len(tiles) - 0.5)
     ax.set_ylim(0, 108)
     ax.set_xlabel("token tile (tokens per CTA tile)")
@@ -951,8 +951,8 @@ def _tile_chart(plt, sweep: dict, path: Path) -> None:
     ax.grid(axis="y", alpha=0.3)
     ax.set_title(f"Tile sweep: best tile per token tile (whiskers down to the worst block_rows, K step, stages)\n"
                  f"{sweep.get(FILE_KEY, sweep.get('script', '?'))}, {sweep.get('setup', {}).get('lab_commit', '?')}: "
-                 f"flat read {sweep['read_roofline']['gbps']:.0f} GB/s", fontsize=10)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+                 f"flat read {sweep['read_roofline']['gbps']:.0f} GB/s", fontsize=15)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=13, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)

@@ -244,7 +244,6 @@ def _token_chart(plt, ta: dict, path: Path) -> None:
     shows as the line passing 1. Fonts sized for the page's 880 px."""
     points = sorted(ta["points"], key=lambda p: p["mean"])
     xs = [p["mean"] for p in points]
-    plt.rcParams.update({"font.size": 13})
     fig, (ax, rx) = plt.subplots(1, 2, figsize=(14, 6.2), gridspec_kw={"width_ratios": [1.35, 1]})
 
     def per_token(p, ms):
@@ -294,7 +293,6 @@ def _token_chart(plt, ta: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
-    plt.rcParams.update({"font.size": plt.rcParamsDefault["font.size"]})
 
 
 # ---------------------------------------------------------------------------------------------
