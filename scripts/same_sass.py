@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
+from lab.cli import HelpFormatter, output_path  # noqa: E402
 from lab.kernels import gemm_config as gc  # noqa: E402
 from lab.kernels import jit  # noqa: E402
 
@@ -177,7 +178,7 @@ def parse_tree(text: str) -> tuple[str, Path]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--tree", type=parse_tree, action="append", required=True,
                     help="NAME=DIR: a kernel tree laid out as lab/kernels (two or more)")
     ap.add_argument("--only", action="append", default=[],
@@ -186,7 +187,7 @@ def main(argv=None) -> int:
                     help="compare this instantiation instead of the tests' set (repeatable)")
     ap.add_argument("--jobs", type=int, default=1, help="nvcc processes at once")
     ap.add_argument("--cache", type=Path, help="keep each compile's sections here, by source hash and expression")
-    ap.add_argument("--json", type=Path, help="write the rows here")
+    ap.add_argument("--json", type=output_path, help="write the rows here")
     args = ap.parse_args(argv)
     if len(args.tree) < 2:
         ap.error("--tree: give two or more trees to compare")
@@ -207,7 +208,7 @@ def main(argv=None) -> int:
     print(f"\n.text identical in {same} of {len(rows)} instantiations across trees "
           f"{', '.join(n for n, _ in args.tree)} ({time.time() - start:.0f} s)")
     if args.json:
-        args.json.write_text(json.dumps({"trees": {n: str(t) for n, t in args.tree}, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"trees": {n: str(t) for n, t in args.tree}, "rows": rows}, indent=1))
     return 0 if same == len(rows) else 1
 
 

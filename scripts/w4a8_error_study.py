@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tabulate import tabulate  # noqa: E402
 
 from lab import nvfp4, reference, w4a8  # noqa: E402
+from lab.cli import HelpFormatter, output_path  # noqa: E402
 from lab.checks import format_rel, rel_error  # noqa: E402
 from lab.problem import MoEProblem, MoEWeights, make_routing, random_activations  # noqa: E402
 
@@ -166,7 +167,7 @@ def study(args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--experts", type=int, default=1, help="experts of the layer (default 1: one dense FFN)")
     p.add_argument("--hidden", type=int, default=1024, help="hidden size H, a multiple of 64")
     p.add_argument("--intermediate", type=int, default=512, help="intermediate size I, a multiple of 64")
@@ -174,7 +175,7 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=1, help="experts per token (at most --experts)")
     p.add_argument("--df", type=float, default=4.0, help="Student-t degrees of freedom of the real weights")
     p.add_argument("--seed", type=int, default=0, help="weights, tokens and routing")
-    p.add_argument("--json", type=Path, metavar="PATH", help="write the tables here as JSON")
+    p.add_argument("--json", type=output_path, metavar="PATH", help="write the tables here as JSON")
     args = p.parse_args(argv)
     if args.tokens < 1:
         p.error(f"--tokens: must be >= 1, got {args.tokens}")
@@ -195,8 +196,7 @@ def main(argv=None) -> int:
                      f"{r['nonzero_fraction']:.4f}"] for r in res["weights"]],
                    headers=["matrix", "p per", "p", "rounded", "subnormal", "flushed", "nonzero"]))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 
