@@ -42,6 +42,8 @@ __device__ __forceinline__ void load4(const uint16_t* p, float (&v)[4]) {  // bf
   v[2] = __uint_as_float(t.y << 16); v[3] = __uint_as_float(t.y & 0xffff0000u);
 }
 
+__device__ __forceinline__ bool finite(float v) { return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u; }
+
 // Two float32 -> two e4m3 bytes, lo in the low byte (the instruction puts its first source high).
 __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
   uint16_t d;
@@ -67,7 +69,7 @@ __global__ void quantize_act(const T* __restrict__ x, int rows, int K, uint8_t* 
   float m = 0.0f;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    bad += !isfinite(v[i]);
+    bad += !finite(v[i]);
     m = fmaxf(m, fabsf(v[i]));
   }
 #pragma unroll

@@ -229,6 +229,8 @@ def check_gemm_args(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None) -> tup
         raise ValueError(f"prep: expected W4A8Weights from prepare_w4a8_weights, got {type(prep).__name__}")
     if prep.n % ROWS or prep.k % 64:
         raise ValueError(f"prep: N={prep.n} and K={prep.k} must be multiples of {ROWS} and 64")
+    if not 1 <= prep.experts < 65536:
+        raise ValueError(f"prep: {prep.experts} experts; the grid takes 1 to 65535")
     if not prep.on_device:
         raise ValueError("prep: the weights are on the host; call prep.to_device() once")
     from lab.gpu import require_gpu
@@ -271,14 +273,19 @@ def check_gemm_args(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None) -> tup
     return offs, al
 
 
-def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None, tokens: int | None = None):
+def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None, tokens: int | None = None,
+              token_blocks: int | None = None):
     """Launch the W4A8 grouped GEMM on `stream` (a CuPy stream, None for the current one) and
-    return `out` (allocated on that stream when None; rows of experts without tokens are then
-    uninitialized). `tokens` forces the token tile (one of TOKEN_TILES); by default the smallest
-    tile that holds the largest expert (token_tile)."""
+    return `out` (allocated on that stream when None). `tokens` forces the token tile (one of
+    TOKEN_TILES); by default the smallest tile that holds the largest expert (token_tile).
+    `token_blocks` sets the grid's height (default: one token tile per CTA for the largest
+    expert); a CTA takes every token_blocks-th tile of its expert, so any height computes every
+    token."""
     offs, al = check_gemm_args(prep, x8, s_x, offsets, alpha, out)
     if tokens is not None:
         gemm_expression(tokens)  # names the argument when it is not a tile
+    if token_blocks is not None and not (isinstance(token_blocks, (int, np.integer)) and 1 <= token_blocks < 65536):
+        raise ValueError(f"token_blocks: expected an int from 1 to 65535, got {token_blocks!r}")
     import cupy as cp
 
     stream = stream if stream is not None else cp.cuda.get_current_stream()
@@ -293,7 +300,8 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
         fn = _kernel(GEMM_SOURCE, GEMM_EXPRESSIONS, gemm_expression(t))
         d_offs = cp.asarray(offs.astype(np.int32))
         d_alpha = cp.asarray(al)
-        grid = (prep.n // ROWS, -(-max_count // t), prep.experts)
+        grid = (prep.n // ROWS, min(-(-max_count // t), 65535) if token_blocks is None else int(token_blocks),
+                prep.experts)
         fn(grid, (THREADS,), (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, d_alpha, x8, s_x, d_offs,
                               out, np.int32(prep.n), np.int32(prep.k)))
     return out
