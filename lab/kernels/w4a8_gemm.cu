@@ -1,0 +1,246 @@
+// W4A8 grouped GEMM for sm_90a: NVFP4 weights decoded to e4m3 in registers, fp8 activations with
+// one float32 scale per row and 128 columns of K (lab/w4a8.py is the definition; its `gemm` is
+// the contract this kernel computes):
+//
+//   out[r, n] = 2^p[e] * alpha[e] * sum_g s_x[r, g] * sum_{k in g} x8[r, k] * w8[e, n, k]
+//               for offsets[e] <= r < offsets[e+1]
+//
+// Operand swap, as in the fp16 GEMM: weight rows are wgmma's M (64, A from registers, where the
+// decode puts them) and tokens its N (T = 8, 16, 32 or 64, the template argument), so that an
+// expert with a few tokens wastes columns of an 8-wide N, not rows of a 64-row tile.
+//
+// Grid (N/64, token blocks, E): CTA (b, y, e) computes weight rows 64b..64b+63 of expert e
+// against the expert's token blocks y, y + gridDim.y, ... (T tokens each), so any grid height
+// covers every token; CTAs of empty experts or of blocks past the count return at once. One
+// warpgroup (128 threads) per CTA, no warp specialization.
+//
+// What thread (warp w, lane l; g = l / 4, c = l % 4) owns, per the PTX ISA's fragments of
+// wgmma m64nNk32 with 8-bit A:
+//   A (weights), one k32 step: four b32 registers of four e4m3 bytes, low byte first:
+//       a0 = row 16w + g,     k = 4c .. 4c+3        a2 = row 16w + g,     k = 16 + 4c .. 16 + 4c+3
+//       a1 = row 16w + g + 8, k = 4c .. 4c+3        a3 = row 16w + g + 8, k = 16 + 4c .. 16 + 4c+3
+//   D (fp32 accumulators), j = 0 .. T/8 - 1:
+//       d[j][0] = (row 16w + g, token 8j + 2c)      d[j][1] = (row 16w + g, token 8j + 2c + 1)
+//       d[j][2] = (row 16w + g + 8, token 8j + 2c)  d[j][3] = (row 16w + g + 8, token 8j + 2c + 1)
+//
+// Prepared weights (lab/kernels/w4a8_gemm.py prepare_w4a8_weights):
+//   words  (E, N/64, K/32, 128) uint2: thread t = 32w + l's two words of step s, .x for row
+//          16w + g, .y for row 16w + g + 8. Within each 32 of K the codes are stored in the order
+//          stored[8c + i] = k(i) = (i < 4 ? 4c + i : 16 + 4c + i - 4), so one word (decode_words'
+//          layout, lab/w4a8.py) holds exactly the eight elements of a0 and a2 (or a1 and a3): its
+//          e0..e3 (k < 16) lie in 16-block 2s and its e4..e7 in block 2s+1, which is why the decode
+//          takes two table rows (decode_fp8_word2). One step is 1 KiB, read coalesced.
+//   scales (E, N/64, ceil(K/128), 64, 8) uint8: the e4m3 block scales of the 64 rows for one
+//          128-column group (8 blocks; zero past K), 8 bytes per row: a thread reads one uint2 for
+//          row 16w + g and one for row 16w + g + 8 per group.
+//   tables (P, 128) uint2: lab/w4a8.py magnitude_table(p) for each distinct p; table_of[e] picks
+//          expert e's, which the CTA copies into shared memory (1 KiB).
+//
+// Activations: x8 (rows, K) uint8 e4m3 row-major, s_x (rows, ceil(K/128)) float32. Per 128-column
+// group the CTA copies its T tokens' bytes into shared memory with cp.async (double buffered:
+// group g+1 is in flight while group g multiplies), zero-filled for tokens past the expert's
+// count, so no row of another expert is read. Shared layout of one group: wgmma's K-major B
+// without swizzle, in core matrices of 8 tokens x 16 bytes (rows 16 bytes apart, 128 bytes each):
+//   byte (s * T * 32) + (j / 8) * 256 + h * 128 + (j % 8) * 16 + q   holds token j, k = 32s + 16h + q
+// so one step's descriptor has start = its first byte, LBO = 128 (the next core matrix along K)
+// and SBO = 256 (the next 8 tokens), the fp16 GEMM's no-swizzle convention on 16-byte rows.
+//
+// Promotion: fp8 wgmma adds up a k32 step with fewer mantissa bits than fp32, so each group's
+// steps go into a temporary accumulator (the first step with scale-d = 0 replaces it) and, once
+// they retire, acc += tmp * s_x[token, g] in fp32. The epilogue writes acc * alpha[e] * 2^p[e]
+// for the tokens below the count only. K must be a multiple of 64 (lab/problem.py): a last
+// group of 64 columns is two steps of data and two of zeros.
+#include "gemm/ptx.cuh"
+#include "gemm/wgmma.cuh"
+#include "gemm/decode_fp8.cuh"
+
+namespace lab_w4a8 {
+
+using lab_gemm::uint32_t;
+using lab_gemm::uint64_t;
+using lab_gemm::uint8_t;
+using lab_gemm::size_t;
+
+constexpr int THREADS = 128;   // one warpgroup
+constexpr int ROWS = 64;       // weight rows per CTA: wgmma's M
+constexpr int GROUP_K = 128;   // columns of K per activation scale
+constexpr int STEP_K = 32;     // K of one fp8 wgmma
+constexpr int STEPS = GROUP_K / STEP_K;
+
+// wgmma m64n(8F)k32, f32 (+)= e4m3 x e4m3, A from registers, B (K-major, no swizzle) by
+// descriptor. accumulate = 0 sets scale-d false: d = A * B, the old d ignored.
+template <int F> struct WgmmaE4M3;
+template <> struct WgmmaE4M3<1> {
+  static __device__ __forceinline__ void run(float (&d)[1][4], const uint32_t (&a)[4], uint64_t desc, int accumulate) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %9, 0;\n wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+  }
+};
+template <> struct WgmmaE4M3<2> {
+  static __device__ __forceinline__ void run(float (&d)[2][4], const uint32_t (&a)[4], uint64_t desc, int accumulate) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %13, 0;\n wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+  }
+};
+template <> struct WgmmaE4M3<4> {
+  static __device__ __forceinline__ void run(float (&d)[4][4], const uint32_t (&a)[4], uint64_t desc, int accumulate) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %21, 0;\n wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+  }
+};
+template <> struct WgmmaE4M3<8> {
+  static __device__ __forceinline__ void run(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc, int accumulate) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+  }
+};
+
+// 16 bytes global -> shared, or 16 zero bytes when !valid (src-size 0 reads nothing).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// Group gi of T tokens (from row `row0`, `valid` of them real) into one shared buffer in the
+// header's core-matrix layout, and their scales s_x[., gi] into sx. Tokens past `valid` are
+// zeros (codes 0, scale 0), and so are the pieces past K of a 64-column last group.
+template <int T>
+__device__ __forceinline__ void load_group(uint32_t xs, float* sx, const uint8_t* x8, const float* s_x, size_t row0,
+                                           int valid, int gi, int K, int G, int tid) {
+  const int kleft = K - gi * GROUP_K;
+#pragma unroll
+  for (int i = tid; i < T * 8; i += THREADS) {
+    const int j = i >> 3, q = i & 7;  // token, 16-byte piece of the group's 128 bytes
+    const bool ok = j < valid && q * 16 < kleft;
+    const uint8_t* src = ok ? x8 + (row0 + j) * (size_t)K + gi * GROUP_K + q * 16 : x8;
+    cp_async16(xs + (q >> 1) * (T * 32) + (j >> 3) * 256 + (q & 1) * 128 + (j & 7) * 16, src, ok);
+  }
+  if (tid < T) {
+    const bool ok = tid < valid;
+    cp_async4(lab_gemm::smem_addr(sx + tid), ok ? s_x + (row0 + tid) * (size_t)G + gi : s_x, ok);
+  }
+}
+
+// Table row of scale byte `i` (0..7) of a row's 8 group scales.
+__device__ __forceinline__ uint2 table_row(const uint2* table, uint2 sc, int i) {
+  const uint32_t word = i < 4 ? sc.x : sc.y;
+  return table[(word >> (8 * (i & 3))) & 0x7Fu];
+}
+
+template <int T>
+__global__ void __launch_bounds__(THREADS, 1)
+    w4a8_gemm(const uint2* __restrict__ words, const uint8_t* __restrict__ scales, const uint2* __restrict__ tables,
+              const int* __restrict__ table_of, const int* __restrict__ p, const float* __restrict__ alpha,
+              const uint8_t* __restrict__ x8, const float* __restrict__ s_x, const int* __restrict__ offsets,
+              float* __restrict__ out, int N, int K) {
+  static_assert(T == 8 || T == 16 || T == 32 || T == 64, "token tile: 8, 16, 32 or 64");
+  constexpr int F = T / 8;
+  constexpr int BUF = STEPS * T * 32;  // one group's activation bytes
+  __shared__ __align__(128) uint8_t xs[2][BUF];
+  __shared__ __align__(16) float sxs[2][T];
+  __shared__ uint2 table[128];
+
+  const int e = blockIdx.z, b = blockIdx.x;
+  const int r0 = offsets[e];
+  const int count = offsets[e + 1] - r0;
+  if ((int)blockIdx.y * T >= count) return;  // the whole CTA: no barrier is left waiting
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int G = (K + GROUP_K - 1) / GROUP_K, KS = K / STEP_K, NB = N / ROWS;
+  table[tid] = tables[(size_t)table_of[e] * 128 + tid];
+  const float factor = ldexpf(alpha[e], p[e]);
+  const uint2* wp = words + (size_t)(e * NB + b) * KS * THREADS + tid;
+  const uint8_t* sp = scales + (size_t)(e * NB + b) * G * (ROWS * 8) + (16 * warp + g) * 8;
+  const uint32_t xs0 = lab_gemm::smem_addr(xs[0]), xs1 = lab_gemm::smem_addr(xs[1]);
+
+  float tmp[F][4];
+#pragma unroll
+  for (int j = 0; j < F; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) tmp[j][i] = 0.0f;
+
+  for (int tb = blockIdx.y; tb * T < count; tb += gridDim.y) {
+    const int t0 = tb * T;
+    const int valid = min(T, count - t0);
+    const size_t row0 = (size_t)r0 + t0;
+    float acc[F][4];
+#pragma unroll
+    for (int j = 0; j < F; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+
+    load_group<T>(xs0, sxs[0], x8, s_x, row0, valid, 0, K, G, tid);
+    cp_async_commit();
+    for (int gi = 0; gi < G; ++gi) {
+      const int buf = gi & 1;
+      // buffer buf ^ 1 was last read by group gi - 1, whose wgmmas every thread retired before
+      // the barrier that ended it
+      if (gi + 1 < G) load_group<T>(buf ? xs0 : xs1, sxs[buf ^ 1], x8, s_x, row0, valid, gi + 1, K, G, tid);
+      cp_async_commit();  // possibly empty: wait_group 1 below then always means "group gi landed"
+
+      // A 64-column last group has two steps; the other two multiply zero codes (weights of
+      // scale code 0, whose table row is all zeros, and zero-filled activations), so every group
+      // issues the same four wgmmas (a wgmma under a branch makes ptxas pad the group).
+      const int steps = min(STEPS, KS - gi * STEPS);
+      uint2 w[STEPS];
+#pragma unroll
+      for (int s = 0; s < STEPS; ++s) w[s] = s < steps ? wp[(size_t)(gi * STEPS + s) * THREADS] : make_uint2(0, 0);
+      const uint2 sc0 = *reinterpret_cast<const uint2*>(sp + (size_t)gi * (ROWS * 8));
+      const uint2 sc1 = *reinterpret_cast<const uint2*>(sp + (size_t)gi * (ROWS * 8) + 8 * 8);
+
+      cp_async_wait<1>();
+      lab_gemm::fence_proxy_async();  // this thread's shared writes, before wgmma (async proxy) reads them
+      __syncthreads();
+
+      uint32_t a[STEPS][4];
+#pragma unroll
+      for (int s = 0; s < STEPS; ++s) {
+        const uint2 lo0 = table_row(table, sc0, 2 * s), hi0 = table_row(table, sc0, 2 * s + 1);
+        const uint2 lo1 = table_row(table, sc1, 2 * s), hi1 = table_row(table, sc1, 2 * s + 1);
+        lab_gemm::decode_fp8_word2(w[s].x, lo0.x, lo0.y, hi0.x, hi0.y, a[s][0], a[s][2]);
+        lab_gemm::decode_fp8_word2(w[s].y, lo1.x, lo1.y, hi1.x, hi1.y, a[s][1], a[s][3]);
+      }
+      const uint32_t base = buf ? xs1 : xs0;
+      lab_gemm::wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < STEPS; ++s)
+        WgmmaE4M3<F>::run(tmp, a[s], lab_gemm::smem_desc(base + s * (T * 32), 128, 256), s);
+      lab_gemm::wgmma_commit();
+      lab_gemm::wgmma_wait<0>();
+      lab_gemm::fence_acc(tmp);  // the reads below stay after the wait
+#pragma unroll
+      for (int s = 0; s < STEPS; ++s)  // the A registers stay allocated until the wgmmas retire
+        asm volatile("" ::"r"(a[s][0]), "r"(a[s][1]), "r"(a[s][2]), "r"(a[s][3]));
+
+#pragma unroll
+      for (int j = 0; j < F; ++j) {
+        const float s0 = sxs[buf][8 * j + 2 * c], s1 = sxs[buf][8 * j + 2 * c + 1];
+        acc[j][0] = fmaf(tmp[j][0], s0, acc[j][0]);
+        acc[j][1] = fmaf(tmp[j][1], s1, acc[j][1]);
+        acc[j][2] = fmaf(tmp[j][2], s0, acc[j][2]);
+        acc[j][3] = fmaf(tmp[j][3], s1, acc[j][3]);
+      }
+      __syncthreads();  // every thread is done with buffer buf before group gi + 2 refills it
+    }
+
+    float* o = out + row0 * (size_t)N + b * ROWS + 16 * warp + g;
+#pragma unroll
+    for (int j = 0; j < F; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int col = 8 * j + 2 * c + (i & 1);
+        if (col < valid) o[(size_t)col * N + 8 * (i >> 1)] = acc[j][i] * factor;
+      }
+  }
+}
+
+}  // namespace lab_w4a8

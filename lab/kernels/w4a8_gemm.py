@@ -1,0 +1,362 @@
+"""W4A8 grouped GEMM and its activation quantizer (sources: w4a8_gemm.cu, w4a8_act.cu).
+
+    out[r, n] = 2^p[e] * alpha[e] * sum_g s_x[r, g] * sum_{k in g} x8[r, k] * w8[e, n, k]
+                for offsets[e] <= r < offsets[e+1]
+
+lab/w4a8.py defines every term (w8 from the NVFP4 weights through the magnitude table, x8 and s_x
+from quantize_act) and `gemm`, the float64 contract; the kernel's only deviation is its
+accumulation (fp8 wgmma within a 128-column group, fp32 across groups).
+
+Arguments (CuPy arrays on the launch's device unless said otherwise):
+    prep      W4A8Weights   prepare_w4a8_weights(packed (E, N, K/2), scales (E, N, K/16)), then
+                            .to_device(); N and K multiples of 64
+    x8        (rows, K)     uint8    e4m3 codes, rows grouped by expert
+    s_x       (rows, G)     float32  G = ceil(K / 128)
+    offsets   (E+1,)        int      host or device; rows of expert e are offsets[e]:offsets[e+1]
+    alpha     (E,)          float32  host or device; the weight global (1 for w13)
+    out       (rows, N)     float32  rows of experts with tokens are written, others untouched
+
+The launch reads offsets and alpha on the host (a synchronizing copy when they live on the
+device): offsets to check them and size the grid, alpha to check that 2^p * alpha stays a normal
+float32 (lab/w4a8.py epilogue_factor). Performance tuning, graph capture and a host-free launch
+come later.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from lab import nvfp4, w4a8
+from lab.kernels import jit
+
+GEMM_SOURCE = "w4a8_gemm.cu"
+ACT_SOURCE = "w4a8_act.cu"
+TOKEN_TILES = (8, 16, 32, 64)  # wgmma N: tokens per CTA pass
+ROWS = 64  # weight rows per CTA (wgmma M)
+THREADS = 128
+STEP_K = 32
+GROUP_K = w4a8.FP8_GROUP
+ACT_WARPS = 8  # (row, group) units per quantize block
+
+# Within each 32 of K the prepared codes are stored in this order: stored[8c + i] = K_ORDER[8c + i],
+# the k of element i of lane c's A fragment (a0 = k 4c..4c+3, a2 = k 16+4c..16+4c+3), so that one
+# 32-bit word of eight codes is one thread's share of a row for one k32 step.
+K_ORDER = np.array([4 * c + i if i < 4 else 16 + 4 * c + (i - 4) for c in range(4) for i in range(8)], np.intp)
+K_UNORDER = np.argsort(K_ORDER)
+
+
+def gemm_expression(tokens: int) -> str:
+    if tokens not in TOKEN_TILES:
+        raise ValueError(f"tokens: the token tile must be one of {TOKEN_TILES}, got {tokens!r}")
+    return f"lab_w4a8::w4a8_gemm<{tokens}>"
+
+
+GEMM_EXPRESSIONS = tuple(gemm_expression(t) for t in TOKEN_TILES)
+ACT_EXPRESSIONS = ("lab_w4a8_act::quantize_act<float>", "lab_w4a8_act::quantize_act<lab_w4a8_act::uint16_t>")
+
+
+def token_tile(max_count: int) -> int:
+    """The smallest token tile holding `max_count` tokens, or the largest (experts with more tokens
+    take several passes)."""
+    return next((t for t in TOKEN_TILES if t >= max_count), TOKEN_TILES[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# weights
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class W4A8Weights:
+    """(E, N, K) NVFP4 weights in the kernel's layout (w4a8_gemm.cu's header). Arrays are NumPy
+    after preparation, CuPy after `to_device`."""
+
+    words: object  # (E, N/64, K/32, 128, 2) uint32
+    scales: object  # (E, N/64, ceil(K/128), 64, 8) uint8
+    tables: object  # (P, 128, 8) uint8, magnitude_table of each distinct p
+    table_of: object  # (E,) int32: expert e's table
+    p: object  # (E,) int32
+    experts: int
+    n: int
+    k: int
+
+    @property
+    def on_device(self) -> bool:
+        return not isinstance(self.words, np.ndarray)
+
+    def to_device(self) -> "W4A8Weights":
+        from lab.gpu import require_gpu
+
+        cp = require_gpu("W4A8Weights.to_device")
+        return W4A8Weights(*(cp.ascontiguousarray(cp.asarray(a)) for a in
+                             (self.words, self.scales, self.tables, self.table_of, self.p)),
+                           self.experts, self.n, self.k)
+
+    def to_host(self) -> "W4A8Weights":
+        def host(a):
+            return a if isinstance(a, np.ndarray) else a.get()
+
+        return W4A8Weights(*(host(a) for a in (self.words, self.scales, self.tables, self.table_of, self.p)),
+                           self.experts, self.n, self.k)
+
+
+def _check_nvfp4(packed, scales) -> tuple[int, int, int]:
+    if packed.dtype != np.uint8 or scales.dtype != np.uint8:
+        raise ValueError(f"packed and scales must be uint8, got {packed.dtype} and {scales.dtype}")
+    if packed.ndim != 3:
+        raise ValueError(f"packed: expected (E, N, K/2), got shape {packed.shape}")
+    e, n, k = packed.shape[0], packed.shape[1], 2 * packed.shape[2]
+    if scales.shape != (e, n, k // 16):
+        raise ValueError(f"scales: expected {(e, n, k // 16)}, got {scales.shape}")
+    if n % ROWS or n == 0:
+        raise ValueError(f"packed: N={n} must be a positive multiple of {ROWS}")
+    if k % 64 or k == 0:
+        raise ValueError(f"packed: K={k} must be a positive multiple of 64")
+    return e, n, k
+
+
+def prepare_w4a8_weights(packed, scales, p=None) -> W4A8Weights:
+    """NVFP4 weights (packed (E, N, K/2), scales (E, N, K/16), lab/nvfp4.py's layout) -> the
+    kernel's layout. ``p``: None (lab/w4a8.py choose_p per expert) or (E,) integers, each at
+    least the chosen one (a smaller p lets weights exceed 448: ValueError naming p). A per-row p
+    is not supported by this kernel. Experts are converted one at a time."""
+    packed, scales = np.asarray(packed), np.asarray(scales)
+    e, n, k = _check_nvfp4(packed, scales)
+    w4a8._check_weights(packed, scales)  # scale codes 0x00..0x7E
+    smallest = w4a8.choose_p(packed, scales)
+    if p is None:
+        p = smallest
+    else:
+        p = np.asarray(p)
+        if p.dtype.kind not in "iu":
+            raise ValueError(f"p must hold integers, got dtype {p.dtype}")
+        if p.shape != (e,):
+            raise ValueError(f"p must have shape ({e},) (one per expert; this kernel takes no per-row p), "
+                             f"got {p.shape}")
+        low = np.flatnonzero(p < smallest)
+        if low.size:
+            i = int(low[0])
+            raise ValueError(f"p={int(p[i])} lets weights of expert {i} exceed 448; that expert needs p >= "
+                             f"{int(smallest[i])}")
+    p = p.astype(np.int32)
+    nb, ks, groups = n // ROWS, k // STEP_K, -(-k // GROUP_K)
+    words = np.empty((e, nb, ks, THREADS, 2), np.uint32)
+    prepared_scales = np.zeros((e, nb, groups, ROWS, 8), np.uint8)
+    for i in range(e):
+        nib = nvfp4.unpack_nibbles(packed[i]).reshape(n, ks, STEP_K)[..., K_ORDER].reshape(n, k)
+        wd = w4a8.decode_words(nvfp4.pack_nibbles(nib))  # (n, k/8): word 4s + c of row n
+        # row n = 64b + 16w + 8h + g, thread 32w + 4g + c
+        words[i] = wd.reshape(nb, 4, 2, 8, ks, 4).transpose(0, 4, 1, 3, 5, 2).reshape(nb, ks, THREADS, 2)
+        padded = np.zeros((n, groups * 8), np.uint8)
+        padded[:, : k // 16] = scales[i]
+        prepared_scales[i] = padded.reshape(nb, ROWS, groups, 8).transpose(0, 2, 1, 3)
+    distinct, table_of = np.unique(p, return_inverse=True)
+    tables = np.stack([w4a8.magnitude_table(int(q)) for q in distinct])
+    return W4A8Weights(words, prepared_scales, tables, table_of.astype(np.int32).reshape(e), p, e, n, k)
+
+
+def undecode_words(words) -> np.ndarray:
+    """Inverse of lab/w4a8.py decode_words: (..., K/8) uint32 -> (..., K/2) packed uint8."""
+    words = np.asarray(words).astype(np.uint32)
+    sign_bit = np.array([7, 15, 23, 31, 3, 11, 19, 27], np.uint32)
+    j = np.arange(8, dtype=np.uint32)
+    nib = ((words[..., None] >> (4 * j)) & 7) | (((words[..., None] >> sign_bit) & 1) << 3)
+    return nvfp4.pack_nibbles(nib.astype(np.uint8).reshape(*words.shape[:-1], -1))
+
+
+def unprepare_w4a8_weights(prep: W4A8Weights) -> tuple[np.ndarray, np.ndarray]:
+    """W4A8Weights -> (packed (E, N, K/2), scales (E, N, K/16)), the inverse of preparation."""
+    prep = prep.to_host()
+    e, n, k = prep.experts, prep.n, prep.k
+    nb, ks = n // ROWS, k // STEP_K
+    wd = prep.words.reshape(e, nb, ks, 4, 8, 4, 2).transpose(0, 1, 3, 6, 4, 2, 5).reshape(e, n, k // 8)
+    nib = nvfp4.unpack_nibbles(undecode_words(wd)).reshape(e, n, ks, STEP_K)[..., K_UNORDER].reshape(e, n, k)
+    scales = prep.scales.transpose(0, 1, 3, 2, 4).reshape(e, n, -1)[..., : k // 16]
+    return nvfp4.pack_nibbles(nib), np.ascontiguousarray(scales)
+
+
+# ---------------------------------------------------------------------------------------------
+# compilation
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _module(name: str, expressions: tuple[str, ...]):
+    import cupy as cp
+
+    # decode_fp8.cuh includes <cstdint> for its host build; NVRTC has no C++ standard library,
+    # and on the device the header's types come from ptx.cuh (included before it).
+    code = jit.source(name).replace("#include <cstdint>\n", "")
+    return cp.RawModule(code=code, options=jit.ARCH_OPTIONS, name_expressions=expressions)
+
+
+def _kernel(name: str, expressions: tuple[str, ...], expression: str):
+    from lab.gpu import require_gpu
+
+    require_gpu(f"compiling {expression}")
+    return _module(name, expressions).get_function(expression)
+
+
+# ---------------------------------------------------------------------------------------------
+# the GEMM
+# ---------------------------------------------------------------------------------------------
+
+
+def _host(a, what: str) -> np.ndarray:
+    if isinstance(a, np.ndarray) or np.isscalar(a) or isinstance(a, (list, tuple)):
+        return np.asarray(a)
+    if hasattr(a, "get"):
+        return a.get()
+    raise ValueError(f"{what}: expected a NumPy or CuPy array, got {type(a).__name__}")
+
+
+def _check_device_array(cp, name, a, shape, dtype) -> None:
+    if not isinstance(a, cp.ndarray):
+        raise ValueError(f"{name}: expected a CuPy array, got {type(a).__name__}")
+    if tuple(a.shape) != tuple(shape) or a.dtype != np.dtype(dtype):
+        raise ValueError(f"{name}: expected {tuple(shape)} {np.dtype(dtype).name}, got {tuple(a.shape)} {a.dtype}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name}: must be C-contiguous")
+
+
+def check_gemm_args(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None) -> tuple[np.ndarray, np.ndarray]:
+    """Every check of a launch, before any work on the device: one ValueError naming the first
+    bad argument. Returns the host offsets (int64) and alpha (float32)."""
+    if not isinstance(prep, W4A8Weights):
+        raise ValueError(f"prep: expected W4A8Weights from prepare_w4a8_weights, got {type(prep).__name__}")
+    if prep.n % ROWS or prep.k % 64:
+        raise ValueError(f"prep: N={prep.n} and K={prep.k} must be multiples of {ROWS} and 64")
+    if not 1 <= prep.experts < 65536:
+        raise ValueError(f"prep: {prep.experts} experts; the grid takes 1 to 65535")
+    if not prep.on_device:
+        raise ValueError("prep: the weights are on the host; call prep.to_device() once")
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("the W4A8 GEMM")
+    e, n, k = prep.experts, prep.n, prep.k
+    g = -(-k // GROUP_K)
+    for name, a, shape, dtype in (("prep.words", prep.words, (e, n // ROWS, k // STEP_K, THREADS, 2), np.uint32),
+                                  ("prep.scales", prep.scales, (e, n // ROWS, g, ROWS, 8), np.uint8),
+                                  ("prep.table_of", prep.table_of, (e,), np.int32),
+                                  ("prep.p", prep.p, (e,), np.int32)):
+        _check_device_array(cp, name, a, shape, dtype)
+    if prep.tables.ndim != 3 or tuple(prep.tables.shape[1:]) != (128, 8):
+        raise ValueError(f"prep.tables: expected (P, 128, 8), got {tuple(prep.tables.shape)}")
+    _check_device_array(cp, "prep.tables", prep.tables, prep.tables.shape, np.uint8)
+    if not isinstance(x8, cp.ndarray) or x8.ndim != 2:
+        raise ValueError(f"x8: expected a (rows, {k}) uint8 CuPy array, got {getattr(x8, 'shape', type(x8))}")
+    rows = x8.shape[0]
+    _check_device_array(cp, "x8", x8, (rows, k), np.uint8)
+    if x8.data.ptr % 16:
+        raise ValueError("x8: must start on a 16-byte boundary (the kernel copies 16-byte pieces)")
+    _check_device_array(cp, "s_x", s_x, (rows, g), np.float32)
+    offs = _host(offsets, "offsets")
+    if offs.dtype.kind not in "iu" or offs.shape != (e + 1,):
+        raise ValueError(f"offsets: expected ({e + 1},) integers, got {offs.shape} {offs.dtype}")
+    offs = offs.astype(np.int64)
+    if offs[0] != 0 or offs[-1] != rows or (np.diff(offs) < 0).any():
+        raise ValueError(f"offsets: must rise monotonically from 0 to rows={rows}, got {offs.tolist()[:8]}...")
+    if rows >= 2**31:
+        raise ValueError(f"x8: {rows} rows do not fit the kernel's int32 offsets")
+    al = _host(alpha, "alpha")
+    if al.shape != (e,) or al.dtype != np.float32:
+        raise ValueError(f"alpha: expected ({e},) float32, got {al.shape} {al.dtype}")
+    try:
+        w4a8.epilogue_factor(_host(prep.p, "prep.p"), al)
+    except ValueError as err:
+        raise ValueError(f"alpha: {err}") from None
+    if out is not None:
+        _check_device_array(cp, "out", out, (rows, n), np.float32)
+    return offs, al
+
+
+def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None, tokens: int | None = None,
+              token_blocks: int | None = None):
+    """Launch the W4A8 grouped GEMM on `stream` (a CuPy stream, None for the current one) and
+    return `out` (allocated on that stream when None). `tokens` forces the token tile (one of
+    TOKEN_TILES); by default the smallest tile that holds the largest expert (token_tile).
+    `token_blocks` sets the grid's height (default: one token tile per CTA for the largest
+    expert); a CTA takes every token_blocks-th tile of its expert, so any height computes every
+    token."""
+    offs, al = check_gemm_args(prep, x8, s_x, offsets, alpha, out)
+    if tokens is not None:
+        gemm_expression(tokens)  # names the argument when it is not a tile
+    if token_blocks is not None and not (isinstance(token_blocks, (int, np.integer)) and 1 <= token_blocks < 65536):
+        raise ValueError(f"token_blocks: expected an int from 1 to 65535, got {token_blocks!r}")
+    import cupy as cp
+
+    stream = stream if stream is not None else cp.cuda.get_current_stream()
+    rows = x8.shape[0]
+    max_count = int(np.diff(offs).max(initial=0))
+    with stream:
+        if out is None:
+            out = cp.empty((rows, prep.n), cp.float32)
+        if max_count == 0:
+            return out
+        t = token_tile(max_count) if tokens is None else tokens
+        fn = _kernel(GEMM_SOURCE, GEMM_EXPRESSIONS, gemm_expression(t))
+        d_offs = cp.asarray(offs.astype(np.int32))
+        d_alpha = cp.asarray(al)
+        grid = (prep.n // ROWS, min(-(-max_count // t), 65535) if token_blocks is None else int(token_blocks),
+                prep.experts)
+        fn(grid, (THREADS,), (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, d_alpha, x8, s_x, d_offs,
+                              out, np.int32(prep.n), np.int32(prep.k)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the activation quantizer
+# ---------------------------------------------------------------------------------------------
+
+
+def check_quantize_args(x, x8, s_x, nonfinite) -> tuple[int, int]:
+    """Shapes, dtypes and contiguity of quantize_act_gpu's arguments; returns (rows, K)."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("the W4A8 activation quantizer")
+    if not isinstance(x, cp.ndarray) or x.ndim != 2 or x.dtype not in (np.float32, np.uint16):
+        raise ValueError(f"x: expected a (rows, K) float32 or uint16 (bf16 bits) CuPy array, got "
+                         f"{getattr(x, 'shape', type(x))} {getattr(x, 'dtype', '')}")
+    rows, k = x.shape
+    if k % 4 or k == 0:
+        raise ValueError(f"x: K={k} must be a positive multiple of 4")
+    if not x.flags.c_contiguous:
+        raise ValueError("x: must be C-contiguous")
+    if x.data.ptr % (16 if x.dtype == np.float32 else 8):
+        raise ValueError("x: must start on a 16-byte (float32) or 8-byte (bf16) boundary")
+    _check_device_array(cp, "x8", x8, (rows, k), np.uint8)
+    _check_device_array(cp, "s_x", s_x, (rows, -(-k // GROUP_K)), np.float32)
+    _check_device_array(cp, "nonfinite", nonfinite, (1,), np.uint32)
+    if rows * -(-k // GROUP_K) >= 2**31 * ACT_WARPS:
+        raise ValueError(f"x: {rows} rows are more than one launch's grid")
+    return rows, k
+
+
+def quantize_act_gpu(x, x8=None, s_x=None, nonfinite=None, stream=None):
+    """lab/w4a8.py quantize_act on the GPU, bit for bit: x (rows, K) float32 or uint16 bf16 bits
+    -> (x8 (rows, K) uint8, s_x (rows, ceil(K/128)) float32, nonfinite (1,) uint32). Outputs are
+    allocated on `stream` when None; the kernel adds the number of non-finite inputs to
+    `nonfinite` (zeroed here when allocated), whose codes are NaN (w4a8_act.cu)."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("the W4A8 activation quantizer")
+    stream = stream if stream is not None else cp.cuda.get_current_stream()
+    with stream:
+        if x8 is None and isinstance(x, cp.ndarray) and x.ndim == 2:
+            x8 = cp.empty(x.shape, cp.uint8)
+        if s_x is None and isinstance(x, cp.ndarray) and x.ndim == 2:
+            s_x = cp.empty((x.shape[0], -(-x.shape[1] // GROUP_K)), cp.float32)
+        if nonfinite is None:
+            nonfinite = cp.zeros(1, cp.uint32)
+    rows, k = check_quantize_args(x, x8, s_x, nonfinite)
+    units = rows * -(-k // GROUP_K)
+    if units == 0:
+        return x8, s_x, nonfinite
+    expr = ACT_EXPRESSIONS[0] if x.dtype == np.float32 else ACT_EXPRESSIONS[1]
+    fn = _kernel(ACT_SOURCE, ACT_EXPRESSIONS, expr)
+    with stream:
+        fn((-(-units // ACT_WARPS),), (32 * ACT_WARPS,), (x, np.int32(rows), np.int32(k), x8, s_x, nonfinite))
+    return x8, s_x, nonfinite

@@ -1,0 +1,488 @@
+"""W4A8 grouped GEMM and activation quantizer (lab/kernels/w4a8_gemm.py): the weight layout and
+each thread's fragments on the CPU, the instantiations' compilation for sm_90a, the argument
+checks; on the GPU, the kernels against lab/w4a8.py (gemm, gemm_abs, quantize_act)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from lab import nvfp4, w4a8
+from lab.kernels import jit, sass
+from lab.kernels import w4a8_gemm as wg
+
+needs_nvcc = pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
+f32 = np.float32
+
+# The accumulation bound's constant: |got - gemm| <= C * 2^-12 * gemm_abs + TINY. 4 is a starting
+# figure, not a measurement: the first GPU runs are to measure the worst c (got - gemm) /
+# (2^-12 gemm_abs) over these tests and replace it with that figure and its margin.
+C = 4.0
+TINY = 2.0**-126  # one float32 result's rounding at the bottom of the normal range
+
+
+def random_nvfp4(rng, e, n, k, small_scales_expert=None):
+    """NVFP4 weights quantized from random data (nvfp4.quantize, its global from the amax, so
+    p = 3: lab/w4a8.py), rows spread over 16 binades; optionally one expert's scale codes capped
+    at 0x30 (0.5), which gives it a p far below 3 and so a table of its own."""
+    x = rng.standard_normal((e, n, k)).astype(f32) * np.exp2(rng.integers(-8, 8, (e, n, 1))).astype(f32)
+    t = nvfp4.quantize(x)
+    scales = t.scales.copy()
+    if small_scales_expert is not None:
+        scales[small_scales_expert] = np.minimum(scales[small_scales_expert], 0x30)
+    assert t.packed.any() and scales.any()
+    return t.packed, scales
+
+
+# ------------------------------------------------------------------------------- CPU: layout
+
+
+def fragment_codes(prep: wg.W4A8Weights) -> tuple[np.ndarray, np.ndarray]:
+    """(E, N, K) uint8: the e4m3 code the kernel's A registers give each weight (row, k), and how
+    many times each (row, k) was produced. Written from the PTX ISA's fragment of wgmma
+    m64nNk32 with 8-bit A, not from the preparation: thread t = 32w + l (g = l / 4, c = l % 4)
+    holds, per k32 step s, a0 = row 16w + g, k 4c..4c+3; a1 = row 16w + g + 8, the same k;
+    a2 = row 16w + g, k 16 + 4c..16 + 4c+3; a3 = row 16w + g + 8, those k; byte i of a register
+    is its i-th k. The kernel makes a0 / a2 from word .x and a1 / a3 from word .y with
+    decode_fp8_word2, whose table rows are the scales of 16-blocks 2s and 2s+1 of the row."""
+    prep = prep.to_host()
+    e, n, k = prep.experts, prep.n, prep.k
+    nb = n // 64
+    out = np.zeros((e, n, k), np.uint8)
+    hits = np.zeros((e, n, k), np.int64)
+    t = np.arange(128)
+    w, g, c = t // 32, (t % 32) // 4, t % 4
+    ei = np.arange(e)[:, None, None]
+    bi = np.arange(nb)[None, :, None]
+    tables = prep.tables[prep.table_of]  # (E, 128, 8)
+    for s in range(k // 32):
+        group, step = divmod(s, 4)
+        for h, (reg_lo, reg_hi) in enumerate(((0, 2), (1, 3))):
+            row = 16 * w + g + 8 * h  # (128,)
+            word = prep.words[:, :, s, :, h]  # (E, NB, 128)
+            sc = prep.scales[:, :, group, row, :]  # (E, NB, 128, 8)
+            lo_tab = tables[ei, sc[..., 2 * step]]  # (E, NB, 128, 8)
+            hi_tab = tables[ei, sc[..., 2 * step + 1]]
+            lo, hi = w4a8.decode_fp8_reference(word, lo_tab, hi_tab)
+            rows = 64 * bi + row[None, None, :]  # (1, NB, 128)
+            for reg, val in ((reg_lo, lo), (reg_hi, hi)):
+                assert reg in (0, 1, 2, 3)
+                for i in range(4):
+                    kk = 32 * s + (16 if reg >= 2 else 0) + 4 * c + i  # (128,)
+                    out[ei, rows, kk[None, None, :]] = (val >> np.uint32(8 * i)) & np.uint32(0xFF)
+                    hits[ei, rows, kk[None, None, :]] += 1
+    return out, hits
+
+
+@pytest.mark.parametrize("e,n,k", [(2, 64, 64), (3, 128, 320), (2, 192, 512)])
+def test_prepare_round_trips_and_holds_decode_words_of_the_reordered_codes(e, n, k):
+    rng = np.random.default_rng(e * 1000 + k)
+    packed = rng.integers(0, 256, (e, n, k // 2), dtype=np.uint8)
+    scales = rng.integers(0, 0x7F, (e, n, k // 16), dtype=np.uint8)
+    prep = wg.prepare_w4a8_weights(packed, scales)
+    assert prep.words.shape == (e, n // 64, k // 32, 128, 2) and prep.words.dtype == np.uint32
+    assert prep.scales.shape == (e, n // 64, -(-k // 128), 64, 8)
+    p2, s2 = wg.unprepare_w4a8_weights(prep)
+    np.testing.assert_array_equal(p2, packed)
+    np.testing.assert_array_equal(s2, scales)
+    # row r's words, in step-major order, are decode_words of its codes reordered by K_ORDER
+    nib = nvfp4.unpack_nibbles(packed).reshape(e, n, k // 32, 32)[..., wg.K_ORDER].reshape(e, n, k)
+    want = w4a8.decode_words(nvfp4.pack_nibbles(nib))  # (E, N, K/8)
+    b, r = 1 % (n // 64), 21  # row 64b + 21 = 16 * 1 + 5: warp 1, g 5, h 0
+    for s in range(k // 32):
+        for c in range(4):
+            assert prep.words[0, b, s, 32 + 4 * 5 + c, 0] == want[0, 64 * b + r, 4 * s + c]
+            assert prep.words[0, b, s, 32 + 4 * 5 + c, 1] == want[0, 64 * b + r + 8, 4 * s + c]
+
+
+def test_undecode_words_inverts_decode_words():
+    rng = np.random.default_rng(5)
+    packed = rng.integers(0, 256, (7, 48), dtype=np.uint8)
+    np.testing.assert_array_equal(wg.undecode_words(w4a8.decode_words(packed)), packed)
+
+
+@pytest.mark.parametrize("e,n,k", [(3, 64, 128), (2, 128, 320)])
+def test_each_thread_fragment_decodes_to_the_converted_weights(e, n, k):
+    """Every (row, k) of every expert appears exactly once in the emulated A fragments, with
+    exactly convert_weights' e4m3 code (signs, zeros, rounded and flushed values included), with
+    experts of two different p (two tables)."""
+    rng = np.random.default_rng(k)
+    packed, scales = random_nvfp4(rng, e, n, k, small_scales_expert=1)
+    scales[0, :3] = rng.integers(0, 8, scales[0, :3].shape)  # zero and subnormal scales
+    prep = wg.prepare_w4a8_weights(packed, scales)
+    assert prep.tables.shape[0] >= 2 and len(set(prep.p.tolist())) >= 2
+    got, hits = fragment_codes(prep)
+    assert (hits == 1).all()
+    want = w4a8.convert_weights(packed, scales, prep.p).codes
+    np.testing.assert_array_equal(got, want)
+
+
+def test_fragment_emulation_sees_misplaced_words():
+    """The emulation is not blind to the layout: words moved to a neighbouring lane, or rows g
+    and g + 8 exchanged, decode to other codes than the conversion's."""
+    rng = np.random.default_rng(11)
+    packed, scales = random_nvfp4(rng, 1, 64, 64)
+    prep = wg.prepare_w4a8_weights(packed, scales)
+    want = w4a8.convert_weights(packed, scales, prep.p).codes
+    lanes = np.arange(128).reshape(32, 4)[:, [1, 0, 2, 3]].reshape(-1)  # lanes 4g and 4g + 1 exchanged
+    for words in (prep.words[:, :, :, lanes, :], prep.words[..., ::-1]):
+        bad = wg.W4A8Weights(np.ascontiguousarray(words), prep.scales, prep.tables, prep.table_of, prep.p, 1, 64, 64)
+        got, hits = fragment_codes(bad)
+        assert (hits == 1).all() and (got != want).any()
+
+
+def test_p_per_expert_and_its_tables():
+    rng = np.random.default_rng(3)
+    packed, scales = random_nvfp4(rng, 3, 64, 128, small_scales_expert=1)
+    prep = wg.prepare_w4a8_weights(packed, scales)
+    np.testing.assert_array_equal(prep.p, w4a8.choose_p(packed, scales))
+    for i in range(3):
+        np.testing.assert_array_equal(prep.tables[prep.table_of[i]], w4a8.magnitude_table(int(prep.p[i])))
+    higher = wg.prepare_w4a8_weights(packed, scales, p=prep.p + np.array([0, 2, 0]))
+    assert higher.p[1] == prep.p[1] + 2
+
+
+def test_prepare_errors_name_the_argument():
+    rng = np.random.default_rng(0)
+    packed, scales = random_nvfp4(rng, 2, 64, 128)
+    with pytest.raises(ValueError, match="N=32 must be a positive multiple of 64"):
+        wg.prepare_w4a8_weights(packed[:, :32], scales[:, :32])
+    with pytest.raises(ValueError, match="K=96 must be a positive multiple of 64"):
+        wg.prepare_w4a8_weights(packed[..., :48], scales[..., :6])
+    with pytest.raises(ValueError, match=r"scales: expected \(2, 64, 8\)"):
+        wg.prepare_w4a8_weights(packed, scales[..., :4])
+    with pytest.raises(ValueError, match="p=2 lets weights of expert 0 exceed 448"):
+        wg.prepare_w4a8_weights(packed, scales, p=np.array([2, 3]))
+    with pytest.raises(ValueError, match="no per-row p"):
+        wg.prepare_w4a8_weights(packed, scales, p=np.full((2, 64), 3))
+    with pytest.raises(ValueError, match="p must hold integers"):
+        wg.prepare_w4a8_weights(packed, scales, p=np.array([3.0, 3.0]))
+    bad = scales.copy()
+    bad[1, 2, 3] = 0x7F
+    with pytest.raises(ValueError, match="scales must be finite"):
+        wg.prepare_w4a8_weights(packed, bad)
+
+
+def test_token_tile():
+    assert [wg.token_tile(c) for c in (1, 8, 9, 16, 17, 33, 64, 65, 1000)] == [8, 8, 16, 16, 32, 64, 64, 64, 64]
+    with pytest.raises(ValueError, match="tokens: the token tile must be one of"):
+        wg.gemm_expression(24)
+
+
+def test_launch_refuses_host_weights_before_touching_a_device():
+    rng = np.random.default_rng(0)
+    prep = wg.prepare_w4a8_weights(*random_nvfp4(rng, 2, 64, 128))
+    with pytest.raises(ValueError, match="prep: the weights are on the host"):
+        wg.w4a8_gemm(prep, None, None, [0, 0, 0], np.ones(2, f32))
+    with pytest.raises(ValueError, match="prep: expected W4A8Weights"):
+        wg.check_gemm_args((prep.words, prep.scales), None, None, [0, 0, 0], np.ones(2, f32))
+
+
+# ------------------------------------------------------------------------------- CPU: compilation
+
+
+@needs_nvcc
+@pytest.mark.parametrize("expr", wg.GEMM_EXPRESSIONS + wg.ACT_EXPRESSIONS)
+def test_instantiations_compile_without_spills(expr):
+    source = wg.GEMM_SOURCE if expr in wg.GEMM_EXPRESSIONS else wg.ACT_SOURCE
+    info = jit.ptxas_report(source, expr)
+    assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
+    assert not info.wgmma_serialized, info
+    assert info.registers <= 168, info  # room for three CTAs of 128 threads on an SM
+
+
+@needs_nvcc
+@pytest.mark.parametrize("tokens", wg.TOKEN_TILES)
+def test_each_group_is_four_fp8_wgmmas_from_registers(tokens):
+    """The group's four k32 steps compile to four QGMMA (fp8, A from registers) of N = tokens,
+    the first replacing the temporary accumulator (the RZ input) and the rest adding to it,
+    with no other tensor instruction (ptxas pads a group with a null HGMMA when a wgmma is
+    conditional)."""
+    if sass.nvdisasm_path() is None:
+        pytest.skip("reading SASS needs nvdisasm")
+    code = sass.kernel_sass(wg.GEMM_SOURCE, wg.gemm_expression(tokens))
+    mma = [i for i in code if "GMMA" in i.opcode]
+    assert [i.opcode for i in mma] == [f"QGMMA.64x{tokens}x32.F32.E4M3.E4M3"] * 4, mma
+    assert "RZ, !UPT" in mma[0].operands and all("RZ" not in i.operands for i in mma[1:]), mma
+    assert all("gdesc" in i.operands and not i.operands.split(",")[1].strip().startswith("gdesc") for i in mma), mma
+
+
+# ------------------------------------------------------------------------------- GPU helpers
+
+
+def make_problem(rng, counts, n, k, small_scales_expert=None):
+    counts = np.asarray(counts, np.int64)
+    e, rows = counts.size, int(counts.sum())
+    offsets = np.r_[0, np.cumsum(counts)].astype(np.int32)
+    packed, scales = random_nvfp4(rng, e, n, k, small_scales_expert)
+    prep = wg.prepare_w4a8_weights(packed, scales)
+    x = rng.standard_normal((rows, k)).astype(f32) * np.exp2(rng.integers(-10, 10, (rows, 1))).astype(f32)
+    x[:, : min(k, 128)][::5] = 0.0  # every fifth row's first group all zero
+    x8, s_x = w4a8.quantize_act(x)
+    alpha = rng.uniform(0.25, 4.0, e).astype(f32)
+    w8 = w4a8.convert_weights(packed, scales, prep.p).codes
+    ref = w4a8.gemm(x8, s_x, offsets, w8, prep.p, alpha)
+    mag = w4a8.gemm_abs(x8, s_x, offsets, w8, prep.p, alpha)
+    return prep, x8, s_x, offsets, alpha, ref, mag
+
+
+def run_gemm(cp, prep_d, x8, s_x, offsets, alpha, guard=8, **kw):
+    """The launch on an output view with `guard` NaN rows before and after it; returns (out
+    (rows, N) float64, the guard rows as they are after the launch)."""
+    rows, n = x8.shape[0], prep_d.n
+    buf = cp.full((rows + 2 * guard, n), np.nan, cp.float32)
+    out = buf[guard: guard + rows]
+    got = wg.w4a8_gemm(prep_d, cp.asarray(x8), cp.asarray(s_x), offsets, alpha, out=out, **kw)
+    assert got is out
+    cp.cuda.get_current_stream().synchronize()
+    host = buf.get()
+    return host[guard: guard + rows].astype(np.float64), np.concatenate([host[:guard], host[guard + rows:]])
+
+
+def assert_within_bound(got, ref, mag):
+    assert np.isfinite(got).all(), f"{np.count_nonzero(~np.isfinite(got))} non-finite outputs"
+    err = np.abs(got - ref)
+    bound = C * w4a8.ACCUMULATION_REL * mag + TINY
+    bad = np.argwhere(~(err <= bound))
+    worst = float(np.max(err / (w4a8.ACCUMULATION_REL * mag + TINY)))
+    if bad.size:
+        r, n = bad[0]
+        raise AssertionError(f"{len(bad)} outputs past the bound (worst c = {worst:.3f}), first out[{r}, {n}] = "
+                             f"{got[r, n]!r} vs {ref[r, n]!r}, gemm_abs {mag[r, n]!r}")
+    print(f"worst c = {worst:.4f} (bound {C})")
+
+
+# ------------------------------------------------------------------------------- GPU: GEMM
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts,n,k", [
+    ([0, 5, 70, 0, 17, 130, 1], 128, 320),  # empty experts, one past two 64-token tiles, a 64-column tail
+    ([3, 0, 64, 65], 64, 256),  # exactly one tile and one past it
+    ([9], 192, 1024),
+    ([0, 0, 2], 64, 64),  # one group of two steps
+])
+def test_gemm_matches_the_contract(counts, n, k):
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng(sum(counts) * 7 + n + k)
+    prep, x8, s_x, offsets, alpha, ref, mag = make_problem(rng, counts, n, k,
+                                                           small_scales_expert=1 if len(counts) > 1 else None)
+    got, guard = run_gemm(cp, prep.to_device(), x8, s_x, offsets, alpha)
+    assert np.isnan(guard).all(), "the kernel wrote outside its output rows"
+    assert_within_bound(got, ref, mag)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", wg.TOKEN_TILES)
+@pytest.mark.parametrize("token_blocks", [None, 1, 2])
+def test_every_token_tile_and_grid_height(tokens, token_blocks):
+    """Each tile on the same ragged problem, with the default grid (one tile per CTA) and with
+    CTAs that loop over several token tiles of their expert (grid heights 1 and 2)."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng(tokens)
+    prep, x8, s_x, offsets, alpha, ref, mag = make_problem(rng, [1, 0, 23, 150, 8], 128, 384, 2)
+    got, guard = run_gemm(cp, prep.to_device(), x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks)
+    assert np.isnan(guard).all()
+    assert_within_bound(got, ref, mag)
+
+
+@pytest.mark.gpu
+def test_gemm_is_bitwise_deterministic_and_the_tiles_agree_within_the_bound():
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng(2)
+    prep, x8, s_x, offsets, alpha, ref, mag = make_problem(rng, [40, 0, 7, 90], 256, 512, 0)
+    prep_d = prep.to_device()
+    a, _ = run_gemm(cp, prep_d, x8, s_x, offsets, alpha)
+    b, _ = run_gemm(cp, prep_d, x8, s_x, offsets, alpha)
+    assert a.tobytes() == b.tobytes()
+    c, _ = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=8, token_blocks=3)
+    assert_within_bound(c, ref, mag)
+
+
+@pytest.mark.gpu
+def test_weights_at_the_formats_edges():
+    """Random codes over all 16 nibbles with zero, subnormal and the largest scales, p = 3 and a
+    p above it (more weights flushed or subnormal in e4m3): the kernel still equals the contract
+    on the same w8 (the contract is on e4m3 weights, so these differences are not its errors)."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng(9)
+    e, n, k = 3, 64, 256
+    packed = rng.integers(0, 256, (e, n, k // 2), dtype=np.uint8)
+    scales = rng.choice(np.array([0, 1, 2, 7, 8, 0x40, 0x7E], np.uint8), (e, n, k // 16))
+    counts = np.array([20, 33, 5])
+    offsets = np.r_[0, np.cumsum(counts)].astype(np.int32)
+    x = rng.standard_normal((int(counts.sum()), k)).astype(f32)
+    x8, s_x = w4a8.quantize_act(x)
+    for extra in (0, 4):
+        p = w4a8.choose_p(packed, scales) + extra
+        prep = wg.prepare_w4a8_weights(packed, scales, p=p)
+        alpha = np.ones(e, f32)
+        w8 = w4a8.convert_weights(packed, scales, prep.p).codes
+        ref = w4a8.gemm(x8, s_x, offsets, w8, prep.p, alpha)
+        mag = w4a8.gemm_abs(x8, s_x, offsets, w8, prep.p, alpha)
+        got, _ = run_gemm(cp, prep.to_device(), x8, s_x, offsets, alpha)
+        assert_within_bound(got, ref, mag)
+
+
+@pytest.mark.gpu
+def test_launch_checks_name_the_argument():
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng(0)
+    prep, x8, s_x, offsets, alpha, _, _ = make_problem(rng, [3, 5], 64, 192)
+    prep_d = prep.to_device()
+    x8_d, s_d = cp.asarray(x8), cp.asarray(s_x)
+    cases = [
+        (dict(x8=x8_d.astype(cp.int8)), "x8: expected"),
+        (dict(x8=x8_d[:, :128]), "x8: expected"),
+        (dict(x8=cp.asfortranarray(x8_d)), "x8: must be C-contiguous"),
+        (dict(s_x=s_d.astype(cp.float64)), "s_x: expected"),
+        (dict(s_x=s_d[:, :1]), "s_x: expected"),
+        (dict(offsets=np.array([0, 5, 3], np.int32)), "offsets: must rise"),
+        (dict(offsets=np.array([0, 3, 9], np.int32)), "offsets: must rise"),
+        (dict(offsets=np.array([0, 8], np.int32)), "offsets: expected"),
+        (dict(offsets=np.array([0.0, 3.0, 8.0])), "offsets: expected"),
+        (dict(alpha=np.ones(2)), "alpha: expected"),
+        (dict(alpha=np.ones(3, f32)), "alpha: expected"),
+        (dict(alpha=np.array([1e38, 1], f32)), "alpha: "),
+        (dict(out=cp.zeros((8, 32), cp.float32)), "out: expected"),
+        (dict(out=cp.zeros((8, 64), cp.float64)), "out: expected"),
+        (dict(tokens=12), "tokens: the token tile"),
+        (dict(token_blocks=0), "token_blocks: expected"),
+    ]
+    base = dict(x8=x8_d, s_x=s_d, offsets=offsets, alpha=alpha)
+    for change, message in cases:
+        args = {**base, **change}
+        with pytest.raises(ValueError, match=message):
+            wg.w4a8_gemm(prep_d, args.pop("x8"), args.pop("s_x"), args.pop("offsets"), args.pop("alpha"), **args)
+    out = cp.full((8, 64), 7.0, cp.float32)
+    with pytest.raises(ValueError):
+        wg.w4a8_gemm(prep_d, x8_d, s_d, np.array([0, 5, 3], np.int32), alpha, out=out)
+    assert (out == 7.0).all(), "a refused launch wrote"
+
+
+# ------------------------------------------------------------------------------- GPU: quantize
+
+
+def edge_rows(rng, k):
+    """float32 rows: normal spreads, all-zero groups (+0 and -0), huge and tiny (subnormal)
+    values, groups whose amax is exactly 448 and whose other elements are e4m3 rounding
+    midpoints (inv = 1 exactly, so x * inv is the midpoint: the ties-to-even cases), and one
+    element per group at every binade's edge."""
+    rows = []
+    rows.append(rng.standard_normal(k))
+    rows.append(rng.standard_normal(k) * np.exp2(rng.integers(-30, 30, k)))
+    rows.append(np.zeros(k))
+    rows.append(np.full(k, -0.0))
+    rows.append(rng.standard_normal(k) * 1e37)
+    rows.append(rng.standard_normal(k) * 1e-40)  # float32 subnormals
+    rows.append(rng.standard_normal(k) * 1e-36)
+    grid = np.arange(0x7F, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    mids = (grid[:-1] + grid[1:]) / 2  # exact in float32 (e4m3 has 3 mantissa bits)
+    m = np.resize(np.concatenate([mids, -mids]), k)
+    m[::128] = 448.0
+    rows.append(m)
+    half = rng.standard_normal(k)
+    half[: k // 2] = 0.0  # one zero group, one live
+    rows.append(half)
+    return np.array(rows).astype(f32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [64, 320, 4096])
+@pytest.mark.parametrize("dtype", ["float32", "bf16"])
+def test_quantize_kernel_is_bit_exact(k, dtype):
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng(k)
+    x = np.concatenate([edge_rows(rng, k), rng.standard_normal((37, k)).astype(f32)])
+    if dtype == "bf16":
+        xb = x.astype(ml_dtypes.bfloat16)
+        x, bits = xb.astype(f32), xb.view(np.uint16)
+        dev = cp.asarray(bits)
+    else:
+        dev = cp.asarray(x)
+    want8, want_s = w4a8.quantize_act(x)
+    x8, s_x, bad = wg.quantize_act_gpu(dev)
+    cp.cuda.get_current_stream().synchronize()
+    assert int(bad.get()[0]) == 0
+    got8, got_s = x8.get(), s_x.get()
+    diff = np.argwhere(got8 != want8)
+    assert diff.size == 0, (f"{len(diff)} codes differ, first at {tuple(diff[0])}: x = {x[tuple(diff[0])]!r}, "
+                            f"got 0x{got8[tuple(diff[0])]:02X}, want 0x{want8[tuple(diff[0])]:02X}")
+    np.testing.assert_array_equal(got_s.view(np.uint32), want_s.view(np.uint32))
+
+
+@pytest.mark.gpu
+def test_quantize_kernel_marks_non_finite_inputs():
+    """NaN and Inf are refused by the reference; the kernel counts them and gives the NaN element
+    the e4m3 NaN code, leaving the other groups of its row as without it."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 256)).astype(f32)
+    clean8, clean_s = w4a8.quantize_act(x)
+    x[0, 5] = np.nan
+    x[1, 200] = np.inf
+    x8, s_x, bad = wg.quantize_act_gpu(cp.asarray(x))
+    got8, got_s = x8.get(), s_x.get()
+    assert int(bad.get()[0]) == 2
+    assert got8[0, 5] & 0x7F == 0x7F and got8[1, 200] & 0x7F == 0x7F
+    np.testing.assert_array_equal(got8[0, 128:], clean8[0, 128:])
+    np.testing.assert_array_equal(got8[1, :128], clean8[1, :128])
+    assert got_s[0, 1] == clean_s[0, 1] and got_s[1, 0] == clean_s[1, 0]
+
+
+@pytest.mark.gpu
+def test_quantize_then_gemm_is_the_layer_stage():
+    """The two kernels together on float32 rows: the GPU codes and scales feed the GEMM and
+    meet the contract computed from quantize_act."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng(4)
+    counts = np.array([12, 0, 70])
+    e, n, k = 3, 128, 256
+    offsets = np.r_[0, np.cumsum(counts)].astype(np.int32)
+    packed, scales = random_nvfp4(rng, e, n, k)
+    prep = wg.prepare_w4a8_weights(packed, scales)
+    x = rng.standard_normal((int(counts.sum()), k)).astype(f32)
+    x8_d, s_d, bad = wg.quantize_act_gpu(cp.asarray(x))
+    x8, s_x = w4a8.quantize_act(x)
+    alpha = np.ones(e, f32)
+    w8 = w4a8.convert_weights(packed, scales, prep.p).codes
+    ref = w4a8.gemm(x8, s_x, offsets, w8, prep.p, alpha)
+    mag = w4a8.gemm_abs(x8, s_x, offsets, w8, prep.p, alpha)
+    out = wg.w4a8_gemm(prep.to_device(), x8_d, s_d, offsets, alpha)
+    assert int(bad.get()[0]) == 0
+    assert_within_bound(out.get().astype(np.float64), ref, mag)
+
+
+@pytest.mark.gpu
+def test_quantize_checks_name_the_argument():
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    x = cp.zeros((3, 128), cp.float32)
+    with pytest.raises(ValueError, match="x: expected"):
+        wg.quantize_act_gpu(cp.zeros((3, 128), cp.float64))
+    with pytest.raises(ValueError, match="x: K=130 must be"):
+        wg.quantize_act_gpu(cp.zeros((3, 130), cp.float32))
+    with pytest.raises(ValueError, match="x8: expected"):
+        wg.quantize_act_gpu(x, x8=cp.zeros((3, 128), cp.int8))
+    with pytest.raises(ValueError, match="s_x: expected"):
+        wg.quantize_act_gpu(x, s_x=cp.zeros((3, 2), cp.float32))
+    with pytest.raises(ValueError, match="nonfinite: expected"):
+        wg.quantize_act_gpu(x, nonfinite=cp.zeros(1, cp.int32))
