@@ -427,23 +427,22 @@ def gemm(x8, s_x, offsets, w8, p, alpha, experts=None, group: int = FP8_GROUP) -
     """The W4A8 GEMM contract (module docstring): out (rows, N) float64 for x8 (rows, K) uint8,
     s_x (rows, ceil(K/128)) float32, offsets (E+1,), w8 (E, N, K) uint8 e4m3, p (E,) or (E, N)
     int, alpha (E,) float. Rows of experts not asked for are NaN."""
-    w8 = np.asarray(w8)
-    if w8.dtype != np.uint8 or w8.ndim != 3:
-        raise ValueError(f"w8 must be (E, N, K) uint8 e4m3 codes, got {w8.dtype} {w8.shape}")
-    _check_codes("w8", w8)
-    E, N, _ = w8.shape
-    return _grouped(x8, s_x, offsets, E, N, lambda e: w8[e], _p_getter(p, E, N), alpha, experts, False, group)
+    return _gemm(x8, s_x, offsets, w8, p, alpha, experts, group, absolute=False)
 
 
 def gemm_abs(x8, s_x, offsets, w8, p, alpha, experts=None, group: int = FP8_GROUP) -> np.ndarray:
     """gemm with every term's magnitude: 2^p |alpha| sum_g s_x sum_k |x8 w8| (rows, N) float64,
     the scale of the accumulation error a kernel may show (|got - gemm| <= c 2^-12 gemm_abs)."""
+    return _gemm(x8, s_x, offsets, w8, p, alpha, experts, group, absolute=True)
+
+
+def _gemm(x8, s_x, offsets, w8, p, alpha, experts, group: int, absolute: bool) -> np.ndarray:
     w8 = np.asarray(w8)
     if w8.dtype != np.uint8 or w8.ndim != 3:
         raise ValueError(f"w8 must be (E, N, K) uint8 e4m3 codes, got {w8.dtype} {w8.shape}")
     _check_codes("w8", w8)
     E, N, _ = w8.shape
-    return _grouped(x8, s_x, offsets, E, N, lambda e: w8[e], _p_getter(p, E, N), alpha, experts, True, group)
+    return _grouped(x8, s_x, offsets, E, N, lambda e: w8[e], _p_getter(p, E, N), alpha, experts, absolute, group)
 
 
 def epilogue_factor(p, global_scale) -> np.ndarray:
