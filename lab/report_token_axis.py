@@ -319,8 +319,8 @@ def left_out(ta: dict) -> str:
     for p in sorted(ta["points"], key=lambda p: p["mean"]):
         bad = failed_peers(p)
         if bad:
-            why = sorted({(p["impls"][n]["error"].split(":")[0] + ": " + p["impls"][n]["error"].split(":")[1].strip())
-                          if ":" in p["impls"][n]["error"] else p["impls"][n]["error"] for n in bad})
+            # the error's stage and type ('prepare: OutOfMemoryError'), not torch's whole message
+            why = sorted({":".join(p["impls"][n]["error"].split(":")[:2]).strip() for n in bad})
             notes.append(f"{p['mean']:g} ({', '.join(bad)} failed: {'; '.join(why)})")
     return f" Left out, where a peer failed: {', '.join(notes)}." if notes else ""
 
