@@ -196,7 +196,11 @@ def main(argv=None) -> int:
                      f"{r['nonzero_fraction']:.4f}"] for r in res["weights"]],
                    headers=["matrix", "p per", "p", "rounded", "subnormal", "flushed", "nonzero"]))
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+        from lab.device_info import lab_commit
+
+        run = {"script": "scripts/w4a8_error_study.py", "argv": sys.argv[1:] if argv is None else list(argv),
+               "setup": {"lab_commit": lab_commit(), "device": "CPU (float64 NumPy)"}, **res}
+        Path(args.json).write_text(json.dumps(run, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 
