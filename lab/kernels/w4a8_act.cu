@@ -5,8 +5,10 @@
 //   x8   = e4m3(x * inv), round to nearest even, saturating to +-448
 //
 // every operation in IEEE float32 with round to nearest (explicit _rn intrinsics, so neither a
-// fast-math build nor FMA contraction can change them; subnormal inputs are not flushed: NVRTC's
-// default). The last group of a K that is not a multiple of 128 is the zero-padded one.
+// fast-math build nor FMA contraction can change them). CuPy appends -ftz=true to every NVRTC
+// compile, so a float32 op flushes subnormal operands to zero; a subnormal x is multiplied in
+// two exact steps instead (times_inv). The last group of a K that is not a multiple of 128 is
+// the zero-padded one.
 //
 // Saturation: cvt.rn.satfinite.e4m3x2.f32 rounds to nearest even and clamps finite results past
 // 448 to +-448, which is quantize_act's clip followed by its cast (a clip first would also turn
@@ -42,6 +44,19 @@ __device__ __forceinline__ void load4(const uint16_t* p, float (&v)[4]) {  // bf
   v[2] = __uint_as_float(t.y << 16); v[3] = __uint_as_float(t.y & 0xffff0000u);
 }
 
+// x * inv rounded once, as IEEE float32 without flushing. A subnormal x would be flushed under
+// -ftz=true, though x * inv can be an e4m3 value as large as 2^-10 x 448: it is taken as its
+// integer significand (x * 2^149, exact) times inv * 2^-149 (exact where it matters: inv > 2^116
+// then, so inv * 2^-149 > 2^-33 is normal; smaller inv flushes it to zero, which is x * inv's
+// e4m3 code anyway). The sign is applied last: round to nearest even is symmetric. A result
+// that is itself subnormal in float32 is flushed to a zero of x's sign, also e4m3's code for it.
+__device__ __forceinline__ float times_inv(float v, float inv) {
+  const uint32_t b = __float_as_uint(v);
+  if ((b & 0x7f800000u) != 0u) return __fmul_rn(v, inv);
+  const float r = __fmul_rn(__int2float_rn((int)(b & 0x007fffffu)), __fmul_rn(__fmul_rn(inv, 0x1p-75f), 0x1p-74f));
+  return (b >> 31) ? -r : r;
+}
+
 __device__ __forceinline__ bool finite(float v) { return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u; }
 
 // Two float32 -> two e4m3 bytes, lo in the low byte (the instruction puts its first source high).
@@ -74,11 +89,11 @@ __global__ void quantize_act(const T* __restrict__ x, int rows, int K, uint8_t* 
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  const float amax = fmaxf(m, 0x1p-116f);
+  const float amax = fmaxf(m, 0x1p-116f);  // a subnormal that fabsf/fmaxf flushed is below this floor
   const float inv = __fdiv_rn(448.0f, amax);
   if (live) {
-    const uint32_t lo = e4m3x2(__fmul_rn(v[0], inv), __fmul_rn(v[1], inv));
-    const uint32_t hi = e4m3x2(__fmul_rn(v[2], inv), __fmul_rn(v[3], inv));
+    const uint32_t lo = e4m3x2(times_inv(v[0], inv), times_inv(v[1], inv));
+    const uint32_t hi = e4m3x2(times_inv(v[2], inv), times_inv(v[3], inv));
     *reinterpret_cast<uint32_t*>(x8 + row * K + col) = lo | hi << 16;
   }
   if (lane == 0) s_x[row * G + gi] = __fdiv_rn(amax, 448.0f);
