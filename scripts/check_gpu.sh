@@ -64,6 +64,7 @@ status=${PIPESTATUS[0]}
   echo "  large tiles: tests/test_gemm_large_tiles.py -k float64"
   echo "  activation image: tests/test_gemm_image.py -k 'layout or float64 or bf16_as'"
   echo "  swiglu_quant: tests/test_swiglu_quant.py"
+  echo "  w4a8: tests/test_w4a8_gemm.py (the W4A8 GEMM and its 1x128 fp8 quantize)"
   run() {  # tool, name, pytest arguments...
     local tool=$1 name=$2; shift 2
     echo "== $tool $name"
@@ -77,6 +78,7 @@ status=${PIPESTATUS[0]}
     run "$tool" w4a16 tests/test_gemm_w4a16.py -k 'deterministic or subnormal or bit_for_bit'
     run "$tool" large_tiles tests/test_gemm_large_tiles.py -k float64
     run "$tool" image tests/test_gemm_image.py -k 'layout or float64 or bf16_as'
+    run "$tool" w4a8 tests/test_w4a8_gemm.py
   done
   run memcheck swiglu_quant tests/test_swiglu_quant.py
   echo "GPU suite in the same call: $(tail -1 "$out/pytest_gpu.log")"

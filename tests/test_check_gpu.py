@@ -18,7 +18,7 @@ from lab.gpu import gpu_available
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "check_gpu.sh"
 TOOLS = ("memcheck", "racecheck", "synccheck")
-NAMES = ("grouped_gemm", "fused", "w4a16", "large_tiles", "image")
+NAMES = ("grouped_gemm", "fused", "w4a16", "large_tiles", "image", "w4a8")
 SECTIONS = [f"{t} {n}" for t in TOOLS for n in NAMES] + ["memcheck swiglu_quant"]
 no_gpu = pytest.mark.skipif(gpu_available(), reason="checks the path taken without a GPU")
 
