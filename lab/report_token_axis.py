@@ -96,11 +96,13 @@ def _pct(e: dict | None) -> str:
 
 
 def _peer_cell(e: dict | None) -> str:
-    """'1.437 (61% read)'; a peer whose compiled stage failed says that the eager one stood in."""
+    """'1.437 (61% read)'; a peer whose compiled stage failed says that the eager one stood in, one
+    timed in a pass of its own (out of memory beside the others) that it ran alone."""
     if not e:
         return "-"
     pct = "" if e.get("roof_pct") is None else f" ({e['roof_pct']:.0f}% {_binds(e)})"
-    return f"{e['ms']:.3f}{pct}" + (" eager stand-in" if e.get("stand_in") else "")
+    return (f"{e['ms']:.3f}{pct}" + (" eager stand-in" if e.get("stand_in") else "")
+            + (" alone" if e.get("apart") else ""))
 
 
 def token_axis_table(points: list[dict]) -> str:
@@ -325,6 +327,14 @@ def left_out(ta: dict) -> str:
     return f" Left out, where a peer failed: {', '.join(notes)}." if notes else ""
 
 
+def timed_alone(ta: dict) -> str:
+    """' Timed alone, after the others (out of device memory beside them): 1024 (torch-fp8)': the
+    peers token_axis timed in a pass of their own, not interleaved with the rest."""
+    notes = [f"{p['mean']:g} ({', '.join(n for n, e in p['impls'].items() if e.get('apart'))})"
+             for p in sorted(ta["points"], key=lambda p: p["mean"]) if any(e.get("apart") for e in p["impls"].values())]
+    return f" Timed alone, after the others (out of device memory beside them): {', '.join(notes)}." if notes else ""
+
+
 def against_fastest_peer(ta: dict) -> list[tuple[float, float, str]]:
     """(mean, the fastest peer's ms / the lab's best valid variant's ms, that peer) at each mean
     where both ran and no peer failed, in order of mean: above 1 the lab is faster."""
@@ -383,7 +393,8 @@ def crossover_sentence(ta: dict) -> str | None:
         parts.append(f"{side} at {_span(means)} ({how})")
     peers = sorted({n for _, _, n in rs})
     return (f"On the {board(ta)}, the lab's best valid variant against the fastest peer measured in the same run "
-            f"({', '.join(peers)}{_eager_note(ta)}), by tokens per expert: " + "; ".join(parts) + "." + left_out(ta))
+            f"({', '.join(peers)}{_eager_note(ta)}), by tokens per expert: " + "; ".join(parts) + "." + left_out(ta)
+            + timed_alone(ta))
 
 
 def _eager_note(ta: dict) -> str:
@@ -435,7 +446,8 @@ def headline_table(ta: dict) -> str:
             versus = {"faster": f"{r:.2f}x faster", "slower": f"{1 / r:.2f}x slower", "level": "level"}[_side(r)]
         body.append([f"{p['mean']:g}", "-" if not best else f"{best['ms']:.3f} ({p['best_lab']})", _pct(best),
                      "-" if not w16 else f"{w16[1]['ms']:.3f}",
-                     "-" if not peer else f"{peer['ms']:.3f} ({p['fastest_peer']})", _pct(peer), versus])
+                     "-" if not peer else f"{peer['ms']:.3f} ({p['fastest_peer']}{', alone' if peer.get('apart') else ''})",
+                     _pct(peer), versus])
     return tabulate(body, head, tablefmt="github", disable_numparse=True)
 
 

@@ -95,80 +95,81 @@ def rooflines(nbytes: int, flops: int, ceilings: dict) -> dict:
     return out
 
 
-def measure_mean(args, problem, dweights, mean: float, ceilings: dict, seed: int) -> dict:
-    """Everything measured at one mean: routing, roofline, each implementation's check and time."""
-    from lab.layer import load_layer
-    from lab.runner import Runner
+OUT_OF_MEMORY = "out of memory"  # _prepare_and_check's answer for a peer that did not fit beside the others
+APART = "timed alone, after the others: out of device memory beside them"
 
-    E, k = problem.experts, problem.top_k
-    routing = make_routing(tokens_for_mean(mean, E, k), E, k, skew=args.skew, seed=seed)
-    counts = routing.counts
-    x = random_activations(routing.tokens, problem.hidden, seed=seed)
-    lb = roofline.layer_bytes(problem, counts, active=True)
-    fl = roofline.layer_flops(problem, counts)
-    roofs = rooflines(lb.total, fl["layer"], ceilings)
-    roof = roofs["fp16"]  # the lab's exact NVFP4 path decodes to fp16: the point's own roofline
-    point = {"mean": mean, "tokens": routing.tokens, "rows": routing.rows, "max_count": int(counts.max()),
-             "empty_experts": int((counts == 0).sum()), "bytes": lb.total, "flops": fl["layer"], "roofline": roof,
-             "rooflines": roofs, "impls": {}, "gemm": {}}
-    log(TAG, f"mean {mean:g}: {routing.tokens} tokens, {routing.rows} rows, max {counts.max()} on one expert; "
-             f"roofline {roof['ms']:.3f} ms ({roof['binds']} binds)")
 
-    runner = Runner()
-    layer = load_layer(runner, dweights, routing, x)
-    experts = checks.sample_experts(counts, args.check_experts, seed=seed)
-    ref_rows, ref_out = reference.layer_unquantized(x, routing, dweights.host, experts)
+def _is_out_of_memory(exc: BaseException) -> bool:
+    """CuPy's and torch's out-of-memory errors (their classes share the name, not a base)."""
+    return type(exc).__name__ == "OutOfMemoryError"
 
-    lab_names = ["separate"] + [n for n in args.variants if n != "separate"]
-    peer_names = [] if args.no_peers else list(peers.NAMES)
-    timed, baseline = {}, None
-    for name in lab_names + peer_names:
-        is_peer = name in peer_names
-        v = peers.make(name) if is_peer else make_variant(name)
-        entry = point["impls"][name] = {"expect": v.expect, "peer": is_peer, "check": None, "skipped": None,
-                                        "error": None, "e2e_rel": None, "tensor": getattr(v, "tensor", "fp16")}
-        try:
-            runner.prepare(v, layer)
-        except NotImplementedError as exc:
-            entry["skipped"] = str(exc)
-            log(TAG, f"  {name}: skipped ({exc})")
-            continue
-        except Exception as exc:  # reported in the table; the other implementations go on
-            entry["error"] = f"prepare: {type(exc).__name__}: {exc}"
-            log(TAG, f"  {name}: {entry['error']}")
-            continue
+
+def _free_device_memory(runner) -> None:
+    gc.collect()
+    peers.torch_grouped.free_cached_memory()
+    runner.cp.get_default_memory_pool().free_all_blocks()
+
+
+def _prepare_and_check(runner, layer, point, name, is_peer, ref_rows, ref_out, base, alone=False):
+    """Prepare one implementation, run it once and check it (bitwise against separate for the
+    lab's variants, against the float64 layer for all); its entry in point["impls"]. Returns the
+    prepared implementation, None where it was skipped or failed, or OUT_OF_MEMORY for a peer
+    whose preparation ran out of device memory beside the others (timed alone later)."""
+    v = peers.make(name) if is_peer else make_variant(name)
+    entry = point["impls"][name] = {"expect": v.expect, "peer": is_peer, "check": None, "skipped": None,
+                                    "error": None, "e2e_rel": None, "tensor": getattr(v, "tensor", "fp16")}
+    try:
+        runner.prepare(v, layer)
+    except NotImplementedError as exc:
+        entry["skipped"] = str(exc)
+        log(TAG, f"  {name}: skipped ({exc})")
+        return None
+    except Exception as exc:  # reported in the table; the other implementations go on
+        entry["error"] = f"prepare: {type(exc).__name__}: {exc}"
+        if hasattr(v, "release"):
+            v.release()
+        if is_peer and not alone and _is_out_of_memory(exc):
+            log(TAG, f"  {name}: out of memory beside the others; timed alone after them")
+            return OUT_OF_MEMORY
+        log(TAG, f"  {name}: {entry['error']}" + (" (alone)" if alone else ""))
+        return None
+    if is_peer:
+        entry.update(label=v.label, stand_in=v.stand_in, vs_eager=v.vs_eager)
+        if v.stand_in:
+            log(TAG, f"  {name}: {v.stand_in}")
+    try:
         if is_peer:
-            entry.update(label=v.label, stand_in=v.stand_in, vs_eager=v.vs_eager)
-            if v.stand_in:
-                log(TAG, f"  {name}: {v.stand_in}")
-        try:
-            if is_peer:
-                runner.run(v, layer)
-                runner.synchronize()
-                got = v.result(layer)[ref_rows].astype(np.float64)
-            else:
-                runner.checked_run(v, layer)
-                got = bf16_rows(layer, ref_rows)
-        except Exception as exc:
-            entry["error"] = f"run: {type(exc).__name__}: {exc}"
-            log(TAG, f"  {name}: {entry['error']}")
-            continue
-        entry["e2e_rel"] = checks.rel_error(got, ref_out)
-        if not is_peer:
-            if name == "separate":
-                baseline = layer.out_bf16.copy()
-                entry["check"] = {"ok": True, "detail": "baseline"}
-            elif v.expect == "match":
-                same = bool(runner.cp.array_equal(layer.out_bf16, baseline))
-                entry["check"] = {"ok": same, "detail": "bitwise equal to separate" if same else "MISMATCH"}
-            else:
-                entry["check"] = {"ok": None, "detail": v.expect}
-        log(TAG, f"  {name}: {entry['check']['detail'] if entry['check'] else 'peer'}; "
-                 f"vs float64 (unquantized activations) {checks.format_rel(entry['e2e_rel'])}")
-        timed[name] = v
+            runner.run(v, layer)
+            runner.synchronize()
+            got = v.result(layer)[ref_rows].astype(np.float64)
+        else:
+            runner.checked_run(v, layer)
+            got = bf16_rows(layer, ref_rows)
+    except Exception as exc:
+        entry["error"] = f"run: {type(exc).__name__}: {exc}"
+        log(TAG, f"  {name}: {entry['error']}")
+        if hasattr(v, "release"):
+            v.release()
+        return None
+    entry["e2e_rel"] = checks.rel_error(got, ref_out)
+    if not is_peer:
+        if name == "separate":
+            base["out"] = layer.out_bf16.copy()
+            entry["check"] = {"ok": True, "detail": "baseline"}
+        elif v.expect == "match":
+            same = bool(runner.cp.array_equal(layer.out_bf16, base["out"]))
+            entry["check"] = {"ok": same, "detail": "bitwise equal to separate" if same else "MISMATCH"}
+        else:
+            entry["check"] = {"ok": None, "detail": v.expect}
+    log(TAG, f"  {name}: {entry['check']['detail'] if entry['check'] else 'peer'}"
+             f"{' (alone)' if alone else ''}; vs float64 (unquantized activations) {checks.format_rel(entry['e2e_rel'])}")
+    return v
 
-    # Interleaved rounds after an idle pause each (see run_layer: the power cap otherwise slows
-    # later bursts, and a drift of the machine falls on every implementation alike).
+
+def _time(args, runner, layer, point, timed, lb, fl, roofs, roof, ceilings) -> None:
+    """Time `timed` in interleaved rounds after an idle pause each (see run_layer: the power cap
+    otherwise slows later bursts, and a drift of the machine falls on every implementation
+    alike), then separate's and the peers' stages; into their entries and point["gemm"]."""
     per_round = -(-args.iterations // args.rounds)
     samples = {name: [] for name in timed}
     for _ in range(args.rounds):
@@ -200,9 +201,63 @@ def measure_mean(args, problem, dweights, mean: float, ceilings: dict, seed: int
                     point["gemm"].setdefault(gemm, {"roofline": g_roofs["fp16"], "rooflines": g_roofs, "bytes": nb,
                                                     "flops": fl[gemm]})[name] = row
 
+
+def measure_mean(args, problem, dweights, mean: float, ceilings: dict, seed: int) -> dict:
+    """Everything measured at one mean: routing, roofline, each implementation's check and time."""
+    from lab.layer import load_layer
+    from lab.runner import Runner
+
+    E, k = problem.experts, problem.top_k
+    routing = make_routing(tokens_for_mean(mean, E, k), E, k, skew=args.skew, seed=seed)
+    counts = routing.counts
+    x = random_activations(routing.tokens, problem.hidden, seed=seed)
+    lb = roofline.layer_bytes(problem, counts, active=True)
+    fl = roofline.layer_flops(problem, counts)
+    roofs = rooflines(lb.total, fl["layer"], ceilings)
+    roof = roofs["fp16"]  # the lab's exact NVFP4 path decodes to fp16: the point's own roofline
+    point = {"mean": mean, "tokens": routing.tokens, "rows": routing.rows, "max_count": int(counts.max()),
+             "empty_experts": int((counts == 0).sum()), "bytes": lb.total, "flops": fl["layer"], "roofline": roof,
+             "rooflines": roofs, "impls": {}, "gemm": {}}
+    log(TAG, f"mean {mean:g}: {routing.tokens} tokens, {routing.rows} rows, max {counts.max()} on one expert; "
+             f"roofline {roof['ms']:.3f} ms ({roof['binds']} binds)")
+
+    runner = Runner()
+    layer = load_layer(runner, dweights, routing, x)
+    experts = checks.sample_experts(counts, args.check_experts, seed=seed)
+    ref_rows, ref_out = reference.layer_unquantized(x, routing, dweights.host, experts)
+
+    lab_names = ["separate"] + [n for n in args.variants if n != "separate"]
+    peer_names = [] if args.no_peers else list(peers.NAMES)
+    timed, apart, base = {}, [], {}
+    for name in lab_names + peer_names:
+        v = _prepare_and_check(runner, layer, point, name, name in peer_names, ref_rows, ref_out, base)
+        if v is OUT_OF_MEMORY:
+            apart.append(name)
+        elif v is not None:
+            timed[name] = v
+    _time(args, runner, layer, point, timed, lb, fl, roofs, roof, ceilings)
     for v in timed.values():  # the peers' tensors go before the next mean's buffers are drawn
         if hasattr(v, "release"):
             v.release()
+    timed.clear()
+    # A peer that ran out of memory beside the others is timed alone once they are gone, one at a
+    # time, with only its own weights cached (large means on an 80 GB board: the lab's buffers,
+    # torch's weights in two formats and four peers' activations do not fit together). Its time
+    # is then not interleaved with the rest; the entry and the page say so.
+    for name in sorted(apart, key=lambda n: peers.make(n).kind):
+        _free_device_memory(runner)
+        kind = peers.make(name).kind
+        for key in [k for k in layer.weights.cache if k[0] == "torch" and k[1] != kind]:
+            del layer.weights.cache[key]
+        v = _prepare_and_check(runner, layer, point, name, True, ref_rows, ref_out, base, alone=True)
+        if v is not None and v is not OUT_OF_MEMORY:
+            point["impls"][name]["apart"] = APART
+            _time(args, runner, layer, point, {name: v}, lb, fl, roofs, roof, ceilings)
+            v.release()
+    if apart:  # the next mean's buffers before torch's weights, which it dequantizes again
+        for key in [k for k in layer.weights.cache if k[0] == "torch"]:
+            del layer.weights.cache[key]
+
     valid = {n: e for n, e in point["impls"].items()
              if not e["peer"] and e.get("ms") is not None and e["check"] and e["check"]["ok"] and e["expect"] in VALID}
     peer_ms = {n: e["ms"] for n, e in point["impls"].items() if e["peer"] and e.get("ms") is not None}

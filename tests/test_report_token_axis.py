@@ -136,3 +136,16 @@ def test_rows_name_the_ceiling_they_are_compared_with():
     assert "tensor fp8" in row and "(read)" in row
     head = next(line for line in rta.headline_table(ta).splitlines() if line.startswith("| 600 "))
     assert "tensor fp8" in head  # the fastest peer at 600 is torch-fp8, compared with the fp8 peak
+
+
+def test_a_peer_timed_alone_is_named_in_the_sentence_and_the_tables():
+    ta = _run()
+    p = max(ta["points"], key=lambda p: p["mean"])
+    plain = rta.crossover_sentence(ta)
+    assert "Timed alone" not in plain and ", alone" not in rta.headline_table(ta)
+    p["impls"][p["fastest_peer"]]["apart"] = "timed alone, after the others: out of device memory beside them"
+    said = rta.crossover_sentence(ta)
+    assert said.endswith(f" Timed alone, after the others (out of device memory beside them): "
+                         f"{p['mean']:g} ({p['fastest_peer']})."), said
+    assert f"({p['fastest_peer']}, alone)" in rta.headline_table(ta)
+    assert " alone" in rta.token_axis_table(ta["points"])
