@@ -223,6 +223,14 @@ class Layer:
     def rows(self) -> int:
         return int(self.offsets_host[-1])
 
+    def drop_lab_arrays(self) -> None:
+        """Drop the arrays only the lab's kernels use (quantized x, h, a, out and their views),
+        keeping x, the routing and the weights: what a peer needs once the lab's variants are
+        done with a batch that fills the device."""
+        for name in ("x_packed", "x_scales", "h", "a_packed", "a_scales", "out", "out_bf16"):
+            setattr(self, name, None)
+        self.full, self.w13_plan, self.w2_plan = None, (), ()
+
     def part(self, runner, e0: int, e1: int, name: str) -> Part:
         """Views of experts e0..e1-1; its relative offsets are a runner buffer called `name`."""
         E = self.problem.experts

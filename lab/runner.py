@@ -111,6 +111,11 @@ class Runner:
         self._buffers[name] = arr
         return arr
 
+    def drop_buffers(self) -> None:
+        """Forget every buffer but the non-finite counter (their memory returns to the pool once no
+        variant holds them): for a pass that needs the device memory the lab's variants took."""
+        self._buffers = {"nonfinite": self.counter}
+
     @property
     def buffer_bytes(self) -> int:
         return sum(a.nbytes for a in self._buffers.values())

@@ -16,7 +16,9 @@ idle pause, as run_layer times. Each time is compared with its roofline, the lar
 read and useful flops / the tensor ceiling its arithmetic can use (fp16 for the lab's exact
 NVFP4 path and for bf16, fp8 for fp8 peers; the table names which binds), and with the fastest
 peer; each output with a float64 layer on unquantized activations (the error a user pays), on a
-seeded sample of experts. The GEMM rows are separate's and the peers' w13 and w2 stages.
+seeded sample of experts. The GEMM rows are separate's and the peers' w13 and w2 stages. A peer
+that runs out of device memory beside the others (large means on an 80 GB board) is timed alone
+after them, once the lab's arrays are dropped, and named as such ("alone") in the tables.
 """
 
 from __future__ import annotations
@@ -239,11 +241,18 @@ def measure_mean(args, problem, dweights, mean: float, ceilings: dict, seed: int
     for v in timed.values():  # the peers' tensors go before the next mean's buffers are drawn
         if hasattr(v, "release"):
             v.release()
+    del v
     timed.clear()
     # A peer that ran out of memory beside the others is timed alone once they are gone, one at a
     # time, with only its own weights cached (large means on an 80 GB board: the lab's buffers,
-    # torch's weights in two formats and four peers' activations do not fit together). Its time
-    # is then not interleaved with the rest; the entry and the page say so.
+    # torch's weights in two formats and four peers' activations do not fit together). The lab's
+    # own arrays go first: at 2048 tokens per expert on the H100 they held 55 GB, and no peer fit
+    # beside them even alone (2c011a0). Its time is then not interleaved with the rest; the entry
+    # and the page say so.
+    if apart:
+        runner.drop_buffers()
+        layer.drop_lab_arrays()
+        base.clear()
     for name in sorted(apart, key=lambda n: peers.make(n).kind):
         _free_device_memory(runner)
         kind = peers.make(name).kind
