@@ -94,7 +94,7 @@ E4M3_MIN_NORMAL = 2.0**-6
 E4M3_MIN_SUBNORMAL = 2.0**-9
 FP8_GROUP = 128  # columns of K per activation scale (DeepSeek-V3's 1x128)
 AMAX_FLOOR = np.float32(2.0**-116)  # see the module docstring: inv finite, s_x normal
-ACCUMULATION_REL = 2.0**-12  # the issue's starting figure for the accumulation bound
+ACCUMULATION_REL = 2.0**-12  # the bound is c x this x gemm_abs; c measured 1.39 (tests/test_w4a8_gemm.py C)
 SCALE_CODES = 128  # non-negative e4m3 codes: the table's rows
 NAN_CODE = 0x7F
 

@@ -15,10 +15,11 @@ from lab.kernels import w4a8_gemm as wg
 needs_nvcc = pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
 f32 = np.float32
 
-# The accumulation bound's constant: |got - gemm| <= C * 2^-12 * gemm_abs + TINY. 4 is a starting
-# figure, not a measurement: the first GPU runs are to measure the worst c (got - gemm) /
-# (2^-12 gemm_abs) over these tests and replace it with that figure and its margin.
-C = 4.0
+# The accumulation bound's constant: |got - gemm| <= C * 2^-12 * gemm_abs + TINY. Measured: the
+# worst c, |got - gemm| / (2^-12 gemm_abs), over these tests was 1.392 on an H100 at 2c011a0
+# (results/studies/w4a8_accumulation_bound.json); 2 keeps a 1.44x margin. The inputs are seeded,
+# so the figure moves only with the kernel's arithmetic.
+C = 2.0
 TINY = 2.0**-126  # one float32 result's rounding at the bottom of the normal range
 
 
