@@ -38,11 +38,16 @@ def candidates(base: gc.GemmConfig, full: bool) -> list[tuple[dict, object]]:
         # the heuristic's own warp split for its block_rows, the table's for the others
         w, r = (base.warps, base.row_tiles) if block_rows == base.block_rows else BLOCK_ROWS[block_rows]
         desc = {"token_tile": tokens, "block_rows": block_rows, "k_step": k_step, "stages": stages}
-        if tokens // 8 not in gc.MAX_FRAGS_CHOICES:
-            return desc, f"token tile {tokens} not compiled (max {8 * gc.MAX_FRAGS_CHOICES[-1]})"
+        frags = tokens // 8
+        # token tiles past 64 exist on wgmma tiles only (gc.LARGE_FRAGS): the 128-token point is
+        # built as the kernel builds it, not reported missing
+        large = {"mma": 1} if frags in gc.LARGE_FRAGS and frags not in gc.MAX_FRAGS_CHOICES else {}
+        if frags not in gc.MAX_FRAGS_CHOICES and not large:
+            return desc, (f"token tile {tokens} not built (8 to {8 * gc.MAX_FRAGS_CHOICES[-1]}, or "
+                          f"{', '.join(str(8 * f) for f in gc.LARGE_FRAGS)} on wgmma)")
         try:
             return desc, replace(base, warps=w, row_tiles=r, k_step=k_step, stages=stages,
-                                 max_frags=tokens // 8).validate()
+                                 max_frags=frags, **large).validate()
         except ValueError as exc:
             return desc, str(exc)
 
