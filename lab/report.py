@@ -21,8 +21,9 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from lab.report_common import CHART_MAX_PX, DPI, FILE_KEY, NOISE_PCT, VALID, have_matplotlib  # noqa: F401
-from lab.report_common import board, fmt as _fmt, pyplot as _pyplot, source as _source
+from lab.report_common import CHART_MAX_PX, DPI, FILE_KEY, NOISE_PCT, have_matplotlib  # noqa: F401
+from lab.report_common import board, fmt as _fmt, layer_means, pyplot as _pyplot, source as _source
+from lab.report_common import us as _us, valid as _valid
 from lab import report_token_axis
 
 # A cause "dominates" a loss when it accounts for at least this share; between 1 - DOMINANT
@@ -52,10 +53,6 @@ PAGE_RUNS = {
     "token_axis": ("results/h200/token_axis.json", "results/h100/token_axis.json"),
 }
 
-def _us(ms: float) -> str:
-    return f"{1000 * ms:.1f} us"
-
-
 def _versus(ms: float, ref_ms: float, ref: str) -> str:
     """'12.0 us (1.0%) under cuda-graph's 1.200 ms' (or 'over')."""
     d = ms - ref_ms
@@ -71,12 +68,6 @@ def missing(study: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # layer runs (run_layer.json)
 # ---------------------------------------------------------------------------------------------
-
-
-def layer_means(layer_json: dict) -> list[str]:
-    """The mean-token labels present in a run_layer JSON ('8', '32', ...), in column order."""
-    keys = layer_json["layer"][0].keys() if layer_json.get("layer") else []
-    return [k[3:] for k in keys if k.startswith("ms@")]
 
 
 def layer_table(rows: list[dict], means: list[str]) -> str:
@@ -100,11 +91,6 @@ def _row(rows, name):
 def _ms(rows, name, mean):
     r = _row(rows, name)
     return None if r is None else r.get(f"ms@{mean}")
-
-
-def _valid(r: dict) -> bool:
-    """Timed, and its output is what it promises (separate's checks passed, or bitwise equal)."""
-    return r["expect"] in VALID and r.get("correct", r["expect"]) in VALID
 
 
 def _valid_ms(rows, name, mean):
