@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lab import report
+from lab import report, report_studies
 from lab.report_token_axis import token_png
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -179,7 +179,7 @@ def test_a_mismatching_fused_variant_is_not_counted(tmp_path):
 
 def test_missing_studies_name_their_scripts(tmp_path):
     text = render(tmp_path)
-    for study, script in report.STUDIES.items():
+    for study, script in report_studies.STUDIES.items():
         assert f"`results/{study}.json` is missing; `python {script} --json results/{study}.json`" in text
 
 
@@ -195,10 +195,10 @@ def test_read_roofline_mainloop_or_access_pattern(tmp_path):
 
 
 def test_split_gap_arithmetic():
-    s = report.split_gap({"ms": 1.0, "roof_pct": 50.0, "read_pattern_ms": 0.6})
+    s = report_studies.split_gap({"ms": 1.0, "roof_pct": 50.0, "read_pattern_ms": 0.6})
     assert s["roof_ms"] == pytest.approx(0.5) and s["mainloop_ms"] == pytest.approx(0.4)
     assert s["pattern_ms"] == pytest.approx(0.1) and s["cause"] == "mainloop"
-    s = report.split_gap({"ms": 1.0, "roof_pct": 50.0, "read_pattern_ms": 1.2})
+    s = report_studies.split_gap({"ms": 1.0, "roof_pct": 50.0, "read_pattern_ms": 1.2})
     assert s["mainloop_ms"] == 0.0 and s["cause"] == "access pattern"
 
 
@@ -218,7 +218,7 @@ def test_chunk_study_tail_or_launch(tmp_path):
 
 def test_chunk_cause_counts_empty_wave_slots():
     rows = chunk_json()["rows"]
-    c = report.chunk_cause(rows[0], rows[2])  # k=4: 4 chunks of 4.36 waves, 0.64 empty each
+    c = report_studies.chunk_cause(rows[0], rows[2])  # k=4: 4 chunks of 4.36 waves, 0.64 empty each
     assert c["empty_waves"] == pytest.approx(4 * (5 - 17.45 / 4))
     assert c["empty_waves_k1"] == pytest.approx(18 - 17.45)
     assert c["loss_ms"] == pytest.approx(0.06) and c["gaps_ms"] == pytest.approx(0.10)
@@ -288,7 +288,7 @@ def test_charts_written_and_linked(tmp_path):
     if not report.have_matplotlib():
         pytest.skip("charts need matplotlib (the plot extra)")
     text = render(tmp_path, layer_run(), layer_run(sep=1.02), charts=True, tile_sweep=tile_json())
-    assert report.charts_of(text) == [report.LAYER_PNG, report.TILE_PNG]
+    assert report.charts_of(text) == [report.LAYER_PNG, report_studies.TILE_PNG]
     for png in report.charts_of(text):
         w, h = png_size(tmp_path / png)
         assert w <= report.CHART_MAX_PX and h <= report.CHART_MAX_PX, (png, w, h)
@@ -301,9 +301,9 @@ def test_page_text_does_not_depend_on_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     assert not report.have_matplotlib()
     assert render(tmp_path, charts=True, tile_sweep=tile_json()) == with_charts
-    assert f"]({report.LAYER_PNG})" in with_charts and f"]({report.TILE_PNG})" in with_charts
+    assert f"]({report.LAYER_PNG})" in with_charts and f"]({report_studies.TILE_PNG})" in with_charts
     assert (tmp_path / report.LAYER_PNG).read_bytes() == b"an older chart"
-    assert not (tmp_path / report.TILE_PNG).exists()
+    assert not (tmp_path / report_studies.TILE_PNG).exists()
 
 
 def test_repeated_layer_runs_make_one_series_with_their_spread():
@@ -324,7 +324,7 @@ def test_repeated_layer_runs_make_one_series_with_their_spread():
 
 
 def test_tile_grid_best_per_token_tile():
-    labels, tiles, grid = report.tile_grid(tile_json()["rows"])
+    labels, tiles, grid = report_studies.tile_grid(tile_json()["rows"])
     assert labels == ["w13 @8", "w13 @32"] and tiles == [8, 16, 32, 64, 128]
     assert grid[0][4] is None and grid[1][3] == pytest.approx(83.0, abs=0.05)
 
@@ -385,7 +385,7 @@ def test_default_runs_reproduce_the_committed_page(tmp_path):
 def test_committed_charts_fit_the_page():
     charts = report.charts_of(PAGE.read_text())
     boards = [json.loads((ROOT / p).read_text()) for p in report.PAGE_RUNS["token_axis"]]
-    assert charts == [token_png(b) for b in boards] + [report.LAYER_PNG, report.TILE_PNG]
+    assert charts == [token_png(b) for b in boards] + [report.LAYER_PNG, report_studies.TILE_PNG]
     for c in charts:
         w, h = png_size(PAGE.parent / c)
         assert 600 <= w <= report.CHART_MAX_PX and h <= report.CHART_MAX_PX, (c, w, h)
