@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lab import report, report_studies
+from lab import report, report_gemm, report_studies
 from lab.report_token_axis import token_png
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -458,12 +458,12 @@ def test_gemm_verdicts_pair_each_bf16_row_with_its_nvfp4_twin():
                            "act": act}}
     rows = [row("w13", "nvfp4", 8, 0.5), row("w13", "bf16", 8, 0.6), row("w2", "nvfp4", 8, 0.25),
             row("w2", "bf16", 32, 0.4, frags=8)]  # no nvfp4 twin at 32: left out
-    v = report.gemm_verdicts(rows)
+    v = report_gemm.gemm_verdicts(rows)
     assert v[0].startswith("w13 (nvfp4) at mean 8") and v[1].startswith("w13 (bf16) at mean 8")
     pair = [s for s in v if s.startswith("bf16 activations (W4A16)")]
     assert len(pair) == 1 and "w13 at 8 1.20x" in pair[0] and "w2 at" not in pair[0], pair
     # one activation form only: no pairing, no label
-    v = report.gemm_verdicts([r for r in rows if r["act"] == "nvfp4"])
+    v = report_gemm.gemm_verdicts([r for r in rows if r["act"] == "nvfp4"])
     assert v[0].startswith("w13 at mean 8") and not any(s.startswith("bf16 activations") for s in v)
 
 
@@ -497,5 +497,5 @@ def test_split_rows_name_their_launches_and_streams():
     hot = {**cfg, "warps": 8, "row_tiles": 2, "max_frags": 20, "mma": 1, "image": True}
     row = {"config": cfg, "split": [16], "plan": [{"config": cfg, "counts_in": [1, 16]},
                                                   {"config": hot, "counts_in": [17, 2**31 - 1]}]}
-    assert report.gemm_tile(row) == "split at 16: 4,4,128,3,2,0 on 1..16 + 8,2,128,3,20,1,image on 17.."
-    assert report.gemm_tile({**row, "streams": 2}).startswith("split at 16, two streams: 4,4,128,3,2,0 on 1..16 + ")
+    assert report_gemm.gemm_tile(row) == "split at 16: 4,4,128,3,2,0 on 1..16 + 8,2,128,3,20,1,image on 17.."
+    assert report_gemm.gemm_tile({**row, "streams": 2}).startswith("split at 16, two streams: 4,4,128,3,2,0 on 1..16 + ")
