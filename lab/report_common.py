@@ -12,7 +12,8 @@ VALID = ("baseline", "match")
 NOISE_PCT = 1.0
 # The key scripts/report.py gives each run it loads: the file the page cites for it.
 FILE_KEY = "_file"
-# Charts: drawn at DPI, no wider than CHART_MAX_PX (the page shows them at 880 px).
+# Charts: drawn at DPI, no wider than CHART_MAX_PX (the page shows them at 880 px): a chart
+# that wide stays legible scaled down to the page, and a 2x display shows it at full resolution.
 CHART_MAX_PX = 1600
 DPI = 110
 
