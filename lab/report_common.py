@@ -1,5 +1,6 @@
 """What every section of the findings page shares: the thresholds verdicts turn on, the number
-formats, where a run came from and which board ran it, and matplotlib where it is installed."""
+formats, how a run_layer row and its means are read, where a run came from and which board ran
+it, and matplotlib where it is installed."""
 
 from __future__ import annotations
 
@@ -11,13 +12,30 @@ VALID = ("baseline", "match")
 NOISE_PCT = 1.0
 # The key scripts/report.py gives each run it loads: the file the page cites for it.
 FILE_KEY = "_file"
-# Charts: drawn at DPI, no wider than CHART_MAX_PX (the page shows them at 880 px).
+# Charts: drawn at DPI, no wider than CHART_MAX_PX (the page shows them at 880 px): a chart
+# that wide stays legible scaled down to the page, and a 2x display shows it at full resolution.
 CHART_MAX_PX = 1600
 DPI = 110
 
 
 def fmt(v, nd=3):
     return "-" if v is None else f"{v:.{nd}f}"
+
+
+def us(ms: float) -> str:
+    return f"{1000 * ms:.1f} us"
+
+
+def valid(r: dict) -> bool:
+    """A run_layer row that is timed, and whose output is what it promises (separate's checks
+    passed, or bitwise equal)."""
+    return r["expect"] in VALID and r.get("correct", r["expect"]) in VALID
+
+
+def layer_means(layer_json: dict) -> list[str]:
+    """The mean-token labels present in a run_layer JSON ('8', '32', ...), in column order."""
+    keys = layer_json["layer"][0].keys() if layer_json.get("layer") else []
+    return [k[3:] for k in keys if k.startswith("ms@")]
 
 
 def source(run: dict) -> str:

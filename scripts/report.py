@@ -26,8 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from lab.ceilings import validate as validate_ceilings  # noqa: E402
-from lab.report import PAGE, PAGE_RUNS, STUDIES, charts_of, render  # noqa: E402
+from lab.report import PAGE, PAGE_RUNS, charts_of, render  # noqa: E402
 from lab.report_common import FILE_KEY, have_matplotlib  # noqa: E402
+from lab.report_studies import STUDIES  # noqa: E402
 from lab.report_token_axis import readme_block, splice_readme  # noqa: E402
 
 

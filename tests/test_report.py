@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lab import report
+from lab import report, report_common, report_gemm, report_layer, report_studies
 from lab.report_token_axis import token_png
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -179,7 +179,7 @@ def test_a_mismatching_fused_variant_is_not_counted(tmp_path):
 
 def test_missing_studies_name_their_scripts(tmp_path):
     text = render(tmp_path)
-    for study, script in report.STUDIES.items():
+    for study, script in report_studies.STUDIES.items():
         assert f"`results/{study}.json` is missing; `python {script} --json results/{study}.json`" in text
 
 
@@ -195,10 +195,10 @@ def test_read_roofline_mainloop_or_access_pattern(tmp_path):
 
 
 def test_split_gap_arithmetic():
-    s = report.split_gap({"ms": 1.0, "roof_pct": 50.0, "read_pattern_ms": 0.6})
+    s = report_studies.split_gap({"ms": 1.0, "roof_pct": 50.0, "read_pattern_ms": 0.6})
     assert s["roof_ms"] == pytest.approx(0.5) and s["mainloop_ms"] == pytest.approx(0.4)
     assert s["pattern_ms"] == pytest.approx(0.1) and s["cause"] == "mainloop"
-    s = report.split_gap({"ms": 1.0, "roof_pct": 50.0, "read_pattern_ms": 1.2})
+    s = report_studies.split_gap({"ms": 1.0, "roof_pct": 50.0, "read_pattern_ms": 1.2})
     assert s["mainloop_ms"] == 0.0 and s["cause"] == "access pattern"
 
 
@@ -218,7 +218,7 @@ def test_chunk_study_tail_or_launch(tmp_path):
 
 def test_chunk_cause_counts_empty_wave_slots():
     rows = chunk_json()["rows"]
-    c = report.chunk_cause(rows[0], rows[2])  # k=4: 4 chunks of 4.36 waves, 0.64 empty each
+    c = report_studies.chunk_cause(rows[0], rows[2])  # k=4: 4 chunks of 4.36 waves, 0.64 empty each
     assert c["empty_waves"] == pytest.approx(4 * (5 - 17.45 / 4))
     assert c["empty_waves_k1"] == pytest.approx(18 - 17.45)
     assert c["loss_ms"] == pytest.approx(0.06) and c["gaps_ms"] == pytest.approx(0.10)
@@ -285,25 +285,25 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 def test_charts_written_and_linked(tmp_path):
-    if not report.have_matplotlib():
+    if not report_common.have_matplotlib():
         pytest.skip("charts need matplotlib (the plot extra)")
     text = render(tmp_path, layer_run(), layer_run(sep=1.02), charts=True, tile_sweep=tile_json())
-    assert report.charts_of(text) == [report.LAYER_PNG, report.TILE_PNG]
+    assert report.charts_of(text) == [report_layer.LAYER_PNG, report_studies.TILE_PNG]
     for png in report.charts_of(text):
         w, h = png_size(tmp_path / png)
-        assert w <= report.CHART_MAX_PX and h <= report.CHART_MAX_PX, (png, w, h)
+        assert w <= report_common.CHART_MAX_PX and h <= report_common.CHART_MAX_PX, (png, w, h)
 
 
 def test_page_text_does_not_depend_on_matplotlib(tmp_path, monkeypatch):
     """Without matplotlib the page is the same page, and charts already beside it stay as they are."""
     with_charts = render(tmp_path, charts=False, tile_sweep=tile_json())
-    (tmp_path / report.LAYER_PNG).write_bytes(b"an older chart")
+    (tmp_path / report_layer.LAYER_PNG).write_bytes(b"an older chart")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
-    assert not report.have_matplotlib()
+    assert not report_common.have_matplotlib()
     assert render(tmp_path, charts=True, tile_sweep=tile_json()) == with_charts
-    assert f"]({report.LAYER_PNG})" in with_charts and f"]({report.TILE_PNG})" in with_charts
-    assert (tmp_path / report.LAYER_PNG).read_bytes() == b"an older chart"
-    assert not (tmp_path / report.TILE_PNG).exists()
+    assert f"]({report_layer.LAYER_PNG})" in with_charts and f"]({report_studies.TILE_PNG})" in with_charts
+    assert (tmp_path / report_layer.LAYER_PNG).read_bytes() == b"an older chart"
+    assert not (tmp_path / report_studies.TILE_PNG).exists()
 
 
 def test_repeated_layer_runs_make_one_series_with_their_spread():
@@ -313,7 +313,7 @@ def test_repeated_layer_runs_make_one_series_with_their_spread():
     for run in (a, b, c):
         run["setup"]["lab_commit"] = "abc1234"
     c["argv"] = ["--settle-ms", "0", "--json", "/tmp/x.json"]
-    series = report.layer_series([a, b, c])
+    series = report_layer.layer_series([a, b, c])
     assert [s["label"] for s in series] == ["mean 8, --iterations 3 (run 1, 2, abc1234)",
                                             "mean 8, --settle-ms 0 (run 3, abc1234)"]
     sep = series[0]["values"]["separate"]
@@ -324,7 +324,7 @@ def test_repeated_layer_runs_make_one_series_with_their_spread():
 
 
 def test_tile_grid_best_per_token_tile():
-    labels, tiles, grid = report.tile_grid(tile_json()["rows"])
+    labels, tiles, grid = report_studies.tile_grid(tile_json()["rows"])
     assert labels == ["w13 @8", "w13 @32"] and tiles == [8, 16, 32, 64, 128]
     assert grid[0][4] is None and grid[1][3] == pytest.approx(83.0, abs=0.05)
 
@@ -374,7 +374,7 @@ def test_default_runs_reproduce_the_committed_page(tmp_path):
     assert r.returncode == 0, r.stderr
     assert out.read_text() == PAGE.read_text()
     charts = report.charts_of(PAGE.read_text())
-    if not report.have_matplotlib():
+    if not report_common.have_matplotlib():
         assert r.stdout.count("matplotlib is not installed") == 1
         assert not any((tmp_path / c).exists() for c in charts)
     else:
@@ -385,10 +385,10 @@ def test_default_runs_reproduce_the_committed_page(tmp_path):
 def test_committed_charts_fit_the_page():
     charts = report.charts_of(PAGE.read_text())
     boards = [json.loads((ROOT / p).read_text()) for p in report.PAGE_RUNS["token_axis"]]
-    assert charts == [token_png(b) for b in boards] + [report.LAYER_PNG, report.TILE_PNG]
+    assert charts == [token_png(b) for b in boards] + [report_layer.LAYER_PNG, report_studies.TILE_PNG]
     for c in charts:
         w, h = png_size(PAGE.parent / c)
-        assert 600 <= w <= report.CHART_MAX_PX and h <= report.CHART_MAX_PX, (c, w, h)
+        assert 600 <= w <= report_common.CHART_MAX_PX and h <= report_common.CHART_MAX_PX, (c, w, h)
 
 
 def test_page_runs_are_the_files_under_results():
@@ -458,38 +458,38 @@ def test_gemm_verdicts_pair_each_bf16_row_with_its_nvfp4_twin():
                            "act": act}}
     rows = [row("w13", "nvfp4", 8, 0.5), row("w13", "bf16", 8, 0.6), row("w2", "nvfp4", 8, 0.25),
             row("w2", "bf16", 32, 0.4, frags=8)]  # no nvfp4 twin at 32: left out
-    v = report.gemm_verdicts(rows)
+    v = report_gemm.gemm_verdicts(rows)
     assert v[0].startswith("w13 (nvfp4) at mean 8") and v[1].startswith("w13 (bf16) at mean 8")
     pair = [s for s in v if s.startswith("bf16 activations (W4A16)")]
     assert len(pair) == 1 and "w13 at 8 1.20x" in pair[0] and "w2 at" not in pair[0], pair
     # one activation form only: no pairing, no label
-    v = report.gemm_verdicts([r for r in rows if r["act"] == "nvfp4"])
+    v = report_gemm.gemm_verdicts([r for r in rows if r["act"] == "nvfp4"])
     assert v[0].startswith("w13 at mean 8") and not any(s.startswith("bf16 activations") for s in v)
 
 
 def test_skew_is_read_from_the_runs_command():
-    assert report._skew({"argv": ["--mean-tokens", "8", "--skew", "0.4", "--json", "x.json"]}) == 0.4
-    assert report._skew({"argv": ["--json", "x.json"]}) == 0.0
-    assert report._skew({"argv": ["--skew"]}) == 0.0  # a flag with no value (never written by run_layer)
-    assert report._skew({}) == 0.0
+    assert report_layer._skew({"argv": ["--mean-tokens", "8", "--skew", "0.4", "--json", "x.json"]}) == 0.4
+    assert report_layer._skew({"argv": ["--json", "x.json"]}) == 0.0
+    assert report_layer._skew({"argv": ["--skew"]}) == 0.0  # a flag with no value (never written by run_layer)
+    assert report_layer._skew({}) == 0.0
 
 
 def test_graph_verdict_under_skew_names_the_two_streams():
     rows = [{"variant": "separate", "expect": "baseline", "correct": "baseline", "ms@8": 1.10},
             {"variant": "cuda-graph", "expect": "match", "correct": "match", "ms@8": 1.05}]
-    uniform, skewed = report.graph_verdicts(rows, "8")[0], report.graph_verdicts(rows, "8", skewed=True)[0]
+    uniform, skewed = report_layer.graph_verdicts(rows, "8")[0], report_layer.graph_verdicts(rows, "8", skewed=True)[0]
     assert "launch overhead" in uniform and "two streams" not in uniform
     assert "two streams" in skewed
     rows[1]["ms@8"] = 1.099  # within the noise: no cause named either way
-    assert "two streams" not in report.graph_verdicts(rows, "8", skewed=True)[0]
+    assert "two streams" not in report_layer.graph_verdicts(rows, "8", skewed=True)[0]
 
 
 def test_split_plans_from_the_recorded_plans_else_the_skew():
     one = [{"config": {}, "counts_in": [1, 2**31 - 1]}]
     two = one + [{"config": {}, "counts_in": [17, 2**31 - 1]}]
-    assert report._split_plans({"gemm_plans": {"8": {"w13": one, "w2": two}}, "argv": []})
-    assert not report._split_plans({"gemm_plans": {"8": {"w13": one, "w2": one}}, "argv": ["--skew", "1.2"]})
-    assert report._split_plans({"argv": ["--skew", "0.4"]}) and not report._split_plans({"argv": []})
+    assert report_layer._split_plans({"gemm_plans": {"8": {"w13": one, "w2": two}}, "argv": []})
+    assert not report_layer._split_plans({"gemm_plans": {"8": {"w13": one, "w2": one}}, "argv": ["--skew", "1.2"]})
+    assert report_layer._split_plans({"argv": ["--skew", "0.4"]}) and not report_layer._split_plans({"argv": []})
 
 
 def test_split_rows_name_their_launches_and_streams():
@@ -497,5 +497,5 @@ def test_split_rows_name_their_launches_and_streams():
     hot = {**cfg, "warps": 8, "row_tiles": 2, "max_frags": 20, "mma": 1, "image": True}
     row = {"config": cfg, "split": [16], "plan": [{"config": cfg, "counts_in": [1, 16]},
                                                   {"config": hot, "counts_in": [17, 2**31 - 1]}]}
-    assert report.gemm_tile(row) == "split at 16: 4,4,128,3,2,0 on 1..16 + 8,2,128,3,20,1,image on 17.."
-    assert report.gemm_tile({**row, "streams": 2}).startswith("split at 16, two streams: 4,4,128,3,2,0 on 1..16 + ")
+    assert report_gemm.gemm_tile(row) == "split at 16: 4,4,128,3,2,0 on 1..16 + 8,2,128,3,20,1,image on 17.."
+    assert report_gemm.gemm_tile({**row, "streams": 2}).startswith("split at 16, two streams: 4,4,128,3,2,0 on 1..16 + ")
