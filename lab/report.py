@@ -42,12 +42,6 @@ PAGE_RUNS = {
 }
 
 
-def verdicts(rows: list[dict], stages: list[dict], gemm_rows: list[dict], means: list[str]) -> list[str]:
-    """Every layer and GEMM verdict as one flat list of sentences."""
-    return ([s for v in report_layer.layer_verdicts(rows, stages, means).values() for s in v]
-            + report_gemm.gemm_verdicts(gemm_rows))
-
-
 def render(layer_runs: list[dict], gemm_runs: list[dict], out_md: Path, charts: bool = True,
            read_roofline: dict | None = None, chunk_study: dict | None = None,
            tile_sweep: dict | None = None, token_axis: list[dict] | None = None,
