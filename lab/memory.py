@@ -130,7 +130,10 @@ def run_layer_memory(problem: MoEProblem, means, variants=(), check: bool = True
         if check:
             b += sum(check_host_parts(problem, rows, t, (check_rows or {}).get(m, rows)).values())
         batch_host = max(batch_host, b)
-    host = Estimate("host", {"weights": w, "routings": rout.parts["routings"], "one mean's batch": batch_host})
+    host_parts = {"weights": w, "routings": rout.parts["routings"], "one mean's batch": batch_host}
+    if "w4a8" in variants:  # prepare_w4a8_weights builds w13's layout (the larger matrix) on the host first
+        host_parts["W4A8 w13 prepared on the host (w4a8)"] = int(e * 2 * i * h * (0.5 + 1 / BLOCK))
+    host = Estimate("host", host_parts)
 
     # device: prepared weights (same bytes as packed + scales), the layouts variants add
     layouts = {"weights": w}
@@ -139,6 +142,8 @@ def run_layer_memory(problem: MoEProblem, means, variants=(), check: bool = True
         layouts["w13 paired for the fused epilogue"] = w13
     if "fold-b" in variants:
         layouts["w13 folded (fold-b)"] = w13
+    if "w4a8" in variants:  # lab/variants/w4a8.py: both matrices in the W4A8 GEMM's layout, the packed bytes again
+        layouts["W4A8 weights (w4a8)"] = w
     if "torch-bf16" in variants:  # peers/torch_grouped.py: its own weights, and one expert chunk's float32
         layouts["bf16 weights (torch-bf16)"] = e * 3 * i * h * 2
     if "torch-fp8" in variants:
@@ -154,6 +159,8 @@ def run_layer_memory(problem: MoEProblem, means, variants=(), check: bool = True
             b += rows * i * (4 + 0.5 + 1 / BLOCK)
         if variants & {"w4a16", "w4a16-fused", "w4a16-layer"}:  # their bf16 x and a
             b += rows * (h + i) * 2
+        if "w4a8" in variants:  # its fp8 x and a with their 1x128 scales, and the input's token rows in prepare
+            b += (rows + t) * (h + 4 * -(-h // 128)) + rows * (i + 4 * -(-i // 128))
         # the activation images of the image tiles (grouped_gemm.image_workspace): one per stream, the
         # runner's two, each at most twice its largest request (a launch's images of both problems)
         b += 2 * 2 * image_bytes(rows, e, h + i)

@@ -73,13 +73,44 @@ group, whose partial the kernel promotes into an fp32 accumulator with s_x. gemm
 same sum over |x8 * w8| (all factors positive), the per-element scale of that error: a kernel is
 checked as |got - gemm| <= c * 2^-12 * gemm_abs (ACCUMULATION_REL is the 2^-12).
 
-Layer (layer_rows): x -> quantize_act -> w13 (p13, alpha 1) -> SwiGLU with the gate and up
-globals (reference.swiglu) -> quantize_act of the float32-rounded SwiGLU output -> w2 (p2,
-alpha w2_global).
+SwiGLU (swiglu_f32, the act kernel's definition bit for bit): on float32 h (the w13 GEMM's
+output) with the expert's float32 gate and up globals, every step one IEEE float32 operation
+rounded to nearest even, subnormals kept:
+
+    g = h_gate * gate_global          u = h_up * up_global
+    x = max(-|g|, -128)               (NaN -> -128, as fmax and PTX max.f32 ignore NaN)
+    k = rint(x * LOG2E)               (an integer in [-185, 0], ties to even)
+    r = (x - k * LN2_HI) - k * LN2_LO (Cody-Waite: k * LN2_HI and the first difference exact)
+    q = EXP_POLY[0]; q = q * r + c for c in EXP_POLY[1:]   (Taylor to r^7, Horner, no FMA)
+    t = (q * 2^(k+64)) * 2^-64        (exp(x), rounded once: the first product is exact)
+    d = 1 + t
+    silu = g / d                                  where g's sign bit is clear
+         = (((x * q) / d) * 2^(k+64)) * 2^-64     where it is set (g * exp(g) / (1 + exp(g)),
+                                                   its 2^k applied last so that it keeps every
+                                                   bit down to the subnormals)
+    a = silu * u
+
+The exponential is not the libm one: no two libraries round exp alike, and a definition the
+kernel and NumPy both compute from +, *, / and rint is reproducible bit for bit. Its accuracy,
+measured over every finite float32 input (all 2^32 bit patterns, against float64): t within
+EXP_ULPS = 1.22 ulp of exp(x) (the worst, 1.212, at x = -71.05), silu within SILU_ULPS = 3.35 ulp
+of the float64 silu of the same float32 g (the worst, 3.344, at g = -5.939; subnormal results in
+units of 2^-149); tests/test_w4a8.py checks both bounds on fresh draws. a = silu * u adds one
+rounding: relative (2 SILU_ULPS + 1) 2^-24 where silu is normal. Against reference.swiglu on the
+same h the float32 rounding of g adds (1 + |g|) 2^-24 relative (the exponential's condition
+number), as for every float32 SwiGLU. For g <= -128 silu is -0 (the float64 value is below
+2^-170). CUDA's expf is within 2 ulp but is not this function, which is why the act kernel does
+not call it.
+
+Layer (layer_rows): x -> quantize_act -> w13 (p13, alpha 1) -> h rounded to float32 -> SwiGLU
+with the gate and up globals (swiglu_f32) -> quantize_act -> w2 (p2, alpha w2_global). Given a
+w13 GEMM that returned the float64 contract rounded to float32, the kernels compute exactly
+this; their only deviation is the GEMMs' accumulation.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -458,6 +489,117 @@ def epilogue_factor(p, global_scale) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
+# SwiGLU in float32 (the module docstring's definition; lab/kernels/w4a8_act.cu swiglu_quant)
+# ---------------------------------------------------------------------------------------------
+
+LOG2E = np.float32(1.4426950408889634)  # 0x3FB8AA3B
+LN2_HI = np.float32(0.693145751953125)  # 0x3F317200: 15 significant bits, so k * LN2_HI is exact for |k| < 512
+LN2_LO = np.float32(1.428606820309417e-06)  # 0x35BFBE8E: ln 2 - LN2_HI, rounded
+EXP_POLY = tuple(np.float32(1.0 / math.factorial(n)) for n in range(7, -1, -1))  # 1/7! .. 1/0!, Horner order
+EXP_FLOOR = np.float32(-128.0)  # exp(-128) and silu(-128) are far below float32's smallest subnormal
+EXP_ULPS = 1.22  # the module docstring's accuracy figures (exhaustive over float32; not a tolerance)
+SILU_ULPS = 3.35
+_F32_ONE = np.float32(1.0)
+_F32_2M64 = np.float32(2.0**-64)
+
+
+def _pow2(k: np.ndarray) -> np.ndarray:
+    """float32 2^(k+64) for int32 k in [-190, 63], from the bits (exact, normal)."""
+    return ((k.astype(np.int32) + np.int32(64 + 127)) << np.int32(23)).astype(np.int32).view(np.float32)
+
+
+def exp_parts(x) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The definition's exponential of float32 x <= 0 (or NaN), in parts: (x clamped to
+    [EXP_FLOOR, 0], q float32 in [0.7, 1.42], k int32) with exp(x) ~ q * 2^k."""
+    x = np.asarray(x)
+    if x.dtype != np.float32:
+        raise ValueError(f"x must be float32, got {x.dtype}")
+    with np.errstate(all="ignore"):
+        xc = np.fmax(x, EXP_FLOOR)
+        k = np.rint(xc * LOG2E)
+        r = (xc - k * LN2_HI) - k * LN2_LO
+        q = np.full(xc.shape, EXP_POLY[0], np.float32)
+        for c in EXP_POLY[1:]:
+            q = q * r + c
+    return xc, q, k.astype(np.int32)
+
+
+def _scale(v: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """v * 2^k rounded once: the first product is exact wherever the module docstring uses it."""
+    with np.errstate(all="ignore"):
+        return (v * _pow2(k)) * _F32_2M64
+
+
+def exp_f32(x) -> np.ndarray:
+    """The definition's exp(x) for float32 x <= 0: t of the module docstring."""
+    _, q, k = exp_parts(x)
+    return _scale(q, k)
+
+
+def silu_f32(g) -> np.ndarray:
+    """The definition's silu(g) = g / (1 + exp(-g)) for float32 g (module docstring)."""
+    g = np.asarray(g)
+    if g.dtype != np.float32:
+        raise ValueError(f"g must be float32, got {g.dtype}")
+    x, q, k = exp_parts(-np.abs(g))
+    with np.errstate(all="ignore"):
+        d = _F32_ONE + _scale(q, k)
+        return np.where(np.signbit(g), _scale((x * q) / d, k), g / d)
+
+
+def _row_globals(name: str, value, offsets: np.ndarray) -> np.ndarray:
+    v = np.asarray(value)
+    if v.dtype != np.float32 or v.shape != (len(offsets) - 1,):
+        raise ValueError(f"{name}: expected ({len(offsets) - 1},) float32 (one per expert), got {v.shape} {v.dtype}")
+    return np.repeat(v, np.diff(offsets))
+
+
+def _expert_mask(offsets: np.ndarray, experts) -> np.ndarray:
+    mask = np.zeros(int(offsets[-1]), bool)
+    for e in reference._expert_list(experts, len(offsets) - 1):
+        mask[offsets[e]: offsets[e + 1]] = True
+    return mask
+
+
+def swiglu_f32(h, offsets, gate_global, up_global, experts=None) -> np.ndarray:
+    """a (rows, I) float32 = silu_f32(h_gate * gate_global[e]) * (h_up * up_global[e]) in float32,
+    the module docstring's definition, for h (rows, 2I) float32 grouped by offsets (E+1,) and
+    gate/up globals (E,) float32. Rows of experts not in ``experts`` are NaN (their h may be).
+    NaN or Inf in the rows computed, or an a that overflows float32, raises ValueError naming h."""
+    h = np.asarray(h)
+    if h.dtype != np.float32 or h.ndim != 2 or h.shape[1] % 2:
+        raise ValueError(f"h must be (rows, 2I) float32, got {h.dtype} {h.shape}")
+    rows, I = h.shape[0], h.shape[1] // 2
+    offs = reference._check_offsets(offsets, rows, len(np.asarray(offsets)) - 1)
+    gate, up = _row_globals("gate_global", gate_global, offs), _row_globals("up_global", up_global, offs)
+    mask = _expert_mask(offs, experts)
+    hm = h[mask]
+    if not np.isfinite(hm).all():
+        at = np.argwhere(~np.isfinite(hm))[0]
+        raise ValueError(f"h holds NaN or Inf (row {int(np.flatnonzero(mask)[at[0]])}, column {int(at[1])})")
+    with np.errstate(all="ignore"):
+        g = hm[:, :I] * gate[mask][:, None]
+        u = hm[:, I:] * up[mask][:, None]
+        am = silu_f32(g) * u
+    if not np.isfinite(am).all():
+        at = np.argwhere(~np.isfinite(am))[0]
+        raise ValueError(f"h: the SwiGLU overflows float32 at row {int(np.flatnonzero(mask)[at[0]])}, column "
+                         f"{int(at[1])}")
+    a = np.full((rows, I), np.nan, np.float32)
+    a[mask] = am
+    return a
+
+
+def swiglu_quant(h, offsets, gate_global, up_global, experts=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The act stage: (a (rows, I) float32, a8 (rows, I) uint8, s_a (rows, ceil(I/128)) float32) =
+    swiglu_f32 then quantize_act, what the act kernel writes bit for bit. Rows of experts not
+    asked for: a NaN, codes and scales zero."""
+    a = swiglu_f32(h, offsets, gate_global, up_global, experts)
+    a8, s_a = _quantize_rows(a, offsets, experts)
+    return a, a8, s_a
+
+
+# ---------------------------------------------------------------------------------------------
 # the layer
 # ---------------------------------------------------------------------------------------------
 
@@ -490,8 +632,7 @@ def layer_rows(x_rows, offsets, weights: MoEWeights, p13=None, p2=None, per_row:
 
         x8, s_x = quantize_act(x_rows)
         h   = gemm(x8, s_x, w13 e4m3 with p13, alpha 1)       (rows, 2I) float64, with 2^p13
-        a   = reference.swiglu(h, gate_global, up_global)    (rows, I) float64
-        a8, s_a = quantize_act(a)                            (a cast to float32 first)
+        a, a8, s_a = swiglu_quant(float32(h), gate_global, up_global)   a (rows, I) float32
         out = gemm(a8, s_a, w2 e4m3 with p2, alpha w2_global) (rows, H) float64
 
     p13 / p2: None (choose_p per expert, or per row with ``per_row``) or given. Weights are
@@ -519,8 +660,9 @@ def layer_rows(x_rows, offsets, weights: MoEWeights, p13=None, p2=None, per_row:
 
     h = _grouped(x8, s_x, offsets, E, 2 * I, w13_of, _p_getter(p13, E, 2 * I), np.ones(E), experts, False,
                  FP8_GROUP)
-    a = reference.swiglu(h, offsets, weights.gate_global, weights.up_global, experts)
-    a8, s_a = _quantize_rows(a, offsets, experts)
+    with np.errstate(over="ignore"):
+        h32 = h.astype(np.float32)  # what a w13 GEMM without accumulation error would write
+    a, a8, s_a = swiglu_quant(h32, offsets, weights.gate_global, weights.up_global, experts)
     out = _grouped(a8, s_a, offsets, E, H, w2_of, _p_getter(p2, E, H), weights.w2_global.astype(np.float64),
                    experts, False, FP8_GROUP)
     return {"x8": x8, "s_x": s_x, "h": h, "a": a, "a8": a8, "s_a": s_a, "out": out, "p13": p13, "p2": p2}

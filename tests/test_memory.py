@@ -90,6 +90,10 @@ def test_weight_bytes_of_the_study_and_the_layouts_variants_add():
     assert bf16.total > memory.weight_bytes(p) + bf16.parts["bf16 weights (torch-bf16)"]
     fp8 = memory.run_layer_memory(p, [8], ["separate", "torch-fp8"]).device
     assert fp8.parts["fp8 weights and row scales (torch-fp8)"] == 288 * 3 * 4096 * 2048 + 288 * (2 * 2048 + 4096) * 4
+    w4a8 = memory.run_layer_memory(p, [8], ["separate", "w4a8"])
+    assert w4a8.device.parts["W4A8 weights (w4a8)"] == memory.weight_bytes(p)  # words and scales: the packed bytes
+    assert w4a8.host.parts["W4A8 w13 prepared on the host (w4a8)"] == 288 * 2 * 2048 * 4096 * (0.5 + 1 / 16)
+    assert w4a8.host.total > memory.run_layer_memory(p, [8], ["separate"]).host.total
 
 
 @settings(deadline=None, max_examples=20, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -28,7 +28,7 @@ from strategies import routings
 def test_registry_lists_the_study_variants_in_order():
     assert NAMES == ("separate", "cuda-graph", "chunked-2", "chunked-4", "chunked-8", "chunked-16",
                      "fused-swiglu", "fused-layer", "fused-layer-classes", "fused-layer-swiglu", "fused-out", "one-launch-2G", "fold-b", "w4a16",
-                     "w4a16-fused", "w4a16-layer")
+                     "w4a16-fused", "w4a16-layer", "w4a8")
     for name in NAMES:
         v = make(name)
         assert v.name == name and v.expect in EXPECTS
@@ -41,7 +41,7 @@ def test_default_variants_are_the_registry_less_the_unmeasured_ones():
 
 
 @pytest.mark.parametrize("module", ["separate", "cuda_graph", "chunked", "fused_swiglu", "fused_layer", "fused_out",
-                                    "one_launch_2g", "fold_b", "w4a16"])
+                                    "one_launch_2g", "fold_b", "w4a16", "w4a8"])
 def test_each_variant_file_declares_name_and_expect(module):
     m = importlib.import_module(f"lab.variants.{module}")
     assert isinstance(m.name, str) and m.expect in EXPECTS
@@ -56,6 +56,61 @@ def test_fused_swiglu_declares_the_stages_its_plan_launches():
     small, large = gc.heuristic(4096, 2048, [8] * 8), gc.heuristic(4096, 2048, [300] * 8)
     assert not small.image and stages_for(small) == ("w13+act", "w2", "out")
     assert large.image and stages_for(large) == ("w13+act", "w2+out")
+
+
+def test_w4a8_is_on_request_and_compared_with_the_fp8_ceiling():
+    """Not in the default set until it has run on a GPU; `tensor` is what token_axis reads to
+    put its roofline on the fp8 tensor ceiling."""
+    from lab.runner import check_variant
+
+    v = make("w4a8")
+    check_variant(v)
+    assert (v.expect, v.tensor, v.stages) == ("approx", "fp8", ("w13", "act", "w2", "out"))
+    assert "w4a8" in ON_REQUEST and "w4a8" not in DEFAULT
+
+
+class _Untouchable:
+    """A runner or weights object that fails any use: what is refused must be refused before."""
+
+    def __getattr__(self, attr):
+        raise AssertionError(f"touched .{attr} before the shape check")
+
+
+@pytest.mark.parametrize("problem, word", [
+    (MoEProblem(8, 96, 64, 2), r"hidden: H=96 must be a positive multiple of 64"),
+    (MoEProblem(8, 256, 96, 2), r"intermediate: I=96 must be a positive multiple of 64"),
+    (MoEProblem(8, 256, 0, 2), r"intermediate: I=0"),
+    (MoEProblem(70000, 256, 64, 2), r"experts: E=70000 must lie in \[1, 65535\]"),
+])
+def test_w4a8_refuses_shapes_it_cannot_run_before_anything_else(problem, word):
+    from types import SimpleNamespace
+
+    from lab.variants import w4a8 as v8
+
+    with pytest.raises(ValueError, match=word):
+        v8.check_problem(problem)
+    layer = SimpleNamespace(problem=problem, weights=_Untouchable(), offsets=_Untouchable(), h=_Untouchable())
+    with pytest.raises(ValueError, match=word):
+        make("w4a8").prepare(_Untouchable(), layer)
+    v8.check_problem(MoEProblem(8, 320, 192, 2))  # short last groups are fine
+
+
+@pytest.mark.parametrize("matrix", ["w13", "w2"])
+def test_w4a8_weight_conversion_names_the_matrix_it_refuses(small_weights, matrix):
+    """A negative e4m3 block scale (which check_weights lets through: only NaN codes are its
+    concern) has no e4m3 weight; the refusal names the matrix and nothing is cached."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from lab.variants import w4a8 as v8
+
+    scales = getattr(small_weights, f"{matrix}_scales").copy()
+    scales[1, 2, 3] = 0x85
+    holder = SimpleNamespace(host=dataclasses.replace(small_weights, **{f"{matrix}_scales": scales}), cache={})
+    layer_mod.check_weights(holder.host)
+    with pytest.raises(ValueError, match=rf"{matrix}_scales / {matrix}_packed: scales must be finite non-negative"):
+        v8.prepared_weights(holder)
+    assert holder.cache == {}
 
 
 def test_unknown_variant_names_the_known_ones():

@@ -15,7 +15,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from lab import nvfp4, w4a8
+from lab import nvfp4, reference, w4a8
 from lab.kernels import jit, sass
 from lab.problem import MoEProblem, make_routing, random_activations, random_weights
 from oracles import E4M3_FINITE, decode_blocks, e4m3_from_bits, e4m3_round, unpack
@@ -585,6 +585,182 @@ def test_epilogue_factor_is_exact_or_names_the_global():
 
 
 # ---------------------------------------------------------------------------------------------
+# the float32 SwiGLU
+# ---------------------------------------------------------------------------------------------
+
+
+def f32_ulp(v):
+    """float64: the float32 spacing at |v| (2^-149 for subnormals and zero)."""
+    v = np.abs(np.asarray(v, np.float64)).astype(f32)
+    with np.errstate(over="ignore"):
+        return np.spacing(np.maximum(v, f32(2.0**-126))).astype(np.float64)
+
+
+def silu64(g):
+    g = np.asarray(g, np.float64)
+    with np.errstate(over="ignore"):
+        return g / (1.0 + np.exp(-g))
+
+
+SILU_EDGES = np.array([0.0, -0.0, 2.0**-149, -(2.0**-149), 2.0**-126, -(2.0**-126), 1e-30, -1e-30,
+                       0.34657359, -0.34657359, 0.3465736, -0.3465736, 0.69314718, -0.69314718, 1.0, -1.0,
+                       16.6, 17.0, -17.0, -87.33, -87.34, -90.0, -99.0, -103.27, -103.28, -103.97, -104.0,
+                       -127.99, -128.0, -128.01, -1e30, 1e30, 3.4e38, -3.4e38], np.float64).astype(f32)
+
+
+def draw_g(rng, n):
+    """float32 g over silu's whole domain: uniform on [-140, 140], magnitudes log-uniform from
+    2^-149 to 2^40 of both signs, and the edges (zeros, subnormals, the reduction's k steps, t and
+    silu crossing into the subnormals, the clamp at -128, the largest finite)."""
+    u = rng.uniform(-140, 140, n)
+    m = np.exp2(rng.uniform(-149, 40, n)) * rng.choice([-1.0, 1.0], n)
+    return np.concatenate([u.astype(f32), m.astype(f32), SILU_EDGES])
+
+
+def test_exp_is_within_its_stated_ulps_and_exact_at_the_ends():
+    rng = np.random.default_rng()
+    x = -np.abs(draw_g(rng, 200_000))
+    x = x[x >= -128]
+    t = w4a8.exp_f32(x)
+    assert t.dtype == f32
+    err = np.abs(t - np.exp(x.astype(np.float64))) / f32_ulp(np.exp(x.astype(np.float64)))
+    assert err.max() <= w4a8.EXP_ULPS, f"exp({x[np.argmax(err)]!r}) is {err.max():.3f} ulp off"
+    np.testing.assert_array_equal(w4a8.exp_f32(np.array([0.0, -0.0, -104.0, -128.0, -np.inf], f32)),
+                                  np.array([1, 1, 0, 0, 0], f32))
+
+
+def test_silu_is_within_its_stated_ulps_of_the_float64_silu_of_the_same_g():
+    rng = np.random.default_rng()
+    g = draw_g(rng, 300_000)
+    s = w4a8.silu_f32(g)
+    assert s.dtype == f32
+    want = silu64(g)
+    err = np.abs(s - want) / f32_ulp(want)
+    at = int(np.argmax(err))
+    assert err[at] <= w4a8.SILU_ULPS, f"silu({g[at]!r}) = {s[at]!r}, float64 {want[at]!r}: {err[at]:.3f} ulp"
+
+
+def test_silu_edges():
+    """Signed zeros keep their sign; past 16.6 the sigmoid is 1 in float32 and silu(g) = g; at and
+    below the clamp silu is -0 (the float64 value is below 2^-170); a subnormal g gives g / 2."""
+    z = w4a8.silu_f32(np.array([0.0, -0.0], f32))
+    assert z.view(np.uint32).tolist() == [0, 0x80000000]
+    big = np.array([16.7, 17.0, 100.0, 1e30, 3.4e38, np.inf], f32)
+    np.testing.assert_array_equal(w4a8.silu_f32(big), big)
+    low = np.array([-128.0, -128.01, -300.0, -3.4e38, -np.inf], f32)
+    assert (w4a8.silu_f32(low).view(np.uint32) == 0x80000000).all()
+    sub = np.ldexp(np.arange(2, 200, 2, dtype=f32), -149).astype(f32)  # even multiples: g / 2 exact
+    np.testing.assert_array_equal(w4a8.silu_f32(sub), sub / f32(2))
+    np.testing.assert_array_equal(w4a8.silu_f32(-sub), -sub / f32(2))
+    assert w4a8.silu_f32(np.array([-103.0], f32))[0] < 0  # silu's own subnormals survive the exp's
+
+
+def _rn(v):
+    """float64 -> float32 -> float64: one float32 rounding (of an exact or a double-rounded result:
+    for +, -, *, / of float32 operands double then float is the float32 result, 53 >= 2 * 24 + 2)."""
+    with np.errstate(over="ignore"):
+        return np.asarray(v, np.float64).astype(f32).astype(np.float64)
+
+
+def silu_from_the_docstring(g):
+    """lab/w4a8.py's SwiGLU recipe as its module docstring states it, in float64 with a float32
+    rounding after every operation (an independent restatement, not the function under test)."""
+    g = np.asarray(g, f32).astype(np.float64)
+    x = np.fmax(-np.abs(g), -128.0)
+    k = np.rint(_rn(x * float(np.float32(1.4426950408889634))))
+    r = _rn(_rn(x - _rn(k * 0.693145751953125)) - _rn(k * float(np.float32(1.428606820309417e-06))))
+    q = float(np.float32(1 / 5040))
+    for c in (1 / 720, 1 / 120, 1 / 24, 1 / 6, 1 / 2, 1, 1):
+        q = _rn(_rn(q * r) + float(np.float32(c)))
+    t = _rn(q * np.exp2(k))  # exact in float64, rounded once
+    d = _rn(1.0 + t)
+    neg = _rn(_rn(x * q) / d) * np.exp2(k)
+    return np.where(np.signbit(g), _rn(neg), _rn(g / d)).astype(f32)
+
+
+def test_silu_is_the_docstrings_recipe_bit_for_bit():
+    """Every operation is one float32 rounding in the stated order: no float64 promotion, no
+    fused multiply-add, subnormals kept (the restatement rounds each float64 result once)."""
+    rng = np.random.default_rng()
+    g = draw_g(rng, 100_000)
+    got, want = w4a8.silu_f32(g), silu_from_the_docstring(g)
+    diff = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
+    assert diff.size == 0, f"{diff.size} differ, first silu({g[diff[0]]!r}) = {got[diff[0]]!r} vs {want[diff[0]]!r}"
+
+
+def random_swiglu_input(rng, counts, i):
+    counts = np.asarray(counts)
+    e = counts.size
+    offsets = np.r_[0, np.cumsum(counts)].astype(np.int64)
+    rows = int(offsets[-1])
+    h = (rng.standard_normal((rows, 2 * i)) * np.exp2(rng.integers(-20, 20, (rows, 1)))).astype(f32)
+    gate = (rng.uniform(0.5, 2.0, e) * np.exp2(rng.integers(-12, 4, e))).astype(f32)
+    up = (gate * rng.uniform(0.7, 0.9, e)).astype(f32)
+    return h, offsets, gate, up
+
+
+def test_swiglu_f32_against_the_float64_reference_on_the_same_h():
+    """|a - reference.swiglu| <= (|g| + 10) 2^-24 |ref| + ((SILU_ULPS + 1) |u| + 1) 2^-149: g's
+    float32 rounding costs (1 + |g|) 2^-24 through exp (its condition number), u's 2^-24, silu
+    2 SILU_ULPS 2^-24 and the product 2^-24; where silu is subnormal its error is absolute, in
+    units of 2^-149, and u multiplies it."""
+    rng = np.random.default_rng()
+    counts = [5, 0, 17, 3, 0, 40]
+    h, offsets, gate, up = random_swiglu_input(rng, counts, 96)
+    edges = np.clip(SILU_EDGES, -1e30, 1e30)  # (g * u must stay finite)
+    h[1, : len(edges)] = edges / gate[0]  # the edges as g (up to the product's rounding)
+    h[1, 96: 96 + len(edges)] = f32(0.5)
+    a = w4a8.swiglu_f32(h, offsets, gate, up)
+    assert a.dtype == f32
+    ref = reference.swiglu(h, offsets, gate, up)
+    e_row = np.repeat(np.arange(len(counts)), counts)
+    g = np.abs(h[:, :96].astype(np.float64) * gate[e_row][:, None])
+    u = np.abs(h[:, 96:].astype(np.float64) * up[e_row][:, None])
+    bound = (g + 10) * 2.0**-24 * np.abs(ref) + ((w4a8.SILU_ULPS + 1) * u + 1) * 2.0**-149
+    err = np.abs(a - ref)
+    at = np.unravel_index(np.argmax(err / bound), err.shape)
+    assert (err <= bound).all(), f"a{at} = {a[at]!r} vs {ref[at]!r} (g {g[at]!r}): {err[at] / bound[at]:.2f} x bound"
+
+
+def test_swiglu_quant_is_the_quantize_of_the_float32_swiglu_and_keeps_to_its_experts():
+    rng = np.random.default_rng()
+    h, offsets, gate, up = random_swiglu_input(rng, [7, 0, 12, 4], 192)  # I = 192: one short group
+    a, a8, s_a = w4a8.swiglu_quant(h, offsets, gate, up)
+    want8, want_s = w4a8.quantize_act(w4a8.swiglu_f32(h, offsets, gate, up))
+    np.testing.assert_array_equal(a8, want8)
+    np.testing.assert_array_equal(s_a.view(np.uint32), want_s.view(np.uint32))
+    h2 = h.copy()
+    h2[offsets[0]:offsets[1]] = np.nan  # expert 0 not asked for: its rows may hold anything
+    pa, pa8, ps = w4a8.swiglu_quant(h2, offsets, gate, up, experts=[2, 3])
+    rows = np.arange(offsets[2], offsets[4])
+    np.testing.assert_array_equal(pa[rows], a[rows])
+    np.testing.assert_array_equal(pa8[rows], a8[rows])
+    assert np.isnan(pa[: offsets[1]]).all() and not pa8[: offsets[1]].any() and not ps[: offsets[1]].any()
+
+
+def test_swiglu_errors_name_the_argument():
+    rng = np.random.default_rng(0)
+    h, offsets, gate, up = random_swiglu_input(rng, [3, 2], 64)
+    with pytest.raises(ValueError, match="h must be"):
+        w4a8.swiglu_f32(h.astype(np.float64), offsets, gate, up)
+    with pytest.raises(ValueError, match="gate_global"):
+        w4a8.swiglu_f32(h, offsets, gate.astype(np.float64), up)
+    with pytest.raises(ValueError, match="up_global"):
+        w4a8.swiglu_f32(h, offsets, gate, up[:1])
+    with pytest.raises(ValueError, match="offsets"):
+        w4a8.swiglu_f32(h, np.array([0, 3, 4]), gate, up)
+    bad = h.copy()
+    bad[4, 70] = np.inf
+    with pytest.raises(ValueError, match=r"h holds NaN or Inf \(row 4, column 70\)"):
+        w4a8.swiglu_f32(bad, offsets, gate, up)
+    w4a8.swiglu_f32(bad, offsets, gate, up, experts=[0])  # row 4 is expert 1's
+    big = h.copy()
+    big[1, 3], big[1, 64 + 3] = 1e30, 1e30
+    with pytest.raises(ValueError, match="h: the SwiGLU overflows float32 at row 1, column 3"):
+        w4a8.swiglu_f32(big, offsets, gate, np.full(2, 1e10, f32))
+
+
+# ---------------------------------------------------------------------------------------------
 # the layer
 # ---------------------------------------------------------------------------------------------
 
@@ -615,10 +791,9 @@ def dense_w4a8_layer(x_rows, offsets, w, per_row):
             continue
         w13, f13 = w8_of(w.w13_packed[e], w.w13_scales[e])
         w2, f2 = w8_of(w.w2_packed[e], w.w2_scales[e])
-        h = (xq[r] @ w13.T) * f13[:, 0]
-        g, u = h[:, :I] * float(w.gate_global[e]), h[:, I:] * float(w.up_global[e])
-        t = np.exp(-np.abs(g))
-        a = g * np.where(g >= 0, 1 / (1 + t), t / (1 + t)) * u
+        h = ((xq[r] @ w13.T) * f13[:, 0]).astype(f32)  # the contract's h, rounded as a GEMM writes it
+        g, u = h[:, :I] * w.gate_global[e], h[:, I:] * w.up_global[e]  # float32 products
+        a = w4a8.silu_f32(g) * u  # the float32 SwiGLU's own tests are in the SwiGLU section
         out[r] = (fp8(a) @ w2.T) * f2[:, 0] * float(w.w2_global[e])
     return out
 

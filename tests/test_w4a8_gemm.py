@@ -1,16 +1,21 @@
-"""W4A8 grouped GEMM and activation quantizer (lab/kernels/w4a8_gemm.py): the weight layout and
+"""W4A8 grouped GEMM and activation kernels (lab/kernels/w4a8_gemm.py): the weight layout and
 each thread's fragments on the CPU, the instantiations' compilation for sm_90a, the argument
-checks; on the GPU, the kernels against lab/w4a8.py (gemm, gemm_abs, quantize_act)."""
+checks; on the GPU, the kernels against lab/w4a8.py (gemm, gemm_abs, quantize_act,
+swiglu_quant) and the w4a8 layer variant against layer_rows, stage by stage."""
 
 from __future__ import annotations
+
+import re
+import subprocess
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from lab import nvfp4, w4a8
+from lab import checks, nvfp4, reference, w4a8
 from lab.kernels import jit, sass
 from lab.kernels import w4a8_gemm as wg
+from lab.problem import MoEProblem, make_routing, random_activations, random_weights
 
 needs_nvcc = pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
 f32 = np.float32
@@ -207,6 +212,59 @@ def test_each_group_is_four_fp8_wgmmas_from_registers(tokens):
     assert [i.opcode for i in mma] == [f"QGMMA.64x{tokens}x32.F32.E4M3.E4M3"] * 4, mma
     assert "RZ, !UPT" in mma[0].operands and all("RZ" not in i.operands for i in mma[1:]), mma
     assert all("gdesc" in i.operands and not i.operands.split(",")[1].strip().startswith("gdesc") for i in mma), mma
+
+
+def test_swiglu_kernel_carries_the_definitions_constants():
+    """w4a8_act.cu's exponential constants are lab/w4a8.py's, bit for bit."""
+    src = (jit.KERNEL_DIR / wg.ACT_SOURCE).read_text()
+    got = {k: int(v, 16) for k, v in re.findall(r"\b(\w+_BITS(?:_\d)?) = (0x[0-9a-f]{8})u", src)}
+    want = {"LOG2E_BITS": w4a8.LOG2E, "LN2_HI_BITS": w4a8.LN2_HI, "LN2_LO_BITS": w4a8.LN2_LO,
+            **{f"EXP_POLY_BITS_{i}": c for i, c in enumerate(w4a8.EXP_POLY)}}
+    assert got == {k: int(np.float32(v).view(np.uint32)) for k, v in want.items()}
+    assert re.search(r"constexpr float EXP_FLOOR = -128\.0f;", src) and w4a8.EXP_FLOOR == -128
+
+
+FTZ_PROBE = """
+#include "{source}"
+__global__ void lab_probe_swiglu(const float* __restrict__ in, float* __restrict__ out) {{
+  const int i = threadIdx.x;
+  out[i] = lab_w4a8_act::swiglu_f32(in[4 * i], in[4 * i + 1], in[4 * i + 2], in[4 * i + 3]);
+}}
+__global__ void lab_probe_plain(const float* __restrict__ in, float* __restrict__ out) {{
+  const int i = threadIdx.x;
+  out[i] = in[2 * i] * in[2 * i + 1] + fmaxf(in[i], -1.0f);
+}}
+"""
+
+
+@needs_nvcc
+def test_the_swiglu_arithmetic_keeps_subnormals_under_ftz(tmp_path):
+    """CuPy compiles every kernel with -ftz=true. The SwiGLU compiled so: no instruction of its
+    body carries .FTZ (the plain control kernel's do, so the check can fail), and its divisions'
+    slow path is the IEEE one (div_rn_noftz; only that subroutine's NaN and Inf tests carry .FTZ,
+    which flush nothing a result depends on)."""
+    if sass.nvdisasm_path() is None:
+        pytest.skip("reading SASS needs nvdisasm")
+    unit, cubin = tmp_path / "probe.cu", tmp_path / "probe.cubin"
+    unit.write_text(FTZ_PROBE.format(source=(jit.KERNEL_DIR / wg.ACT_SOURCE).resolve()))
+    proc = subprocess.run([jit.nvcc_path(), "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
+                           "-ftz=true", "-o", str(cubin), str(unit)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dis = subprocess.run([sass.nvdisasm_path(), "-c", str(cubin)], capture_output=True, text=True, check=True)
+    funcs = sass.parse_nvdisasm(dis.stdout)
+
+    def body(tag):
+        code = next(v for k, v in funcs.items() if tag in k)
+        return code[: next(i for i, ins in enumerate(code) if ins.base == "EXIT") + 1]
+
+    def ftz(code):
+        return [f"{i.opcode} {i.operands}" for i in code if "FTZ" in i.opcode.split(".")]
+
+    probe = body("lab_probe_swiglu")
+    assert not ftz(probe), ftz(probe)
+    calls = [i.operands for i in probe if i.base == "CALL"]
+    assert calls and all("div_rn_noftz" in c for c in calls), calls
+    assert ftz(body("lab_probe_plain"))
 
 
 # ------------------------------------------------------------------------------- GPU helpers
@@ -487,3 +545,258 @@ def test_quantize_checks_name_the_argument():
         wg.quantize_act_gpu(x, s_x=cp.zeros((3, 2), cp.float32))
     with pytest.raises(ValueError, match="nonfinite: expected"):
         wg.quantize_act_gpu(x, nonfinite=cp.zeros(1, cp.int32))
+
+
+# ------------------------------------------------------------------------------- GPU: SwiGLU + quantize
+
+
+def swiglu_problem(rng, counts, i):
+    """(h (rows, 2I) float32, offsets (E+1,) int32, gate, up (E,) float32): random rows spread over
+    40 binades, and on the first non-empty expert's rows the edges: g at silu's edges (zeros,
+    subnormals, the reduction's k steps, t and silu reaching the subnormals, the clamp at -128,
+    1e30), g drawn log-uniformly from 2^-149 to 2^40 of both signs, rows of +0 and of -0, a
+    subnormal row and a row of 1e17 (a ~ 1e34)."""
+    from test_w4a8 import SILU_EDGES, draw_g
+
+    counts = np.asarray(counts)
+    e = counts.size
+    offsets = np.r_[0, np.cumsum(counts)].astype(np.int32)
+    rows = int(offsets[-1])
+    h = (rng.standard_normal((rows, 2 * i)) * np.exp2(rng.integers(-20, 20, (rows, 1)))).astype(f32)
+    gate = (rng.uniform(0.5, 2.0, e) * np.exp2(rng.integers(-12, 4, e))).astype(f32)
+    up = (gate * rng.uniform(0.7, 0.9, e)).astype(f32)
+    e0 = int(np.flatnonzero(counts)[0])
+    r0, n0 = int(offsets[e0]), int(counts[e0])
+    assert n0 >= 6, "the edge rows need six rows of one expert"
+    g = np.clip(draw_g(rng, i), -1e30, 1e30)
+    g = np.concatenate([np.clip(SILU_EDGES, -1e30, 1e30), g])[:i]
+    h[r0, :i] = (g / gate[e0]).astype(f32)
+    h[r0, i:] = rng.uniform(-2, 2, i).astype(f32)
+    h[r0 + 1] = 0.0
+    h[r0 + 2] = -0.0
+    h[r0 + 3] = (rng.standard_normal(2 * i) * 1e-40).astype(f32)
+    h[r0 + 4] = (rng.standard_normal(2 * i) * 1e17).astype(f32)
+    h[r0 + 5, :i] = (np.ldexp(rng.uniform(-1, 1, i), -100) / gate[e0]).astype(f32)  # g near 2^-100: a tiny group
+    return h, offsets, gate, up
+
+
+def run_swiglu(cp, h, offsets, gate, up, with_a=True):
+    """The kernel on poisoned outputs (a8 0xFF, the e4m3 NaN; s_a and a NaN): (a or None, a8, s_a,
+    the non-finite count) on the host."""
+    rows, i = h.shape[0], h.shape[1] // 2
+    a8 = cp.full((rows, i), 0xFF, cp.uint8)
+    s_a = cp.full((rows, -(-i // 128)), np.nan, cp.float32)
+    a = cp.full((rows, i), np.nan, cp.float32) if with_a else None
+    bad = cp.zeros(1, cp.uint32)
+    got = wg.swiglu_quant_gpu(cp.asarray(h), cp.asarray(offsets), cp.asarray(gate), cp.asarray(up), a8, s_a, bad,
+                              a_out=a)
+    assert got[0] is a8 and got[1] is s_a and got[2] is bad
+    cp.cuda.get_current_stream().synchronize()
+    return (None if a is None else a.get()), a8.get(), s_a.get(), int(bad.get()[0])
+
+
+def assert_bits_equal(name, got, want, h=None):
+    got, want = np.ascontiguousarray(got), np.ascontiguousarray(want)
+    bits = (lambda v: v.view(np.uint32)) if got.dtype == np.float32 else (lambda v: v)
+    diff = np.argwhere(bits(got) != bits(want))
+    if diff.size:
+        at = tuple(int(v) for v in diff[0])
+        raise AssertionError(f"{name}: {len(diff)} differ, first at {at}: got {got[at]!r}, want {want[at]!r}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("i", [64, 320, 2048])  # one short group; two and a short one; sixteen
+def test_swiglu_quant_kernel_is_bit_exact(i):
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng()
+    h, offsets, gate, up = swiglu_problem(rng, [0, 9, 0, 0, 31, 2, 70, 0], i)
+    a_want, a8_want, s_want = w4a8.swiglu_quant(h, offsets, gate, up)
+    a, a8, s_a, bad = run_swiglu(cp, h, offsets, gate, up)
+    assert bad == 0
+    assert_bits_equal("a", a, a_want)
+    assert_bits_equal("a8", a8, a8_want)
+    assert_bits_equal("s_a", s_a, s_want)
+    _, a8b, s_b, bad = run_swiglu(cp, h, offsets, gate, up, with_a=False)  # the launch without a_out
+    assert bad == 0
+    assert_bits_equal("a8 without a_out", a8b, a8_want)
+    assert_bits_equal("s_a without a_out", s_b, s_want)
+
+
+@pytest.mark.gpu
+def test_swiglu_quant_kernel_counts_non_finite_columns():
+    """NaN or Inf in h_gate or h_up, or an a that overflows, is counted once per column; the other
+    groups of those rows are as without them."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng()
+    i = 256
+    h, offsets, gate, up = swiglu_problem(rng, [8, 4], i)
+    _, clean8, clean_s = w4a8.swiglu_quant(h, offsets, gate, up)
+    h[9, 3] = np.nan  # gate column 3 (group 0)
+    h[10, i + 200] = np.inf  # up column 200 (group 1)
+    h[11, 5], h[11, i + 5] = 3e38, 3e38  # a overflows (group 0)
+    _, a8, s_a, bad = run_swiglu(cp, h, offsets, gate, up)
+    assert bad == 3
+    np.testing.assert_array_equal(a8[9, 128:], clean8[9, 128:])
+    np.testing.assert_array_equal(a8[10, :128], clean8[10, :128])
+    np.testing.assert_array_equal(a8[11, 128:], clean8[11, 128:])
+    keep = np.r_[0:9, 12:h.shape[0]]
+    np.testing.assert_array_equal(a8[keep], clean8[keep])
+    np.testing.assert_array_equal(s_a[keep].view(np.uint32), clean_s[keep].view(np.uint32))
+
+
+@pytest.mark.gpu
+def test_swiglu_checks_name_the_argument():
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    h = cp.zeros((3, 256), cp.float32)
+    offs, g = cp.asarray(np.array([0, 3], np.int32)), cp.ones(1, cp.float32)
+    with pytest.raises(ValueError, match="h: expected"):
+        wg.swiglu_quant_gpu(h.astype(cp.float64), offs, g, g)
+    with pytest.raises(ValueError, match="h: 2I=260"):
+        wg.swiglu_quant_gpu(cp.zeros((3, 260), cp.float32), offs, g, g)
+    with pytest.raises(ValueError, match="offsets: expected"):
+        wg.swiglu_quant_gpu(h, offs.astype(cp.int64), g, g)
+    with pytest.raises(ValueError, match="gate_global: expected"):
+        wg.swiglu_quant_gpu(h, offs, cp.ones(2, cp.float32), g)
+    with pytest.raises(ValueError, match="up_global: expected"):
+        wg.swiglu_quant_gpu(h, offs, g, g.astype(cp.float64))
+    with pytest.raises(ValueError, match="a8: expected"):
+        wg.swiglu_quant_gpu(h, offs, g, g, a8=cp.zeros((3, 128), cp.int8))
+    with pytest.raises(ValueError, match="s_a: expected"):
+        wg.swiglu_quant_gpu(h, offs, g, g, s_a=cp.zeros((3, 2), cp.float32))
+    with pytest.raises(ValueError, match="a_out: expected"):
+        wg.swiglu_quant_gpu(h, offs, g, g, a_out=cp.zeros((3, 256), cp.float32))
+    with pytest.raises(ValueError, match="nonfinite: expected"):
+        wg.swiglu_quant_gpu(h, offs, g, g, nonfinite=cp.zeros(1, cp.int32))
+
+
+@pytest.mark.gpu
+def test_the_planned_launch_is_the_checked_one():
+    """plan_w4a8_gemm + launch_w4a8_gemm (device offsets and alpha, no host reads) write what
+    w4a8_gemm writes, bit for bit; an empty plan launches nothing."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng()
+    prep, x8, s_x, offsets, alpha, ref, mag = make_problem(rng, [0, 30, 7, 0, 80], 128, 320, 2)
+    prep_d = prep.to_device()
+    x8_d, s_d = cp.asarray(x8), cp.asarray(s_x)
+    want = wg.w4a8_gemm(prep_d, x8_d, s_d, offsets, alpha).get()
+    out = cp.full((x8.shape[0], 128), np.nan, cp.float32)
+    plan = wg.plan_w4a8_gemm(prep_d, x8_d, s_d, offsets, alpha, out)
+    assert plan == wg.GemmPlan(64, 2)
+    stream = cp.cuda.Stream(non_blocking=True)
+    wg.launch_w4a8_gemm(plan, prep_d, x8_d, s_d, cp.asarray(offsets), cp.asarray(alpha), out, stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(out.get().view(np.uint32), want.view(np.uint32))
+    assert_within_bound(want.astype(np.float64), ref, mag)
+    empty = wg.gemm_plan(np.zeros(6, np.int32))
+    assert empty.token_blocks == 0
+    out.fill(np.nan)
+    wg.launch_w4a8_gemm(empty, prep_d, x8_d, s_d, cp.asarray(offsets), cp.asarray(alpha), out, stream)
+    stream.synchronize()
+    assert np.isnan(out.get()).all()
+
+
+# ------------------------------------------------------------------------------- GPU: the w4a8 variant
+
+W4A8_CASES = [
+    # E=16, H=320, I=192: both GEMMs' K end in a 64-column group; 6 tokens top 2 over 16 experts, so
+    # at least 4 experts are empty; x float32
+    (MoEProblem(16, 320, 192, 2), dict(tokens=6, skew=0.0), "float32"),
+    # E=8, H=256, I=128, 150 tokens top 2, skew 2: one expert past two 64-token tiles; x in bf16
+    (MoEProblem(8, 256, 128, 2), dict(tokens=150, skew=2.0), "bf16"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("problem, spec, x_dtype", W4A8_CASES)
+def test_w4a8_variant_stage_by_stage_and_end_to_end(problem, spec, x_dtype):
+    """The w4a8 variant on fresh weights, routing and activations, each stage against lab/w4a8.py
+    fed the device's own input to that stage: x8 and s_x bit for bit (quantize_act of x's routed
+    rows); h within the accumulation bound of gemm; a8 and s_a bit for bit (swiglu_quant of the
+    device's h); out within the bound of gemm on the device's a8; out_bf16 bit for bit. Then the
+    layer against layer_rows (its distance below half of the contract's own error against the
+    float64 layer on unquantized activations), the end-to-end error against that layer (reported,
+    and below half of separate's W4A4 error: 2.6 to 3.1 times below on the CPU), a second run
+    bitwise equal, and the stages' events."""
+    from lab.layer import load_layer, upload_weights
+    from lab.runner import Runner
+    from lab.variants import make
+
+    seed = int(np.random.default_rng().integers(2**31))
+    E, H, I = problem.experts, problem.hidden, problem.intermediate
+    w = random_weights(problem, seed=seed)
+    routing = make_routing(spec["tokens"], E, problem.top_k, skew=spec["skew"], seed=seed)
+    assert (routing.counts == 0).any() or routing.counts.max() > 64, "the case lost what it is for"
+    x = random_activations(routing.tokens, H, seed=seed)
+    if x_dtype == "bf16":
+        x = x.astype(ml_dtypes.bfloat16)
+    xr = x[routing.row_token].astype(f32)  # bf16 -> float32 is exact
+    off = np.asarray(routing.offsets)
+
+    runner = Runner()
+    layer = load_layer(runner, upload_weights(w), routing, x)
+    sep = make("separate")
+    runner.prepare(sep, layer)
+    runner.checked_run(sep, layer)
+    rows, want = reference.layer_unquantized(x, routing, w)
+    err_w4a4 = checks.rel_error(layer.out_bf16.get().view(ml_dtypes.bfloat16).astype(np.float64)[rows], want)
+
+    v = make("w4a8")
+    runner.prepare(v, layer)
+    with runner.stream:  # checked_run poisons h, out and out_bf16; the act stage's own outputs here
+        v.a8.fill(0xFF)
+        v.s_a.fill(np.nan)
+    runner.checked_run(v, layer)
+    label = f"seed {seed}"
+
+    x8_want, s_x_want = w4a8.quantize_act(xr)
+    assert_bits_equal(f"{label} x8", v.x8.get(), x8_want)
+    assert_bits_equal(f"{label} s_x", v.s_x.get(), s_x_want)
+    p13, p2 = w4a8.layer_p(w)
+    np.testing.assert_array_equal(v.w13.p.get(), p13)
+    np.testing.assert_array_equal(v.w2.p.get(), p2)
+
+    h = layer.h.get()
+    w13 = w4a8.convert_weights(w.w13_packed, w.w13_scales, p13).codes
+    ones = np.ones(E)
+    assert_within_bound(h.astype(np.float64), w4a8.gemm(x8_want, s_x_want, off, w13, p13, ones),
+                        w4a8.gemm_abs(x8_want, s_x_want, off, w13, p13, ones))
+
+    a8, s_a = v.a8.get(), v.s_a.get()
+    _, a8_want, s_a_want = w4a8.swiglu_quant(h, off, w.gate_global, w.up_global)
+    assert_bits_equal(f"{label} a8", a8, a8_want)
+    assert_bits_equal(f"{label} s_a", s_a, s_a_want)
+
+    out = layer.out.get()
+    w2 = w4a8.convert_weights(w.w2_packed, w.w2_scales, p2).codes
+    assert_within_bound(out.astype(np.float64), w4a8.gemm(a8, s_a, off, w2, p2, w.w2_global),
+                        w4a8.gemm_abs(a8, s_a, off, w2, p2, w.w2_global))
+    bf16 = layer.out_bf16.get()
+    assert_bits_equal(f"{label} out_bf16", bf16, out.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+    lr = w4a8.layer_rows(xr, off, w)
+    from_contract = checks.rel_error(out, lr["out"])
+    contract = checks.rel_error(lr["out"][rows], want)
+    e2e = checks.rel_error(bf16.view(ml_dtypes.bfloat16).astype(np.float64)[rows], want)
+    print(f"{label}: w4a8 vs layer_rows {from_contract:.2e} ({np.mean(a8 != lr['a8']):.2%} of a8 codes differ); "
+          f"vs the float64 layer on unquantized activations {e2e:.2e} (layer_rows {contract:.2e}, W4A4 {err_w4a4:.2e})")
+    assert from_contract < contract / 2, label
+    assert e2e < err_w4a4 / 2 and e2e < 0.1, label
+
+    first = (h, a8, s_a, out, bf16)
+    runner.checked_run(v, layer)
+    for name, was, now in zip(("h", "a8", "s_a", "out", "out_bf16"), first,
+                              (layer.h.get(), v.a8.get(), v.s_a.get(), layer.out.get(), layer.out_bf16.get())):
+        assert was.tobytes() == now.tobytes(), f"{label}: {name} differs between two runs"
+
+    st = runner.time_stages(v, layer, iterations=2, warmup=1)
+    assert list(st) == list(v.stages), st
+    runner.checked_run(v, layer)
+    assert layer.out_bf16.get().tobytes() == bf16.tobytes(), label

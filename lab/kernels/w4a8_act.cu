@@ -1,3 +1,6 @@
+// The W4A8 activation kernels: quantize_act (the 1x128 fp8 quantize, below) and swiglu_quant (the
+// SwiGLU of the w13 output, then the same quantize; at the end of the file).
+//
 // 1x128 fp8 activation quantize for W4A8 (lab/w4a8.py quantize_act, bit for bit): per row and per
 // group of 128 columns of K,
 //
@@ -66,6 +69,26 @@ __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
   return d;
 }
 
+// One warp's (row, group gi of G): lane l's four values v (zeros where !live) at columns col..col+3
+// of a K-column row, m = the largest of their |v| (fmaxf from 0, which the caller folds into its
+// loop over v) -> their four codes in x8 and, from lane 0, the group's scale in s_x. Every lane
+// of the warp must be here. The addresses are formed in here, not by the caller: so quantize_act
+// compiles to the same SASS as before it shared this function (the H200-tested code, unchanged).
+__device__ __forceinline__ void quantize_group(const float (&v)[4], float m, bool live, int lane, size_t row, int K,
+                                               int col, int G, int gi, uint8_t* __restrict__ x8,
+                                               float* __restrict__ s_x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  const float amax = fmaxf(m, 0x1p-116f);  // a subnormal that fabsf/fmaxf flushed is below this floor
+  const float inv = __fdiv_rn(448.0f, amax);
+  if (live) {
+    const uint32_t lo = e4m3x2(times_inv(v[0], inv), times_inv(v[1], inv));
+    const uint32_t hi = e4m3x2(times_inv(v[2], inv), times_inv(v[3], inv));
+    *reinterpret_cast<uint32_t*>(x8 + row * K + col) = lo | hi << 16;
+  }
+  if (lane == 0) s_x[row * G + gi] = __fdiv_rn(amax, 448.0f);
+}
+
 template <typename T>
 __global__ void quantize_act(const T* __restrict__ x, int rows, int K, uint8_t* __restrict__ x8,
                              float* __restrict__ s_x, uint32_t* __restrict__ nonfinite) {
@@ -87,16 +110,141 @@ __global__ void quantize_act(const T* __restrict__ x, int rows, int K, uint8_t* 
     bad += !finite(v[i]);
     m = fmaxf(m, fabsf(v[i]));
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  const float amax = fmaxf(m, 0x1p-116f);  // a subnormal that fabsf/fmaxf flushed is below this floor
-  const float inv = __fdiv_rn(448.0f, amax);
-  if (live) {
-    const uint32_t lo = e4m3x2(times_inv(v[0], inv), times_inv(v[1], inv));
-    const uint32_t hi = e4m3x2(times_inv(v[2], inv), times_inv(v[3], inv));
-    *reinterpret_cast<uint32_t*>(x8 + row * K + col) = lo | hi << 16;
+  quantize_group(v, m, live, lane, row, K, col, G, gi, x8, s_x);
+  if (bad) atomicAdd(nonfinite, bad);
+}
+
+// ------------------------------------------------------------------------------ SwiGLU + quantize
+//
+// swiglu_quant: h (rows, 2I) float32, the w13 GEMM's output (gate in columns [0, I), up in
+// [I, 2I), no weight globals), rows grouped by expert through offsets (E+1,) int32;
+//
+//   a = silu(h_gate * gate_global[e]) * (h_up * up_global[e])     lab/w4a8.py swiglu_f32
+//   a8, s_a = the 1x128 quantize of a (quantize_group above)      lab/w4a8.py quantize_act
+//
+// bit for bit with lab/w4a8.py swiglu_quant. The SwiGLU is that module's float32 definition, its
+// own exponential included (not expf: two libraries' exp do not round alike, and this one NumPy
+// repeats operation by operation): every operation is inline PTX without .ftz, so -ftz=true
+// flushes none of it and nothing contracts into an FMA. Threads as quantize_act: one warp per
+// (row, group of 128 columns of I), lane l owns columns 128g + 4l .. 4l + 3; the warp finds its
+// row's expert by binary search on offsets (the last e with offsets[e] <= row: empty experts
+// are passed over). a_out, when not null, receives a (rows, I) float32 for checks. Each thread
+// adds to *nonfinite the number of its columns with NaN or Inf in h_gate, h_up or a.
+// Layout: I % 4 == 0; a8 (rows, I) uint8; s_a (rows, ceil(I / 128)) float32.
+
+__device__ __forceinline__ float add_rn(float a, float b) {
+  float r;
+  asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ __forceinline__ float sub_rn(float a, float b) {
+  float r;
+  asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ __forceinline__ float mul_rn(float a, float b) {
+  float r;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ __forceinline__ float div_rn(float a, float b) {  // IEEE division, subnormals included
+  float r;
+  asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ __forceinline__ float max_ieee(float a, float b) {  // a NaN operand gives the other one, as np.fmax
+  float r;
+  asm("max.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ __forceinline__ float rint_rn(float a) {  // nearest integer, ties to even, as np.rint
+  float r;
+  asm("cvt.rni.f32.f32 %0, %1;" : "=f"(r) : "f"(a));
+  return r;
+}
+
+// lab/w4a8.py's constants, as their float32 bits (tests/test_w4a8.py reads them from here)
+constexpr uint32_t LOG2E_BITS = 0x3fb8aa3bu;
+constexpr uint32_t LN2_HI_BITS = 0x3f317200u;
+constexpr uint32_t LN2_LO_BITS = 0x35bfbe8eu;
+// EXP_POLY, 1/7! .. 1/0!
+constexpr uint32_t EXP_POLY_BITS_0 = 0x39500d01u, EXP_POLY_BITS_1 = 0x3ab60b61u, EXP_POLY_BITS_2 = 0x3c088889u,
+                   EXP_POLY_BITS_3 = 0x3d2aaaabu, EXP_POLY_BITS_4 = 0x3e2aaaabu, EXP_POLY_BITS_5 = 0x3f000000u,
+                   EXP_POLY_BITS_6 = 0x3f800000u, EXP_POLY_BITS_7 = 0x3f800000u;
+constexpr float EXP_FLOOR = -128.0f;
+
+// v * 2^k rounded once, k in [-185, 0]: v * 2^(k+64) is exact (a normal power of two times a
+// value that stays normal, lab/w4a8.py), so only the product by 2^-64 rounds.
+__device__ __forceinline__ float scale_2k(float v, int k) {
+  return mul_rn(mul_rn(v, __int_as_float((k + 64 + 127) << 23)), 0x1p-64f);
+}
+
+// lab/w4a8.py silu_f32, operation by operation.
+__device__ __forceinline__ float silu_f32(float g) {
+  const uint32_t gb = __float_as_uint(g);
+  const float x = max_ieee(__uint_as_float(gb | 0x80000000u), EXP_FLOOR);  // max(-|g|, -128)
+  const float kf = rint_rn(mul_rn(x, __uint_as_float(LOG2E_BITS)));
+  const int k = (int)kf;  // an integer in [-185, 0]: exact
+  const float r = sub_rn(sub_rn(x, mul_rn(kf, __uint_as_float(LN2_HI_BITS))), mul_rn(kf, __uint_as_float(LN2_LO_BITS)));
+  float q = __uint_as_float(EXP_POLY_BITS_0);
+  q = add_rn(mul_rn(q, r), __uint_as_float(EXP_POLY_BITS_1));
+  q = add_rn(mul_rn(q, r), __uint_as_float(EXP_POLY_BITS_2));
+  q = add_rn(mul_rn(q, r), __uint_as_float(EXP_POLY_BITS_3));
+  q = add_rn(mul_rn(q, r), __uint_as_float(EXP_POLY_BITS_4));
+  q = add_rn(mul_rn(q, r), __uint_as_float(EXP_POLY_BITS_5));
+  q = add_rn(mul_rn(q, r), __uint_as_float(EXP_POLY_BITS_6));
+  q = add_rn(mul_rn(q, r), __uint_as_float(EXP_POLY_BITS_7));
+  const float d = add_rn(1.0f, scale_2k(q, k));
+  return (gb >> 31) ? scale_2k(div_rn(mul_rn(x, q), d), k) : div_rn(g, d);
+}
+
+// lab/w4a8.py swiglu_f32 of one column pair.
+__device__ __forceinline__ float swiglu_f32(float h_gate, float h_up, float gate_global, float up_global) {
+  return mul_rn(silu_f32(mul_rn(h_gate, gate_global)), mul_rn(h_up, up_global));
+}
+
+__device__ __forceinline__ int row_expert(const int* __restrict__ offsets, int experts, int row) {
+  int lo = 0, hi = experts;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (offsets[mid] <= row) lo = mid; else hi = mid;
   }
-  if (lane == 0) s_x[row * G + gi] = __fdiv_rn(amax, 448.0f);
+  return lo;
+}
+
+__global__ void swiglu_quant(const float* __restrict__ h, const int* __restrict__ offsets, int experts, int rows,
+                             int I, const float* __restrict__ gate_global, const float* __restrict__ up_global,
+                             uint8_t* __restrict__ a8, float* __restrict__ s_a, float* __restrict__ a_out,
+                             uint32_t* __restrict__ nonfinite) {
+  const int G = (I + 127) / 128;
+  const long long unit = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (unit >= (long long)rows * G) return;  // whole warps: the group's shuffles see all 32 lanes
+  const int lane = threadIdx.x & 31;
+  const size_t row = (size_t)(unit / G);
+  const int gi = (int)(unit % G);
+  const int col = gi * 128 + 4 * lane;
+  const bool live = col < I;  // I % 4 == 0: a lane's four columns are all in or all out
+
+  float hg[4] = {0.0f, 0.0f, 0.0f, 0.0f}, hu[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if (live) {  // issued before the search, which waits only on offsets
+    load4(h + row * (2 * (size_t)I) + col, hg);
+    load4(h + row * (2 * (size_t)I) + I + col, hu);
+  }
+  const int e = row_expert(offsets, experts, (int)row);
+  const float gs = gate_global[e], us = up_global[e];
+  float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  uint32_t bad = 0;
+  float m = 0.0f;
+  if (live) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      a[i] = swiglu_f32(hg[i], hu[i], gs, us);
+      bad += !(finite(hg[i]) && finite(hu[i]) && finite(a[i]));  // (a NaN or Inf h_gate can give a finite a)
+      m = fmaxf(m, fabsf(a[i]));
+    }
+    if (a_out) *reinterpret_cast<float4*>(a_out + row * I + col) = make_float4(a[0], a[1], a[2], a[3]);
+  }
+  quantize_group(a, m, live, lane, row, I, col, G, gi, a8, s_a);
   if (bad) atomicAdd(nonfinite, bad);
 }
 

@@ -1,4 +1,5 @@
-"""W4A8 grouped GEMM and its activation quantizer (sources: w4a8_gemm.cu, w4a8_act.cu).
+"""W4A8 grouped GEMM and its activation kernels (sources: w4a8_gemm.cu, w4a8_act.cu): the 1x128
+quantizer (quantize_act_gpu) and SwiGLU + quantize (swiglu_quant_gpu).
 
     out[r, n] = 2^p[e] * alpha[e] * sum_g s_x[r, g] * sum_{k in g} x8[r, k] * w8[e, n, k]
                 for offsets[e] <= r < offsets[e+1]
@@ -16,10 +17,11 @@ Arguments (CuPy arrays on the launch's device unless said otherwise):
     alpha     (E,)          float32  host or device; the weight global (1 for w13)
     out       (rows, N)     float32  rows of experts with tokens are written, others untouched
 
-The launch reads offsets and alpha on the host (a synchronizing copy when they live on the
+w4a8_gemm reads offsets and alpha on the host (a synchronizing copy when they live on the
 device): offsets to check them and size the grid, alpha to check that 2^p * alpha stays a normal
-float32 (lab/w4a8.py epilogue_factor). Performance tuning, graph capture and a host-free launch
-come later.
+float32 (lab/w4a8.py epilogue_factor). A caller that launches the same shapes many times (a
+layer variant) runs those checks once (plan_w4a8_gemm) and then launch_w4a8_gemm, which reads
+nothing on the host and allocates nothing, with offsets and alpha already on the device.
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ def gemm_expression(tokens: int) -> str:
 
 
 GEMM_EXPRESSIONS = tuple(gemm_expression(t) for t in TOKEN_TILES)
-ACT_EXPRESSIONS = ("lab_w4a8_act::quantize_act<float>", "lab_w4a8_act::quantize_act<lab_w4a8_act::uint16_t>")
+ACT_EXPRESSIONS = ("lab_w4a8_act::quantize_act<float>", "lab_w4a8_act::quantize_act<lab_w4a8_act::uint16_t>",
+                   "lab_w4a8_act::swiglu_quant")
+SWIGLU_EXPRESSION = ACT_EXPRESSIONS[2]
 
 
 def token_tile(max_count: int) -> int:
@@ -273,6 +277,51 @@ def check_gemm_args(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None) -> tup
     return offs, al
 
 
+@dataclass(frozen=True)
+class GemmPlan:
+    """One launch's shape, from the host offsets: the token tile and the grid's height (0: no
+    expert has rows, nothing to launch)."""
+
+    tokens: int
+    token_blocks: int
+
+
+def gemm_plan(offsets, tokens: int | None = None, token_blocks: int | None = None) -> GemmPlan:
+    """The launch shape for host offsets (E+1,): `tokens` forces the token tile (one of
+    TOKEN_TILES; by default the smallest that holds the largest expert, token_tile);
+    `token_blocks` the grid's height (default: one token tile per CTA for the largest expert)."""
+    if tokens is not None:
+        gemm_expression(tokens)  # names the argument when it is not a tile
+    if token_blocks is not None and not (isinstance(token_blocks, (int, np.integer)) and 1 <= token_blocks < 65536):
+        raise ValueError(f"token_blocks: expected an int from 1 to 65535, got {token_blocks!r}")
+    max_count = int(np.diff(np.asarray(offsets, np.int64)).max(initial=0))
+    if max_count == 0:
+        return GemmPlan(tokens or TOKEN_TILES[0], 0)
+    t = token_tile(max_count) if tokens is None else tokens
+    return GemmPlan(t, min(-(-max_count // t), 65535) if token_blocks is None else int(token_blocks))
+
+
+def plan_w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out, tokens: int | None = None,
+                   token_blocks: int | None = None) -> GemmPlan:
+    """check_gemm_args and gemm_plan: everything launch_w4a8_gemm leaves to its caller, for
+    these arguments (host or device offsets and alpha: their values are what is checked)."""
+    offs, _ = check_gemm_args(prep, x8, s_x, offsets, alpha, out)
+    return gemm_plan(offs, tokens, token_blocks)
+
+
+def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha, out, stream) -> None:
+    """One launch on `stream` with no host reads and no allocation (graph-capturable): offsets
+    (E+1,) int32 and alpha (E,) float32 on the device, holding the values plan_w4a8_gemm
+    checked, with the same prep, x8, s_x and out."""
+    if plan.token_blocks == 0:
+        return
+    fn = _kernel(GEMM_SOURCE, GEMM_EXPRESSIONS, gemm_expression(plan.tokens))
+    with stream:
+        fn((prep.n // ROWS, plan.token_blocks, prep.experts), (THREADS,),
+           (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, x8, s_x, offsets, out,
+            np.int32(prep.n), np.int32(prep.k)))
+
+
 def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None, tokens: int | None = None,
               token_blocks: int | None = None):
     """Launch the W4A8 grouped GEMM on `stream` (a CuPy stream, None for the current one) and
@@ -282,28 +331,16 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
     expert); a CTA takes every token_blocks-th tile of its expert, so any height computes every
     token."""
     offs, al = check_gemm_args(prep, x8, s_x, offsets, alpha, out)
-    if tokens is not None:
-        gemm_expression(tokens)  # names the argument when it is not a tile
-    if token_blocks is not None and not (isinstance(token_blocks, (int, np.integer)) and 1 <= token_blocks < 65536):
-        raise ValueError(f"token_blocks: expected an int from 1 to 65535, got {token_blocks!r}")
+    plan = gemm_plan(offs, tokens, token_blocks)
     import cupy as cp
 
     stream = stream if stream is not None else cp.cuda.get_current_stream()
-    rows = x8.shape[0]
-    max_count = int(np.diff(offs).max(initial=0))
     with stream:
         if out is None:
-            out = cp.empty((rows, prep.n), cp.float32)
-        if max_count == 0:
+            out = cp.empty((x8.shape[0], prep.n), cp.float32)
+        if plan.token_blocks == 0:
             return out
-        t = token_tile(max_count) if tokens is None else tokens
-        fn = _kernel(GEMM_SOURCE, GEMM_EXPRESSIONS, gemm_expression(t))
-        d_offs = cp.asarray(offs.astype(np.int32))
-        d_alpha = cp.asarray(al)
-        grid = (prep.n // ROWS, min(-(-max_count // t), 65535) if token_blocks is None else int(token_blocks),
-                prep.experts)
-        fn(grid, (THREADS,), (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, d_alpha, x8, s_x, d_offs,
-                              out, np.int32(prep.n), np.int32(prep.k)))
+        launch_w4a8_gemm(plan, prep, x8, s_x, cp.asarray(offs.astype(np.int32)), cp.asarray(al), out, stream)
     return out
 
 
@@ -360,3 +397,73 @@ def quantize_act_gpu(x, x8=None, s_x=None, nonfinite=None, stream=None):
     with stream:
         fn((-(-units // ACT_WARPS),), (32 * ACT_WARPS,), (x, np.int32(rows), np.int32(k), x8, s_x, nonfinite))
     return x8, s_x, nonfinite
+
+
+# ---------------------------------------------------------------------------------------------
+# SwiGLU + quantize
+# ---------------------------------------------------------------------------------------------
+
+
+def check_swiglu_args(h, offsets, gate_global, up_global, a8, s_a, nonfinite, a_out=None) -> tuple[int, int, int]:
+    """Shapes, dtypes and contiguity of swiglu_quant_gpu's arguments (no device reads); returns
+    (rows, I, E)."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("the W4A8 SwiGLU quantizer")
+    if not isinstance(h, cp.ndarray) or h.ndim != 2 or h.dtype != np.float32:
+        raise ValueError(f"h: expected a (rows, 2I) float32 CuPy array, got {getattr(h, 'shape', type(h))} "
+                         f"{getattr(h, 'dtype', '')}")
+    rows, two_i = h.shape
+    if two_i % 8 or two_i == 0:
+        raise ValueError(f"h: 2I={two_i} must be a positive multiple of 8 (I a multiple of 4)")
+    i = two_i // 2
+    _check_device_array(cp, "h", h, (rows, two_i), np.float32)
+    if h.data.ptr % 16:
+        raise ValueError("h: must start on a 16-byte boundary (the kernel loads 16-byte pieces)")
+    if not isinstance(offsets, cp.ndarray) or offsets.ndim != 1 or offsets.shape[0] < 2:
+        raise ValueError(f"offsets: expected an (E+1,) int32 CuPy array with E >= 1, got "
+                         f"{getattr(offsets, 'shape', type(offsets))}")
+    e = offsets.shape[0] - 1
+    _check_device_array(cp, "offsets", offsets, (e + 1,), np.int32)
+    _check_device_array(cp, "gate_global", gate_global, (e,), np.float32)
+    _check_device_array(cp, "up_global", up_global, (e,), np.float32)
+    _check_device_array(cp, "a8", a8, (rows, i), np.uint8)
+    _check_device_array(cp, "s_a", s_a, (rows, -(-i // GROUP_K)), np.float32)
+    _check_device_array(cp, "nonfinite", nonfinite, (1,), np.uint32)
+    if a_out is not None:
+        _check_device_array(cp, "a_out", a_out, (rows, i), np.float32)
+    if rows * -(-i // GROUP_K) >= 2**31 * ACT_WARPS:
+        raise ValueError(f"h: {rows} rows are more than one launch's grid")
+    return rows, i, e
+
+
+def swiglu_quant_gpu(h, offsets, gate_global, up_global, a8=None, s_a=None, nonfinite=None, a_out=None,
+                     stream=None):
+    """lab/w4a8.py swiglu_quant on the GPU, bit for bit: h (rows, 2I) float32 grouped by offsets
+    (E+1,) int32 (on the device; they must rise from 0 to rows, which the caller checked on the
+    host: they are not read back here), gate/up globals (E,) float32 -> (a8 (rows, I) uint8, s_a
+    (rows, ceil(I/128)) float32, nonfinite (1,) uint32). Outputs are allocated on `stream` when
+    None (nonfinite zeroed then); the kernel adds the number of columns with NaN or Inf in h or a
+    to `nonfinite`. `a_out` (rows, I) float32, when given, receives the SwiGLU values."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("the W4A8 SwiGLU quantizer")
+    stream = stream if stream is not None else cp.cuda.get_current_stream()
+    with stream:
+        if isinstance(h, cp.ndarray) and h.ndim == 2:
+            if a8 is None:
+                a8 = cp.empty((h.shape[0], h.shape[1] // 2), cp.uint8)
+            if s_a is None:
+                s_a = cp.empty((h.shape[0], -(-(h.shape[1] // 2) // GROUP_K)), cp.float32)
+        if nonfinite is None:
+            nonfinite = cp.zeros(1, cp.uint32)
+    rows, i, e = check_swiglu_args(h, offsets, gate_global, up_global, a8, s_a, nonfinite, a_out)
+    units = rows * -(-i // GROUP_K)
+    if units == 0:
+        return a8, s_a, nonfinite
+    fn = _kernel(ACT_SOURCE, ACT_EXPRESSIONS, SWIGLU_EXPRESSION)
+    with stream:
+        fn((-(-units // ACT_WARPS),), (32 * ACT_WARPS,),
+           (h, offsets, np.int32(e), np.int32(rows), np.int32(i), gate_global, up_global, a8, s_a,
+            a_out if a_out is not None else np.uint64(0), nonfinite))
+    return a8, s_a, nonfinite

@@ -1,0 +1,125 @@
+"""w4a8: the layer with NVFP4 weights on the fp8 tensor cores and 1x128 fp8 activations
+(lab/w4a8.py is the definition), one launch per stage on the runner's stream:
+
+    x (T, H) --input: 1x128 fp8, rows gathered (in prepare, as every variant's input quantize)--> x8, s_x
+    x8 (rows, H) --w13: W4A8 GEMM--> h (rows, 2I) f32 --act: SwiGLU + 1x128 fp8--> a8 (rows, I), s_a
+    a8 --w2: W4A8 GEMM--> out (rows, H) f32 --out--> out_bf16
+
+The input is quantized outside the timed layer, as separate's (load_layer), w4a16's gather and the
+torch peers' quantize are: quantize_act_gpu on the T token rows, then the codes and scales of
+each grouped row gathered by row_token (the quantization is per row, so these are the bits of
+quantize_act on x[row_token], lab/w4a8.py layer_rows' first stage). The weights are converted
+once per DeviceWeights (prepare_w4a8_weights with the p of lab/w4a8.py choose_p per expert,
+kept in its cache); the w13 GEMM's alpha is 1 (its gate and up globals are the SwiGLU's, as in
+separate) and w2's is w2_global. The output rows stay in grouped order and go to bf16 through
+the conversion every unfused variant ends with: the routed combine with the router's weights is
+outside the layer, for every variant alike.
+
+Against lab/w4a8.py layer_rows the output is the float64 contract up to the GEMMs' accumulation
+(the act stage is bit for bit its definition on the h the GEMM wrote), so `expect` is approx;
+`tensor` is fp8: token_axis compares it with the fp8 tensor ceiling.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lab.kernels import swiglu_quant as sq
+from lab.kernels import w4a8_gemm as wg
+
+name = "w4a8"
+expect = "approx"
+tensor = "fp8"
+STAGES = ("w13", "act", "w2", "out")
+CACHE_KEY = "w4a8"
+MAX_EXPERTS = 65535  # the GEMM's grid z
+
+
+def check_problem(problem) -> None:
+    """What the W4A8 kernels need of the layer's shape, before anything is allocated or launched:
+    ValueError naming the dimension. The GEMM takes N and K in multiples of 64 (w13: N = 2I, K =
+    H; w2: N = H, K = I) and one expert per grid z; the act kernel takes I % 4 == 0."""
+    e, h, i = int(problem.experts), int(problem.hidden), int(problem.intermediate)
+    if h <= 0 or h % wg.ROWS:
+        raise ValueError(f"hidden: H={h} must be a positive multiple of {wg.ROWS} for the W4A8 GEMM "
+                         f"(w13's K and w2's N)")
+    if i <= 0 or i % wg.ROWS:
+        raise ValueError(f"intermediate: I={i} must be a positive multiple of {wg.ROWS} for the W4A8 GEMM "
+                         f"(w2's K; w13's N is 2I)")
+    if not 1 <= e <= MAX_EXPERTS:
+        raise ValueError(f"experts: E={e} must lie in [1, {MAX_EXPERTS}] (the W4A8 GEMM's grid z)")
+
+
+def prepared_weights(weights) -> tuple[wg.W4A8Weights, wg.W4A8Weights]:
+    """(w13, w2) in the W4A8 GEMM's layout on the device, p per expert by lab/w4a8.py choose_p,
+    converted once per DeviceWeights and kept in its cache. A scale code the conversion refuses
+    (negative or NaN) raises ValueError naming the matrix."""
+    if CACHE_KEY not in weights.cache:
+        host = weights.host
+        out = []
+        for label, packed, scales in (("w13", host.w13_packed, host.w13_scales),
+                                      ("w2", host.w2_packed, host.w2_scales)):
+            try:
+                out.append(wg.prepare_w4a8_weights(packed, scales))
+            except ValueError as err:
+                raise ValueError(f"{label}_scales / {label}_packed: {err}") from None
+        # both converted before either is uploaded: a refused w2 leaves no device memory behind
+        weights.cache[CACHE_KEY] = tuple(prep.to_device() for prep in out)
+    return weights.cache[CACHE_KEY]
+
+
+class W4A8:
+    name = name
+    expect = expect
+    tensor = tensor
+    stages = STAGES
+
+    def prepare(self, runner, layer) -> None:
+        check_problem(layer.problem)
+        p, w = layer.problem, layer.weights
+        rows, E, H, I = layer.rows, p.experts, p.hidden, p.intermediate
+        self.w13, self.w2 = prepared_weights(w)
+        buf = runner.buffer
+        self.x8 = buf("w4a8/x8", (rows, H), np.uint8)
+        self.s_x = buf("w4a8/s_x", (rows, -(-H // wg.GROUP_K)), np.float32)
+        self.a8 = buf("w4a8/a8", (rows, I), np.uint8)
+        self.s_a = buf("w4a8/s_a", (rows, -(-I // wg.GROUP_K)), np.float32)
+        self.ones = buf("w4a8/ones", (E,), np.float32)
+        self.w2_global = buf("w4a8/w2_global", (E,), np.float32)
+        s = runner.stream
+        with s:
+            self.ones.fill(1.0)
+            self.w2_global.set(np.asarray(w.host.w2_global, np.float32), stream=s)
+        self.quantize_input(runner, layer)
+        # every check of both GEMMs, on the values run() launches with: run() reads nothing back
+        offs = layer.offsets_host
+        self.plan13 = wg.plan_w4a8_gemm(self.w13, self.x8, self.s_x, offs, np.ones(E, np.float32), layer.h)
+        self.plan2 = wg.plan_w4a8_gemm(self.w2, self.a8, self.s_a, offs, np.asarray(w.host.w2_global, np.float32),
+                                       layer.out)
+        wg.check_swiglu_args(layer.h, layer.offsets, w.gate_global, w.up_global, self.a8, self.s_a, runner.counter)
+
+    def quantize_input(self, runner, layer) -> None:
+        """x8, s_x of the grouped rows: the T token rows quantized, then gathered by row_token
+        (temporaries of T rows, freed after prepare). ValueError if x holds NaN or Inf."""
+        cp, s = runner.cp, runner.stream
+        with runner.stage("input", s), s:
+            runner.counter.fill(0)
+            tok8, tok_s, _ = wg.quantize_act_gpu(layer.x, nonfinite=runner.counter, stream=s)
+            cp.take(tok8, layer.row_token, axis=0, out=self.x8)
+            cp.take(tok_s, layer.row_token, axis=0, out=self.s_x)
+        bad = runner.read_counter()
+        del tok8, tok_s
+        if bad:
+            raise ValueError(f"x: {bad} non-finite values (the W4A8 input quantizer met them)")
+
+    def run(self, runner, layer) -> None:
+        w, s = layer.weights, runner.stream
+        with runner.stage("w13", s):
+            wg.launch_w4a8_gemm(self.plan13, self.w13, self.x8, self.s_x, layer.offsets, self.ones, layer.h, s)
+        with runner.stage("act", s):
+            wg.swiglu_quant_gpu(layer.h, layer.offsets, w.gate_global, w.up_global, self.a8, self.s_a,
+                                runner.counter, stream=s)
+        with runner.stage("w2", s):
+            wg.launch_w4a8_gemm(self.plan2, self.w2, self.a8, self.s_a, layer.offsets, self.w2_global, layer.out, s)
+        with runner.stage("out", s):
+            sq.to_bf16(layer.out, layer.out_bf16, runner.counter, stream=s)
