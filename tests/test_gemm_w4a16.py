@@ -133,6 +133,19 @@ def test_w4a16_fp16_subnormal_activations_cost_at_most_their_rounding():
         assert (np.abs(got[r] - want) <= bound).all(), f"seed {seed}, expert {ex}"
 
 
+
+def separate_against_float64(runner, layer, x, routing, weights):
+    """Run separate (the exact W4A4 baseline) on `layer`: (rows, want, err) with the routed rows the
+    float64 layer on unquantized activations computes, its output there, and separate's relative
+    error against it, the figure an approximate variant's end-to-end error is held against."""
+    from lab.variants import make
+
+    sep = make("separate")
+    runner.prepare(sep, layer)
+    runner.checked_run(sep, layer)
+    rows, want = reference.layer_unquantized(x, routing, weights)
+    return rows, want, checks.rel_error(layer.out_bf16.get().view(ml_dtypes.bfloat16).astype(np.float64)[rows], want)
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens, skew", [(24, 0.0), (300, 1.0)])
 def test_w4a16_layer_matches_its_own_float64_reference_and_beats_w4a4s_error(tokens, skew):
@@ -151,11 +164,7 @@ def test_w4a16_layer_matches_its_own_float64_reference_and_beats_w4a4s_error(tok
     x = random_activations(tokens, p.hidden, seed=seed)
     runner = Runner()
     layer = load_layer(runner, upload_weights(w), routing, x)
-    sep = make("separate")
-    runner.prepare(sep, layer)
-    runner.checked_run(sep, layer)
-    rows, want = reference.layer_unquantized(x, routing, w)
-    err_w4a4 = checks.rel_error(layer.out_bf16.get().view(ml_dtypes.bfloat16).astype(np.float64)[rows], want)
+    rows, want, err_w4a4 = separate_against_float64(runner, layer, x, routing, w)
     v = make("w4a16")
     runner.prepare(v, layer)
     runner.checked_run(v, layer)

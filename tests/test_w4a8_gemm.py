@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from lab import checks, nvfp4, reference, w4a8
+from lab import checks, nvfp4, w4a8
 from lab.kernels import jit, sass
 from lab.kernels import w4a8_gemm as wg
 from lab.problem import MoEProblem, make_routing, random_activations, random_weights
@@ -556,15 +556,11 @@ def swiglu_problem(rng, counts, i):
     subnormals, the reduction's k steps, t and silu reaching the subnormals, the clamp at -128,
     1e30), g drawn log-uniformly from 2^-149 to 2^40 of both signs, rows of +0 and of -0, a
     subnormal row and a row of 1e17 (a ~ 1e34)."""
-    from test_w4a8 import SILU_EDGES, draw_g
+    from test_w4a8 import SILU_EDGES, draw_g, random_swiglu_input
 
     counts = np.asarray(counts)
-    e = counts.size
-    offsets = np.r_[0, np.cumsum(counts)].astype(np.int32)
-    rows = int(offsets[-1])
-    h = (rng.standard_normal((rows, 2 * i)) * np.exp2(rng.integers(-20, 20, (rows, 1)))).astype(f32)
-    gate = (rng.uniform(0.5, 2.0, e) * np.exp2(rng.integers(-12, 4, e))).astype(f32)
-    up = (gate * rng.uniform(0.7, 0.9, e)).astype(f32)
+    h, offsets, gate, up = random_swiglu_input(rng, counts, i)
+    offsets = offsets.astype(np.int32)
     e0 = int(np.flatnonzero(counts)[0])
     r0, n0 = int(offsets[e0]), int(counts[e0])
     assert n0 >= 6, "the edge rows need six rows of one expert"
@@ -728,9 +724,10 @@ def test_w4a8_variant_stage_by_stage_and_end_to_end(problem, spec, x_dtype):
     from lab.layer import load_layer, upload_weights
     from lab.runner import Runner
     from lab.variants import make
+    from test_gemm_w4a16 import separate_against_float64
 
     seed = int(np.random.default_rng().integers(2**31))
-    E, H, I = problem.experts, problem.hidden, problem.intermediate
+    E, H = problem.experts, problem.hidden
     w = random_weights(problem, seed=seed)
     routing = make_routing(spec["tokens"], E, problem.top_k, skew=spec["skew"], seed=seed)
     assert (routing.counts == 0).any() or routing.counts.max() > 64, "the case lost what it is for"
@@ -742,11 +739,7 @@ def test_w4a8_variant_stage_by_stage_and_end_to_end(problem, spec, x_dtype):
 
     runner = Runner()
     layer = load_layer(runner, upload_weights(w), routing, x)
-    sep = make("separate")
-    runner.prepare(sep, layer)
-    runner.checked_run(sep, layer)
-    rows, want = reference.layer_unquantized(x, routing, w)
-    err_w4a4 = checks.rel_error(layer.out_bf16.get().view(ml_dtypes.bfloat16).astype(np.float64)[rows], want)
+    rows, want, err_w4a4 = separate_against_float64(runner, layer, x, routing, w)
 
     v = make("w4a8")
     runner.prepare(v, layer)
