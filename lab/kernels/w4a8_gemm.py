@@ -457,13 +457,20 @@ def swiglu_quant_gpu(h, offsets, gate_global, up_global, a8=None, s_a=None, nonf
                 s_a = cp.empty((h.shape[0], -(-(h.shape[1] // 2) // GROUP_K)), cp.float32)
         if nonfinite is None:
             nonfinite = cp.zeros(1, cp.uint32)
-    rows, i, e = check_swiglu_args(h, offsets, gate_global, up_global, a8, s_a, nonfinite, a_out)
+    check_swiglu_args(h, offsets, gate_global, up_global, a8, s_a, nonfinite, a_out)
+    launch_swiglu_quant(h, offsets, gate_global, up_global, a8, s_a, nonfinite, stream, a_out)
+    return a8, s_a, nonfinite
+
+
+def launch_swiglu_quant(h, offsets, gate_global, up_global, a8, s_a, nonfinite, stream, a_out=None) -> None:
+    """One launch on `stream` with no checks, host reads or allocation, for arguments that
+    check_swiglu_args accepted (a layer variant checks them once, in prepare)."""
+    rows, i = h.shape[0], h.shape[1] // 2
     units = rows * -(-i // GROUP_K)
     if units == 0:
-        return a8, s_a, nonfinite
+        return
     fn = _kernel(ACT_SOURCE, ACT_EXPRESSIONS, SWIGLU_EXPRESSION)
     with stream:
         fn((-(-units // ACT_WARPS),), (32 * ACT_WARPS,),
-           (h, offsets, np.int32(e), np.int32(rows), np.int32(i), gate_global, up_global, a8, s_a,
-            a_out if a_out is not None else np.uint64(0), nonfinite))
-    return a8, s_a, nonfinite
+           (h, offsets, np.int32(offsets.shape[0] - 1), np.int32(rows), np.int32(i), gate_global, up_global, a8,
+            s_a, a_out if a_out is not None else np.uint64(0), nonfinite))

@@ -96,6 +96,7 @@ class W4A8:
         self.plan13 = wg.plan_w4a8_gemm(self.w13, self.x8, self.s_x, offs, np.ones(E, np.float32), layer.h)
         self.plan2 = wg.plan_w4a8_gemm(self.w2, self.a8, self.s_a, offs, np.asarray(w.host.w2_global, np.float32),
                                        layer.out)
+        # and the act stage's, once: run() launches it unchecked (launch_swiglu_quant)
         wg.check_swiglu_args(layer.h, layer.offsets, w.gate_global, w.up_global, self.a8, self.s_a, runner.counter)
 
     def quantize_input(self, runner, layer) -> None:
@@ -117,8 +118,8 @@ class W4A8:
         with runner.stage("w13", s):
             wg.launch_w4a8_gemm(self.plan13, self.w13, self.x8, self.s_x, layer.offsets, self.ones, layer.h, s)
         with runner.stage("act", s):
-            wg.swiglu_quant_gpu(layer.h, layer.offsets, w.gate_global, w.up_global, self.a8, self.s_a,
-                                runner.counter, stream=s)
+            wg.launch_swiglu_quant(layer.h, layer.offsets, w.gate_global, w.up_global, self.a8, self.s_a,
+                                   runner.counter, s)
         with runner.stage("w2", s):
             wg.launch_w4a8_gemm(self.plan2, self.w2, self.a8, self.s_a, layer.offsets, self.w2_global, layer.out, s)
         with runner.stage("out", s):
