@@ -22,7 +22,8 @@ JSON_SCRIPTS = ["ab_kernels", "bench_gemm", "chunk_study", "read_roofline", "run
                 "scale_fold_probe", "tile_sweep", "token_axis", "probes/coresident_probe",
                 "probes/fold_directions_probe", "probes/green_ctx_probe", "probes/slow_state_probe",
                 "probes/sm_partition_probe", "probes/split_streams_probe", "probes/tile_families_probe",
-                "probes/unit_cost_probe", "probes/wgmma_rate_probe", "same_sass", "w4a8_error_study"]
+                "probes/unit_cost_probe", "probes/wgmma_rate_probe", "same_sass", "w4a8_error_study",
+                "w4a8_promotion_study"]
 
 
 def load(name: str):

@@ -189,9 +189,9 @@ def test_launch_refuses_host_weights_before_touching_a_device():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("expr", wg.GEMM_EXPRESSIONS + wg.ACT_EXPRESSIONS)
+@pytest.mark.parametrize("expr", wg.GEMM_EXPRESSIONS + wg.UNPROMOTED_EXPRESSIONS + wg.ACT_EXPRESSIONS)
 def test_instantiations_compile_without_spills(expr):
-    source = wg.GEMM_SOURCE if expr in wg.GEMM_EXPRESSIONS else wg.ACT_SOURCE
+    source = wg.GEMM_SOURCE if expr in wg.GEMM_EXPRESSIONS + wg.UNPROMOTED_EXPRESSIONS else wg.ACT_SOURCE
     info = jit.ptxas_report(source, expr)
     assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
     assert not info.wgmma_serialized, info
@@ -390,6 +390,45 @@ def test_weights_at_the_formats_edges():
         mag = w4a8.gemm_abs(x8, s_x, offsets, w8, prep.p, alpha)
         got, _ = run_gemm(cp, prep.to_device(), x8, s_x, offsets, alpha)
         assert_within_bound(got, ref, mag)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [8, 64])
+def test_unpromoted_form_is_the_contract_where_accumulation_is_exact(tokens):
+    """The study's form without promotion (one accumulator over all of K, the row's scale at the
+    end) against the promoted one, on inputs whose every partial sum is exact in either: weights
+    0, +-0.5, +-1 with scale 1 (p = -8: w8 in 0, +-128, +-256), activations 0 and +-1 with one
+    power-of-two scale per row, so every sum over K = 384 is a multiple of 2^7 below 2^17. Both
+    must give the float64 contract bit for bit: a form that drops a group, restarts its sum or
+    takes the wrong scale cannot."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng(tokens)
+    e, n, k = 3, 128, 384
+    nib = rng.choice(np.array([0, 1, 2, 8, 9, 10], np.uint8), (e, n, k))
+    packed = (nib[..., 0::2] | (nib[..., 1::2] << 4)).astype(np.uint8)
+    scales = np.full((e, n, k // 16), 0x38, np.uint8)  # e4m3 1.0
+    counts = np.array([tokens + 3, 0, 5])
+    offsets = np.r_[0, np.cumsum(counts)].astype(np.int32)
+    rows = int(counts.sum())
+    x8 = rng.choice(np.array([0x00, 0x38, 0xB8], np.uint8), (rows, k))
+    s_x = np.repeat(np.exp2(rng.integers(-6, 6, (rows, 1))).astype(f32), k // 128, axis=1)
+    alpha = np.exp2(rng.integers(-2, 3, e)).astype(f32)
+    prep = wg.prepare_w4a8_weights(packed, scales)
+    assert (prep.p == -8).all()
+    w8 = w4a8.convert_weights(packed, scales, prep.p).codes
+    ref = w4a8.gemm(x8, s_x, offsets, w8, prep.p, alpha)
+    assert (ref.astype(f32) == ref).all() and np.abs(ref).max() > 0
+    prep_d = prep.to_device()
+    for promote in (True, False):
+        got, guard = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, promote=promote)
+        assert np.isnan(guard).all()
+        bad = np.argwhere(got != ref)
+        assert bad.size == 0, f"promote={promote}: {len(bad)} outputs differ, first {bad[0]}"
+    s_x[1, 1] *= 2
+    with pytest.raises(ValueError, match="s_x: promote=False takes one scale per row"):
+        run_gemm(cp, prep_d, x8, s_x, offsets, alpha, promote=False)
 
 
 @pytest.mark.gpu

@@ -48,7 +48,10 @@
 // Promotion: fp8 wgmma adds up a k32 step with fewer mantissa bits than fp32, so each group's
 // steps go into a temporary accumulator (the first step with scale-d = 0 replaces it) and, once
 // they retire, acc += tmp * s_x[token, g] in fp32. The epilogue writes acc * alpha[e] * 2^p[e]
-// for the tokens below the count only. K must be a multiple of 64 (lab/problem.py): a last
+// for the tokens below the count only. PROMOTE = false is the form without promotion, kept for
+// the accuracy study only (scripts/w4a8_promotion_study.py): every step of every group goes into
+// the one wgmma accumulator and the epilogue applies s_x[token, 0], so it computes the contract
+// only where each row has one scale (all its groups' s_x equal; the launcher checks). K must be a multiple of 64 (lab/problem.py): a last
 // group of 64 columns is two steps of data and two of zeros.
 #include "gemm/ptx.cuh"
 #include "gemm/wgmma.cuh"
@@ -136,7 +139,7 @@ __device__ __forceinline__ uint2 table_row(const uint2* table, uint2 sc, int i) 
   return table[(word >> (8 * (i & 3))) & 0x7Fu];
 }
 
-template <int T>
+template <int T, bool PROMOTE = true>
 __global__ void __launch_bounds__(THREADS, 1)
     w4a8_gemm(const uint2* __restrict__ words, const uint8_t* __restrict__ scales, const uint2* __restrict__ tables,
               const int* __restrict__ table_of, const int* __restrict__ p, const float* __restrict__ alpha,
@@ -213,7 +216,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       lab_gemm::wgmma_fence();
 #pragma unroll
       for (int s = 0; s < STEPS; ++s)
-        WgmmaE4M3<F>::run(tmp, a[s], lab_gemm::smem_desc(base + s * (T * 32), 128, 256), s);
+        WgmmaE4M3<F>::run(tmp, a[s], lab_gemm::smem_desc(base + s * (T * 32), 128, 256), PROMOTE ? s : gi | s);
       lab_gemm::wgmma_commit();
       lab_gemm::wgmma_wait<0>();
       lab_gemm::fence_acc(tmp);  // the reads below stay after the wait
@@ -222,7 +225,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         asm volatile("" ::"r"(a[s][0]), "r"(a[s][1]), "r"(a[s][2]), "r"(a[s][3]));
 
 #pragma unroll
-      for (int j = 0; j < F; ++j) {
+      for (int j = 0; j < (PROMOTE ? F : 0); ++j) {
         const float s0 = sxs[buf][8 * j + 2 * c], s1 = sxs[buf][8 * j + 2 * c + 1];
         acc[j][0] = fmaf(tmp[j][0], s0, acc[j][0]);
         acc[j][1] = fmaf(tmp[j][1], s1, acc[j][1]);
@@ -238,7 +241,8 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int col = 8 * j + 2 * c + (i & 1);
-        if (col < valid) o[(size_t)col * N + 8 * (i >> 1)] = acc[j][i] * factor;
+        if (col < valid)
+          o[(size_t)col * N + 8 * (i >> 1)] = (PROMOTE ? acc[j][i] : tmp[j][i] * s_x[(row0 + col) * G]) * factor;
       }
   }
 }

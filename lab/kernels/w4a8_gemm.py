@@ -27,7 +27,7 @@ nothing on the host and allocates nothing, with offsets and alpha already on the
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -50,13 +50,17 @@ K_ORDER = np.array([4 * c + i if i < 4 else 16 + 4 * c + (i - 4) for c in range(
 K_UNORDER = np.argsort(K_ORDER)
 
 
-def gemm_expression(tokens: int) -> str:
+def gemm_expression(tokens: int, promote: bool = True) -> str:
+    """The kernel instantiation for a token tile; promote=False is the form without promotion,
+    built for the accuracy study only (scripts/w4a8_promotion_study.py)."""
     if tokens not in TOKEN_TILES:
         raise ValueError(f"tokens: the token tile must be one of {TOKEN_TILES}, got {tokens!r}")
-    return f"lab_w4a8::w4a8_gemm<{tokens}>"
+    return f"lab_w4a8::w4a8_gemm<{tokens}>" if promote else f"lab_w4a8::w4a8_gemm<{tokens}, false>"
 
 
 GEMM_EXPRESSIONS = tuple(gemm_expression(t) for t in TOKEN_TILES)
+# compiled in their own module, only when the study asks for them
+UNPROMOTED_EXPRESSIONS = tuple(gemm_expression(t, promote=False) for t in TOKEN_TILES)
 ACT_EXPRESSIONS = ("lab_w4a8_act::quantize_act<float>", "lab_w4a8_act::quantize_act<lab_w4a8_act::uint16_t>",
                    "lab_w4a8_act::swiglu_quant")
 SWIGLU_EXPRESSION = ACT_EXPRESSIONS[2]
@@ -284,6 +288,7 @@ class GemmPlan:
 
     tokens: int
     token_blocks: int
+    promote: bool = True
 
 
 def gemm_plan(offsets, tokens: int | None = None, token_blocks: int | None = None) -> GemmPlan:
@@ -315,7 +320,8 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
     checked, with the same prep, x8, s_x and out."""
     if plan.token_blocks == 0:
         return
-    fn = _kernel(GEMM_SOURCE, GEMM_EXPRESSIONS, gemm_expression(plan.tokens))
+    fn = _kernel(GEMM_SOURCE, GEMM_EXPRESSIONS if plan.promote else UNPROMOTED_EXPRESSIONS,
+                 gemm_expression(plan.tokens, plan.promote))
     with stream:
         fn((prep.n // ROWS, plan.token_blocks, prep.experts), (THREADS,),
            (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, x8, s_x, offsets, out,
@@ -323,15 +329,23 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
 
 
 def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None, tokens: int | None = None,
-              token_blocks: int | None = None):
+              token_blocks: int | None = None, promote: bool = True):
     """Launch the W4A8 grouped GEMM on `stream` (a CuPy stream, None for the current one) and
     return `out` (allocated on that stream when None). `tokens` forces the token tile (one of
     TOKEN_TILES); by default the smallest tile that holds the largest expert (token_tile).
     `token_blocks` sets the grid's height (default: one token tile per CTA for the largest
     expert); a CTA takes every token_blocks-th tile of its expert, so any height computes every
-    token."""
+    token. promote=False runs the form without promotion (one fp8 accumulator over all of K, the
+    row's scale applied at the end), for the accuracy study: it takes one scale per row, every
+    column of s_x equal (checked on the host)."""
     offs, al = check_gemm_args(prep, x8, s_x, offsets, alpha, out)
-    plan = gemm_plan(offs, tokens, token_blocks)
+    if not promote:
+        sx = _host(s_x, "s_x")
+        if (sx != sx[:, :1]).any():
+            bad = int(np.argmax((sx != sx[:, :1]).any(axis=1)))
+            raise ValueError(f"s_x: promote=False takes one scale per row (every column equal); row {bad} "
+                             f"has {sx[bad, :4].tolist()}...")
+    plan = replace(gemm_plan(offs, tokens, token_blocks), promote=bool(promote))
     import cupy as cp
 
     stream = stream if stream is not None else cp.cuda.get_current_stream()
