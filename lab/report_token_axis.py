@@ -82,6 +82,108 @@ def w4a16_verdicts(ta: dict) -> list[str]:
     return out
 
 
+# The W4A8 variants (NVFP4 weights as e4m3 on the fp8 tensor cores, 1x128 fp8 activations).
+W4A8 = ("w4a8", "w4a8-fused", "w4a8-layer")
+# W4A8's targets per band of tokens per expert: (lowest mean, highest mean, % of the binding
+# ceiling, the ceiling the target names, None: whichever binds). Means outside every band have
+# none. The other two targets hold at every mean: faster than the fastest peer, and an error
+# against the float64 layer no larger than the fp8 peer's in the same run.
+W4A8_TARGETS = ((1, 8, 93.0, "read"), (16, 32, 80.0, "read"), (64, 128, 75.0, None), (512, 2048, 70.0, "tensor fp8"))
+FP8_PEER = "torch-fp8"
+
+
+def best_w4a8(point: dict) -> tuple[str, dict] | None:
+    """(name, entry) of the fastest W4A8 variant that ran without error at this mean."""
+    ran = [(n, e) for n in W4A8 if (e := _ta_impl(point, n)) is not None and not e.get("error")]
+    return min(ran, key=lambda ne: ne[1]["ms"]) if ran else None
+
+
+def w4a8_target(mean: float) -> tuple[float, str | None] | None:
+    """(% of the binding ceiling, the ceiling named or None) that W4A8 must reach at this mean."""
+    return next(((pct, kind) for lo, hi, pct, kind in W4A8_TARGETS if lo <= mean <= hi), None)
+
+
+def _w4a8_ceiling_cell(mean: float, e: dict) -> tuple[str, bool | None]:
+    """('84% of read, target 93%: below', met) for one mean; met None where no target applies or
+    the roof% is missing (its ceiling was not measured)."""
+    target = w4a8_target(mean)
+    pct = e.get("roof_pct")
+    have = "-" if pct is None else f"{pct:.0f}% of {_binds(e)}"
+    if target is None:
+        return f"{have}, no target", None
+    want, kind = target
+    if pct is None:
+        return f"-, target {want:g}%", None
+    # a target naming one ceiling is met only on that ceiling: 95% of the fp8 peak where the read
+    # binds says nothing about the read
+    met = pct >= want and (kind is None or _binds(e) == kind)
+    return f"{have}, target {want:g}%{'' if kind is None else ' of ' + kind}: {'met' if met else 'below'}", met
+
+
+def w4a8_table(points: list[dict]) -> str:
+    """One row per mean where a W4A8 variant ran: the fastest, its time, its share of its binding
+    ceiling against the target, its ratio to the fastest peer, its error and the fp8 peer's."""
+    head = ["tokens/expert", "best W4A8", "ms", "binding ceiling (target)", "x fastest peer",
+            f"error vs float64: W4A8 / {FP8_PEER}"]
+    body = []
+    for p in points:
+        b = best_w4a8(p)
+        if b is None:
+            continue
+        name, e = b
+        peer = _ta_impl(p, FP8_PEER)
+        err = lambda x: "-" if x is None or x.get("e2e_rel") is None else f"{x['e2e_rel']:.1e}"  # noqa: E731
+        body.append([f"{p['mean']:g}", name, f"{e['ms']:.3f}", _w4a8_ceiling_cell(p["mean"], e)[0],
+                     _fmt(e.get("x_fastest_peer"), 2), f"{err(e)} / {err(peer)}"])
+    return tabulate(body, head, tablefmt="github", disable_numparse=True)
+
+
+def w4a8_verdicts(ta: dict) -> list[str]:
+    """W4A8 against its three targets, each over the means where it was measured: the share of
+    the binding ceiling (per band), the fastest peer, and the fp8 peer's error."""
+    points = [p for p in sorted(ta["points"], key=lambda p: p["mean"]) if best_w4a8(p)]
+    if not points:
+        return []
+    out = []
+    cells = [(p["mean"], _w4a8_ceiling_cell(p["mean"], best_w4a8(p)[1])) for p in points]
+    met = [m for m, (_, ok) in cells if ok]
+    below = [(m, c) for m, (c, ok) in cells if ok is False]
+    text = "W4A8's share of its binding ceiling:"
+    if met:
+        text += f" on target at {', '.join(f'{m:g}' for m in met)};"
+    if below:
+        text += " below it at " + "; ".join(f"{m:g} ({c.split(', target')[0]}, target{c.split(', target')[1].split(':')[0]})"
+                                          for m, c in below) + ";"
+    if not met and not below:
+        text += " no mean measured falls in a band with a target;"
+    out.append(text.rstrip(";") + ".")
+    vs = [(p["mean"], best_w4a8(p)[1].get("x_fastest_peer"), p.get("fastest_peer")) for p in points]
+    vs = [(m, r, n) for m, r, n in vs if r is not None]
+    if vs:
+        ahead = [(m, r) for m, r, _ in vs if r > 1 + NOISE_PCT / 100]
+        behind = [(m, 1 / r) for m, r, _ in vs if r < 1 - NOISE_PCT / 100]
+        level = [(m, r) for m, r, _ in vs if abs(r - 1) * 100 <= NOISE_PCT]
+        text = f"W4A8 against the fastest peer ({', '.join(sorted({n for _, _, n in vs}))}):"
+        if ahead:
+            text += f" faster at {_means_and_ratios(ahead)};"
+        if level:
+            text += f" level at {', '.join(f'{m:g}' for m, _ in level)};"
+        if behind:
+            text += f" slower at {_means_and_ratios(behind)}, as W4A8's time / the peer's;"
+        out.append(text.rstrip(";") + ".")
+    pairs = [(p["mean"], best_w4a8(p)[1].get("e2e_rel"), (_ta_impl(p, FP8_PEER) or {}).get("e2e_rel")) for p in points]
+    pairs = [(m, a, b) for m, a, b in pairs if a is not None and b is not None]
+    if pairs:
+        worse = [(m, a / b) for m, a, b in pairs if a > b]
+        text = (f"Error against the float64 layer on unquantized activations: W4A8 "
+                f"{min(a for _, a, _ in pairs):.1e}-{max(a for _, a, _ in pairs):.1e}, {FP8_PEER} "
+                f"{min(b for _, _, b in pairs):.1e}-{max(b for _, _, b in pairs):.1e}; ")
+        text += ("no larger than the fp8 peer's at every mean measured." if not worse else
+                 "larger than the fp8 peer's at " + _means_and_ratios(worse) + " (W4A8's / the peer's).")
+        out.append(text)
+    return out
+
+
 def _binds(e: dict) -> str:
     """What bound an implementation's roofline: 'read', 'tensor fp16' or 'tensor fp8' (a run
     before the fp8 ceiling has no per-row binding: its rows were all on the fp16 one)."""
@@ -236,7 +338,9 @@ def token_axis_section(ta: dict) -> list[str]:
             token_axis_table(points), "", "Each GEMM (separate's stages and the peers'):", "",
             token_axis_gemm_table(points), "", "Verdicts:", ""] + [f"- {v}" for v in token_axis_verdicts(ta)] + [""] + \
         (["W4A4 or W4A16 (the same weights and kernels; bf16 activations instead of NVFP4 ones):", ""] +
-         [f"- {v}" for v in w4a16_verdicts(ta)] + [""] if w4a16_verdicts(ta) else [])
+         [f"- {v}" for v in w4a16_verdicts(ta)] + [""] if w4a16_verdicts(ta) else []) + \
+        (["W4A8 (NVFP4 weights as e4m3 on the fp8 tensor cores, 1x128 fp8 activations), against its targets:", "",
+          w4a8_table(points), ""] + [f"- {v}" for v in w4a8_verdicts(ta)] + [""] if w4a8_verdicts(ta) else [])
 
 
 def _token_chart(plt, ta: dict, path: Path) -> None:

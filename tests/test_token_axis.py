@@ -170,6 +170,45 @@ def test_w4a16_verdict_says_where_each_form_wins_and_by_how_much():
     assert "W4A4 or W4A16" in "\n".join(report_token_axis.token_axis_section(ta))
 
 
+def _with_w4a8(ta: dict, rows: dict[float, tuple[float, float, str, float]]) -> dict:
+    """`ta` with w4a8 entries: rows[mean] = (x fastest peer, roof%, binds, e2e error)."""
+    ta = copy.deepcopy(ta)
+    for p in ta["points"]:
+        x, pct, binds, err = rows[p["mean"]]
+        peer = p["impls"][p["fastest_peer"]]["ms"]
+        p["impls"]["w4a8"] = {"peer": False, "expect": "approx", "tensor": "fp8", "ms": peer / x, "x_fastest_peer": x,
+                              "roof_pct": pct, "binds": binds, "e2e_rel": err}
+    return ta
+
+
+def test_w4a8_is_judged_against_each_target_and_the_sentences_follow_the_numbers():
+    base = _fixture()
+    assert report_token_axis.w4a8_verdicts(base) == []
+    assert "W4A8" not in "\n".join(report_token_axis.token_axis_section(base))
+    # 8: 95% of read (target 93% of read: met); 64: 60% of read (75%: below); 600: 80% of the
+    # fp16 peak, not of fp8 (70% of tensor fp8 is named: below)
+    ta = _with_w4a8(base, {8.0: (1.5, 95.0, "read", 0.05), 64.0: (0.995, 60.0, "read", 0.05),
+                           600.0: (0.5, 80.0, "tensor fp16", 0.06)})
+    v = report_token_axis.w4a8_verdicts(ta)
+    assert v[0] == ("W4A8's share of its binding ceiling: on target at 8; below it at 64 (60% of read, target 75%); "
+                    "600 (80% of tensor fp16, target 70% of tensor fp8)."), v[0]
+    assert v[1] == ("W4A8 against the fastest peer (torch-bf16): faster at 8 (1.50x); level at 64; slower at 600 "
+                    "(2.00x), as W4A8's time / the peer's."), v[1]
+    assert v[2].startswith("Error against the float64 layer on unquantized activations: W4A8 5.0e-02-6.0e-02, "
+                           "torch-fp8 5.6e-02-5.8e-02; larger than the fp8 peer's at 600 (1.05x)"), v[2]
+    table = report_token_axis.w4a8_table(sorted(ta["points"], key=lambda p: p["mean"]))
+    assert "95% of read, target 93% of read: met" in table and "60% of read, target 75%: below" in table
+    # the same figures with the error and the ceiling fixed: every target met
+    good = _with_w4a8(base, {8.0: (1.5, 95.0, "read", 0.05), 64.0: (1.2, 76.0, "read", 0.05),
+                             600.0: (1.1, 71.0, "tensor fp8", 0.05)})
+    v = report_token_axis.w4a8_verdicts(good)
+    assert v[0] == "W4A8's share of its binding ceiling: on target at 8, 64, 600."
+    assert v[1] == "W4A8 against the fastest peer (torch-bf16): faster at 8 (1.50x), 64 (1.20x), 600 (1.10x)."
+    assert v[2].endswith("no larger than the fp8 peer's at every mean measured.")
+    assert "W4A8 (NVFP4 weights as e4m3" in "\n".join(report_token_axis.token_axis_section(good))
+    assert report_token_axis.w4a8_target(256) is None and report_token_axis.w4a8_target(2048) == (70.0, "tensor fp8")
+
+
 def test_without_peers_the_verdict_says_why():
     ta = _fixture()
     for p in ta["points"]:
