@@ -125,7 +125,7 @@ E4M3_MIN_NORMAL = 2.0**-6
 E4M3_MIN_SUBNORMAL = 2.0**-9
 FP8_GROUP = 128  # columns of K per activation scale (DeepSeek-V3's 1x128)
 AMAX_FLOOR = np.float32(2.0**-116)  # see the module docstring: inv finite, s_x normal
-ACCUMULATION_REL = 2.0**-12  # the bound is c x this x gemm_abs; c measured 1.39 (tests/test_w4a8_gemm.py C)
+ACCUMULATION_REL = 2.0**-12  # the bound is c x this x gemm_abs; c up to 5.05 measured (tests/test_w4a8_gemm.py C)
 SCALE_CODES = 128  # non-negative e4m3 codes: the table's rows
 NAN_CODE = 0x7F
 
@@ -169,10 +169,16 @@ def _check_weights(packed, scales) -> tuple[np.ndarray, np.ndarray]:
     return packed, scales
 
 
+_TOP_OF_BYTE = np.maximum(np.arange(256) & 7, (np.arange(256) >> 4) & 7).astype(np.uint8)  # larger magnitude index
+
+
 def _row_amax(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """(..., rows) float64: the largest |m * s| of each row, exact."""
-    nib = nvfp4.unpack_nibbles(packed) & 7
-    top = nib.reshape(*scales.shape, nvfp4.BLOCK).max(axis=-1)
+    top = _TOP_OF_BYTE[packed].reshape(*scales.shape, nvfp4.BLOCK // 2)  # a byte holds two codes
+    while top.shape[-1] > 1:  # halving: numpy's max over a short last axis is the slower way
+        half = top.shape[-1] // 2
+        top = np.maximum(top[..., :half], top[..., half:])
+    top = top[..., 0]
     return (_GRID[top] * _E4M3[scales]).max(axis=-1, initial=0.0)
 
 

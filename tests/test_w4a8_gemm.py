@@ -20,11 +20,17 @@ from lab.problem import MoEProblem, make_routing, random_activations, random_wei
 needs_nvcc = pytest.mark.skipif(jit.nvcc_path() is None, reason="needs nvcc")
 f32 = np.float32
 
-# The accumulation bound's constant: |got - gemm| <= C * 2^-12 * gemm_abs + TINY. Measured: the
-# worst c, |got - gemm| / (2^-12 gemm_abs), over these tests was 1.392 on an H100 at 2c011a0
-# (results/studies/w4a8_accumulation_bound.json); 2 keeps a 1.44x margin. The inputs are seeded,
-# so the figure moves only with the kernel's arithmetic.
-C = 2.0
+# The accumulation bound's constant: |got - gemm| <= C * 2^-12 * gemm_abs + TINY, c measured as
+# |got - gemm| / (2^-12 gemm_abs). Over the GEMM tests the worst c was 1.392 (H100, 2c011a0), and C
+# was 2; the variant's stage test then met 2.61 (its w13, H100, ebb1e44), and the promotion study
+# (results/studies/w4a8_promotion.json) 5.05 where every product is positive (K 512, no
+# cancellation). The tensor core truncates: the all-positive outputs come out low by ~5e-4
+# relative, about what ~13 fraction bits kept against a k32 step's largest product give. So C = 8
+# holds what was measured with a 1.58x margin; it is not a worst case: a step whose one product
+# dwarfs the other 31 can lose up to ~31 of that product's last bits, and the bound that follows the
+# hardware is on each step's largest product (not built). Inputs are seeded, so c moves only with
+# the kernel's arithmetic.
+C = 8.0
 TINY = 2.0**-126  # one float32 result's rounding at the bottom of the normal range
 
 

@@ -126,6 +126,28 @@ def _check_nvfp4(packed, scales) -> tuple[int, int, int]:
     return e, n, k
 
 
+# The word of eight codes is a bitwise OR of what each of its four source bytes contributes (the
+# magnitudes and signs of a byte's two codes land on bits of their own), so decode_words of the
+# reordered codes is four table lookups per word: WORD_OF_BYTE[m][v] is decode_words of one word
+# whose byte m is v and the rest zero. Word c of a 32-element step holds K_ORDER[8c .. 8c+7] =
+# elements 4c..4c+3 and 16+4c..16+4c+3, packed in bytes 2c, 2c+1, 8+2c and 9+2c of the step's 16.
+WORD_OF_BYTE = np.stack([w4a8.decode_words(np.eye(4, dtype=np.uint8)[m][None, :] * np.arange(256, dtype=np.uint8)[:, None])[:, 0]
+                         for m in range(4)])
+SOURCE_BYTES = np.array([[2 * c, 2 * c + 1, 8 + 2 * c, 9 + 2 * c] for c in range(4)], np.intp)
+
+
+def _reordered_words(packed) -> np.ndarray:
+    """(n, K/2) packed codes of one matrix -> (n, K/8) uint32: decode_words of the codes in K_ORDER,
+    by table (a tenth of the time of unpacking, reordering and decode_words; equal bit for bit,
+    tests/test_w4a8_gemm.py)."""
+    n, half = packed.shape
+    steps = packed.reshape(n, half // 16, 16)
+    words = WORD_OF_BYTE[0][steps[..., SOURCE_BYTES[:, 0]]]
+    for m in range(1, 4):
+        words |= WORD_OF_BYTE[m][steps[..., SOURCE_BYTES[:, m]]]
+    return words.reshape(n, half // 4)
+
+
 def prepare_w4a8_weights(packed, scales, p=None) -> W4A8Weights:
     """NVFP4 weights (packed (E, N, K/2), scales (E, N, K/16), lab/nvfp4.py's layout) -> the
     kernel's layout. ``p``: None (lab/w4a8.py choose_p per expert) or (E,) integers, each at
@@ -154,8 +176,7 @@ def prepare_w4a8_weights(packed, scales, p=None) -> W4A8Weights:
     words = np.empty((e, nb, ks, THREADS, 2), np.uint32)
     prepared_scales = np.zeros((e, nb, groups, ROWS, 8), np.uint8)
     for i in range(e):
-        nib = nvfp4.unpack_nibbles(packed[i]).reshape(n, ks, STEP_K)[..., K_ORDER].reshape(n, k)
-        wd = w4a8.decode_words(nvfp4.pack_nibbles(nib))  # (n, k/8): word 4s + c of row n
+        wd = _reordered_words(packed[i])  # (n, k/8): word 4s + c of row n
         # row n = 64b + 16w + 8h + g, thread 32w + 4g + c
         words[i] = wd.reshape(nb, 4, 2, 8, ks, 4).transpose(0, 4, 1, 3, 5, 2).reshape(nb, ks, THREADS, 2)
         padded = np.zeros((n, groups * 8), np.uint8)
