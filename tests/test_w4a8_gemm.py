@@ -221,8 +221,8 @@ def test_each_group_is_four_fp8_wgmmas_from_registers(tokens):
 
 
 def test_swiglu_kernel_carries_the_definitions_constants():
-    """w4a8_act.cu's exponential constants are lab/w4a8.py's, bit for bit."""
-    src = (jit.KERNEL_DIR / wg.ACT_SOURCE).read_text()
+    """w4a8_act.cuh's exponential constants are lab/w4a8.py's, bit for bit."""
+    src = (jit.KERNEL_DIR / wg.ACT_HEADER).read_text()
     got = {k: int(v, 16) for k, v in re.findall(r"\b(\w+_BITS(?:_\d)?) = (0x[0-9a-f]{8})u", src)}
     want = {"LOG2E_BITS": w4a8.LOG2E, "LN2_HI_BITS": w4a8.LN2_HI, "LN2_LO_BITS": w4a8.LN2_LO,
             **{f"EXP_POLY_BITS_{i}": c for i, c in enumerate(w4a8.EXP_POLY)}}

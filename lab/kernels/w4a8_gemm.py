@@ -36,6 +36,7 @@ from lab.kernels import jit
 
 GEMM_SOURCE = "w4a8_gemm.cu"
 ACT_SOURCE = "w4a8_act.cu"
+ACT_HEADER = "w4a8_act.cuh"  # the quantize and SwiGLU arithmetic both sources include
 TOKEN_TILES = (8, 16, 32, 64)  # wgmma N: tokens per CTA pass
 ROWS = 64  # weight rows per CTA (wgmma M)
 THREADS = 128
