@@ -139,12 +139,37 @@ __device__ __forceinline__ uint2 table_row(const uint2* table, uint2 sc, int i) 
   return table[(word >> (8 * (i & 3))) & 0x7Fu];
 }
 
-template <int T, bool PROMOTE = true>
-__global__ void __launch_bounds__(THREADS, 1)
-    w4a8_gemm(const uint2* __restrict__ words, const uint8_t* __restrict__ scales, const uint2* __restrict__ tables,
-              const int* __restrict__ table_of, const int* __restrict__ p, const float* __restrict__ alpha,
-              const uint8_t* __restrict__ x8, const float* __restrict__ s_x, const int* __restrict__ offsets,
-              float* __restrict__ out, int N, int K) {
+// Where a token block's results go once its groups are summed: Epilogue::store<PROMOTE>(acc, tmp,
+// factor, row0, valid, b, warp, g, c, e, G, s_x), called by every thread with its accumulators
+// (acc the promoted sum; tmp the last group's temporary or, unpromoted, the whole sum).
+template <int T>
+struct StoreOut {  // out[r, n] = the sum times alpha 2^p, fp32: the contract's output
+  float* __restrict__ out;
+  int N;
+  template <bool PROMOTE>
+  __device__ __forceinline__ void store(const float (&acc)[T / 8][4], const float (&tmp)[T / 8][4], float factor,
+                                        size_t row0, int valid, int b, int warp, int g, int c, int, int G,
+                                        const float* __restrict__ s_x) {
+    float* o = out + row0 * (size_t)N + b * ROWS + 16 * warp + g;
+#pragma unroll
+    for (int j = 0; j < T / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int col = 8 * j + 2 * c + (i & 1);
+        if (col < valid)
+          o[(size_t)col * N + 8 * (i >> 1)] = (PROMOTE ? acc[j][i] : tmp[j][i] * s_x[(row0 + col) * G]) * factor;
+      }
+  }
+};
+
+// The mainloop of every instantiation, one token block at a time, handing each block's sums to
+// `epi` (the shared memory it declares is the kernel's).
+template <int T, bool PROMOTE, class Epilogue>
+__device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
+                                          const uint2* __restrict__ tables, const int* __restrict__ table_of,
+                                          const int* __restrict__ p, const float* __restrict__ alpha,
+                                          const uint8_t* __restrict__ x8, const float* __restrict__ s_x,
+                                          const int* __restrict__ offsets, int N, int K, Epilogue& epi) {
   static_assert(T == 8 || T == 16 || T == 32 || T == 64, "token tile: 8, 16, 32 or 64");
   constexpr int F = T / 8;
   constexpr int BUF = STEPS * T * 32;  // one group's activation bytes
@@ -235,16 +260,18 @@ __global__ void __launch_bounds__(THREADS, 1)
       __syncthreads();  // every thread is done with buffer buf before group gi + 2 refills it
     }
 
-    float* o = out + row0 * (size_t)N + b * ROWS + 16 * warp + g;
-#pragma unroll
-    for (int j = 0; j < F; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int col = 8 * j + 2 * c + (i & 1);
-        if (col < valid)
-          o[(size_t)col * N + 8 * (i >> 1)] = (PROMOTE ? acc[j][i] : tmp[j][i] * s_x[(row0 + col) * G]) * factor;
-      }
+    epi.template store<PROMOTE>(acc, tmp, factor, row0, valid, b, warp, g, c, e, G, s_x);
   }
+}
+
+template <int T, bool PROMOTE = true>
+__global__ void __launch_bounds__(THREADS, 1)
+    w4a8_gemm(const uint2* __restrict__ words, const uint8_t* __restrict__ scales, const uint2* __restrict__ tables,
+              const int* __restrict__ table_of, const int* __restrict__ p, const float* __restrict__ alpha,
+              const uint8_t* __restrict__ x8, const float* __restrict__ s_x, const int* __restrict__ offsets,
+              float* __restrict__ out, int N, int K) {
+  StoreOut<T> epi{out, N};
+  gemm_body<T, PROMOTE>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
 }
 
 }  // namespace lab_w4a8
