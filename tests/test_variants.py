@@ -28,7 +28,7 @@ from strategies import routings
 def test_registry_lists_the_study_variants_in_order():
     assert NAMES == ("separate", "cuda-graph", "chunked-2", "chunked-4", "chunked-8", "chunked-16",
                      "fused-swiglu", "fused-layer", "fused-layer-classes", "fused-layer-swiglu", "fused-out", "one-launch-2G", "fold-b", "w4a16",
-                     "w4a16-fused", "w4a16-layer", "w4a8")
+                     "w4a16-fused", "w4a16-layer", "w4a8", "w4a8-fused")
     for name in NAMES:
         v = make(name)
         assert v.name == name and v.expect in EXPECTS
@@ -67,6 +67,19 @@ def test_w4a8_is_on_request_and_compared_with_the_fp8_ceiling():
     check_variant(v)
     assert (v.expect, v.tensor, v.stages) == ("approx", "fp8", ("w13", "act", "w2", "out"))
     assert "w4a8" in ON_REQUEST and "w4a8" not in DEFAULT
+    f = make("w4a8-fused")
+    check_variant(f)
+    assert (f.expect, f.tensor, f.stages) == ("approx", "fp8", ("w13+act", "w2", "out"))
+    assert "w4a8-fused" in ON_REQUEST
+
+
+def test_w4a8_fused_refuses_an_intermediate_size_off_the_cluster_before_anything_else():
+    from types import SimpleNamespace
+
+    layer = SimpleNamespace(problem=MoEProblem(8, 256, 192, 2), weights=_Untouchable(), offsets=_Untouchable(),
+                            h=_Untouchable())
+    with pytest.raises(ValueError, match=r"intermediate: I=192 must be a positive multiple of 128"):
+        make("w4a8-fused").prepare(_Untouchable(), layer)
 
 
 class _Untouchable:

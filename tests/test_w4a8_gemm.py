@@ -195,9 +195,10 @@ def test_launch_refuses_host_weights_before_touching_a_device():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("expr", wg.GEMM_EXPRESSIONS + wg.UNPROMOTED_EXPRESSIONS + wg.ACT_EXPRESSIONS)
+@pytest.mark.parametrize("expr", wg.GEMM_EXPRESSIONS + wg.UNPROMOTED_EXPRESSIONS + wg.FUSED_EXPRESSIONS +
+                         wg.ACT_EXPRESSIONS)
 def test_instantiations_compile_without_spills(expr):
-    source = wg.GEMM_SOURCE if expr in wg.GEMM_EXPRESSIONS + wg.UNPROMOTED_EXPRESSIONS else wg.ACT_SOURCE
+    source = wg.ACT_SOURCE if expr in wg.ACT_EXPRESSIONS else wg.GEMM_SOURCE
     info = jit.ptxas_report(source, expr)
     assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
     assert not info.wgmma_serialized, info
@@ -218,6 +219,40 @@ def test_each_group_is_four_fp8_wgmmas_from_registers(tokens):
     assert [i.opcode for i in mma] == [f"QGMMA.64x{tokens}x32.F32.E4M3.E4M3"] * 4, mma
     assert "RZ, !UPT" in mma[0].operands and all("RZ" not in i.operands for i in mma[1:]), mma
     assert all("gdesc" in i.operands and not i.operands.split(",")[1].strip().startswith("gdesc") for i in mma), mma
+
+
+@needs_nvcc
+@pytest.mark.parametrize("tokens", wg.TOKEN_TILES)
+def test_the_fused_kernel_keeps_the_mainloop_and_reads_its_cluster(tokens):
+    """w4a8_gemm_swiglu: the plain kernel's four QGMMA per group, two cluster barriers per token
+    block and the partial amax read from the cluster's shared memory."""
+    if sass.nvdisasm_path() is None:
+        pytest.skip("reading SASS needs nvdisasm")
+    code = sass.kernel_sass(wg.GEMM_SOURCE, wg.swiglu_expression(tokens))
+    assert [i.opcode for i in code if "GMMA" in i.opcode] == [f"QGMMA.64x{tokens}x32.F32.E4M3.E4M3"] * 4
+    ops = [i.opcode for i in code]
+    assert sum(o.startswith("UCGABAR_ARV") for o in ops) == 2 and sum(o.startswith("UCGABAR_WAIT") for o in ops) == 2, \
+        sorted(set(ops))
+    assert any(o.startswith("LD") and not o.startswith("LDS") and not o.startswith("LDG") for o in ops), sorted(set(ops))
+
+
+def test_paired_rows_put_gate_and_up_of_one_column_in_one_thread():
+    """Prepared row 64b + 16w + g is gate column i = 32b + 8w + g, row 64b + 16w + 8 + g the up row
+    of the same i (the thread's d[j][0] and d[j][2]), and the four CTAs 4gi..4gi+3 hold exactly the
+    columns of group gi of I."""
+    i = 256
+    order = wg.paired_rows(i)
+    assert sorted(order.tolist()) == list(range(2 * i))
+    for b in range(2 * i // 64):
+        for w in range(4):
+            for g in range(8):
+                col = 32 * b + 8 * w + g
+                assert order[64 * b + 16 * w + g] == col and order[64 * b + 16 * w + 8 + g] == i + col
+    gate = order[order < i].reshape(-1, 128)  # in prepared order, a group of I per 4 CTAs
+    assert all(sorted(row.tolist()) == list(range(128 * q, 128 * q + 128)) for q, row in enumerate(gate))
+    for bad in (192, 64, 0):
+        with pytest.raises(ValueError, match=f"intermediate: I={bad} must be a positive multiple of 128"):
+            wg.paired_rows(bad)
 
 
 def test_swiglu_kernel_carries_the_definitions_constants():
@@ -744,6 +779,47 @@ def test_the_planned_launch_is_the_checked_one():
     assert np.isnan(out.get()).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, token_blocks", [(None, None), (8, 1), (16, 3), (32, None), (64, 1)])
+def test_fused_epilogue_writes_the_act_kernels_bits(tokens, token_blocks):
+    """w13 with the SwiGLU + quantize epilogue, on paired rows, against the plain kernel on the
+    original rows followed by swiglu_quant: a8 and s_a bit for bit (poisoned first), with token
+    tiles that loop over several blocks per CTA (the cluster's partials reused), an empty expert
+    and one past a 64-token tile; I = 256 is two groups, two clusters per row of CTAs."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng()
+    e, h_dim, i = 3, 192, 256
+    counts = np.array([70, 0, 9])
+    offsets = np.r_[0, np.cumsum(counts)].astype(np.int32)
+    packed, scales = random_nvfp4(rng, e, 2 * i, h_dim)
+    x = rng.standard_normal((int(counts.sum()), h_dim)).astype(f32)
+    x8, s_x = (cp.asarray(a) for a in w4a8.quantize_act(x))
+    ones = cp.ones(e, cp.float32)
+    gate_g = cp.asarray(rng.uniform(0.5, 2.0, e).astype(f32) * f32(2.0**-10))
+    up_g = cp.asarray(rng.uniform(0.5, 2.0, e).astype(f32) * f32(2.0**-10))
+    off_d = cp.asarray(offsets)
+    h = wg.w4a8_gemm(wg.prepare_w4a8_weights(packed, scales).to_device(), x8, s_x, offsets, ones.get(),
+                     tokens=tokens, token_blocks=token_blocks)
+    a8_want, s_a_want, bad_want = wg.swiglu_quant_gpu(h, off_d, gate_g, up_g)
+    order = wg.paired_rows(i)
+    paired = wg.prepare_w4a8_weights(packed[:, order], scales[:, order]).to_device()
+    a8 = cp.full((x.shape[0], i), 0x7F, cp.uint8)
+    s_a = cp.full((x.shape[0], i // 128), np.nan, cp.float32)
+    bad = cp.zeros(1, cp.uint32)
+    plan = wg.plan_w4a8_gemm_swiglu(paired, x8, s_x, offsets, ones, gate_g, up_g, a8, s_a, bad, tokens, token_blocks)
+    wg.launch_w4a8_gemm_swiglu(plan, paired, x8, s_x, off_d, ones, gate_g, up_g, a8, s_a, bad,
+                               cp.cuda.get_current_stream())
+    cp.cuda.get_current_stream().synchronize()
+    assert_bits_equal("a8", a8.get(), a8_want.get())
+    assert_bits_equal("s_a", s_a.get(), s_a_want.get())
+    assert int(bad.get()[0]) == int(bad_want.get()[0]) == 0
+    with pytest.raises(ValueError, match="the fused epilogue needs I a multiple of 128"):
+        small = wg.prepare_w4a8_weights(packed[:, :128], scales[:, :128]).to_device()  # I = 64
+        wg.plan_w4a8_gemm_swiglu(small, x8, s_x, offsets, ones, gate_g, up_g, a8[:, :64], s_a[:, :1], bad)
+
+
 # ------------------------------------------------------------------------------- GPU: the w4a8 variant
 
 W4A8_CASES = [
@@ -838,3 +914,39 @@ def test_w4a8_variant_stage_by_stage_and_end_to_end(problem, spec, x_dtype):
     assert list(st) == list(v.stages), st
     runner.checked_run(v, layer)
     assert layer.out_bf16.get().tobytes() == bf16.tobytes(), label
+
+
+@pytest.mark.gpu
+def test_w4a8_fused_variant_is_w4a8_bit_for_bit():
+    """w4a8-fused against w4a8 on the same layer (I = 128: one cluster per row of CTAs; an expert
+    past two 64-token tiles): a8, s_a and the bf16 output bit for bit, its stages' events, and a
+    shape it cannot run refused in prepare."""
+    from lab.layer import load_layer, upload_weights
+    from lab.runner import Runner
+    from lab.variants import make
+
+    problem, spec, _ = W4A8_CASES[1]
+    seed = int(np.random.default_rng().integers(2**31))
+    w = random_weights(problem, seed=seed)
+    routing = make_routing(spec["tokens"], problem.experts, problem.top_k, skew=spec["skew"], seed=seed)
+    x = random_activations(routing.tokens, problem.hidden, seed=seed)
+    runner = Runner()
+    layer = load_layer(runner, upload_weights(w), routing, x)
+    plain = make("w4a8")
+    runner.prepare(plain, layer)
+    runner.checked_run(plain, layer)
+    want = (plain.a8.get(), plain.s_a.get(), layer.out_bf16.get())
+    fused = make("w4a8-fused")
+    runner.prepare(fused, layer)
+    with runner.stream:
+        fused.a8.fill(0x7F)
+        fused.s_a.fill(np.nan)
+    runner.checked_run(fused, layer)
+    for name, was, now in zip(("a8", "s_a", "out_bf16"), want, (fused.a8.get(), fused.s_a.get(), layer.out_bf16.get())):
+        assert_bits_equal(f"seed {seed} {name}", now, was)
+    st = runner.time_stages(fused, layer, iterations=2, warmup=1)
+    assert list(st) == list(fused.stages), st
+    odd = MoEProblem(problem.experts, problem.hidden, 192, problem.top_k)
+    layer2 = load_layer(runner, upload_weights(random_weights(odd, seed=seed)), routing, x)
+    with pytest.raises(ValueError, match="intermediate: I=192 must be a positive multiple of 128"):
+        runner.prepare(make("w4a8-fused"), layer2)

@@ -56,6 +56,7 @@
 #include "gemm/ptx.cuh"
 #include "gemm/wgmma.cuh"
 #include "gemm/decode_fp8.cuh"
+#include "w4a8_act.cuh"
 
 namespace lab_w4a8 {
 
@@ -272,6 +273,112 @@ __global__ void __launch_bounds__(THREADS, 1)
               float* __restrict__ out, int N, int K) {
   StoreOut<T> epi{out, N};
   gemm_body<T, PROMOTE>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
+}
+
+// ------------------------------------------------------------------------------ SwiGLU epilogue
+//
+// w4a8_gemm_swiglu: w13 with the act stage in its epilogue (w4a8-fused). The prepared w13 pairs
+// rows (lab/kernels/w4a8_gemm.py paired_rows): CTA b's row 16w + g is gate column
+// i = 32b + 8w + g of I and row 16w + 8 + g the up row of the same i, so each thread holds both
+// halves of its SwiGLU (d[j][0] with d[j][2], d[j][1] with d[j][3]). h = sum x alpha 2^p is
+// rounded as the plain kernel rounds it and never written; a = swiglu_f32(h_gate, h_up) and its
+// 1x128 quantize are w4a8_act.cuh's functions, so a8 and s_a are swiglu_quant's bits on the h the
+// plain kernel writes. A 128-column group of I is four CTAs (b = 4gi .. 4gi+3): a cluster of four
+// along x. Each CTA reduces its 32 columns' |a| per token (shuffles over g, then its four warps
+// through shared memory), the cluster barrier publishes the partials, each CTA reads the four
+// through distributed shared memory (fmaxf: exact and order-free, as the act kernel's butterfly),
+// then quantizes its own columns; rank 0 writes s_a. A second barrier keeps every partial alive
+// until the cluster has read it. Needs I % 128 == 0 (the launcher checks).
+
+__device__ __forceinline__ void cluster_sync() {  // every thread of the cluster; release / acquire
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ float cluster_load(const float* p, uint32_t rank) {  // *p in CTA `rank`'s shared memory
+  uint32_t remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(lab_gemm::smem_addr(p)), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+
+constexpr int CLUSTER = 4;  // CTAs of one 128-column group of I
+
+template <int T>
+struct SwigluQuant {
+  lab_w4a8_act::uint8_t* __restrict__ a8;  // (rows, I)
+  float* __restrict__ s_a;                 // (rows, I / 128)
+  uint32_t* __restrict__ nonfinite;
+  const float* __restrict__ gate_global;
+  const float* __restrict__ up_global;
+  int I;
+  float (*part)[T];  // [4 warps][T] shared: each warp's |a| maximum per token
+  float* cta;        // [T] shared: the CTA's, read by the cluster
+
+  template <bool PROMOTE>
+  __device__ __forceinline__ void store(const float (&acc)[T / 8][4], const float (&)[T / 8][4], float factor,
+                                        size_t row0, int valid, int b, int warp, int g, int c, int e, int,
+                                        const float* __restrict__) {
+    static_assert(PROMOTE, "the fused epilogue takes the promoted sums");
+    constexpr int F = T / 8;
+    const float gs = gate_global[e], us = up_global[e];
+    const int i = 32 * b + 8 * warp + g;
+    float a[F][2], m[F][2];
+    uint32_t bad = 0;
+#pragma unroll
+    for (int j = 0; j < F; ++j)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const float hg = acc[j][q] * factor, hu = acc[j][2 + q] * factor;  // the plain kernel's h
+        a[j][q] = lab_w4a8_act::swiglu_f32(hg, hu, gs, us);
+        const bool live = 8 * j + 2 * c + q < valid;
+        bad += live && !(lab_w4a8_act::finite(hg) && lab_w4a8_act::finite(hu) && lab_w4a8_act::finite(a[j][q]));
+        m[j][q] = live ? fabsf(a[j][q]) : 0.0f;
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) m[j][q] = fmaxf(m[j][q], __shfl_xor_sync(0xffffffffu, m[j][q], o));
+      }
+    if (g == 0) {
+#pragma unroll
+      for (int j = 0; j < F; ++j)
+#pragma unroll
+        for (int q = 0; q < 2; ++q) part[warp][8 * j + 2 * c + q] = m[j][q];
+    }
+    __syncthreads();
+    const int tid = threadIdx.x;
+    if (tid < T) cta[tid] = fmaxf(fmaxf(part[0][tid], part[1][tid]), fmaxf(part[2][tid], part[3][tid]));
+    cluster_sync();  // every CTA's partials written and visible to the cluster
+    const int G = I / 128, gi = b / CLUSTER;
+#pragma unroll
+    for (int j = 0; j < F; ++j)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int t = 8 * j + 2 * c + q;
+        float mt = 0.0f;
+#pragma unroll
+        for (int r = 0; r < CLUSTER; ++r) mt = fmaxf(mt, cluster_load(cta + t, r));
+        const float amax = fmaxf(mt, 0x1p-116f);
+        const float inv = __fdiv_rn(448.0f, amax);
+        if (t < valid) {
+          a8[(row0 + t) * I + i] = (lab_w4a8_act::uint8_t)(lab_w4a8_act::e4m3x2(lab_w4a8_act::times_inv(a[j][q], inv), 0.0f) & 0xFFu);
+          if (b % CLUSTER == 0 && warp == 0 && g == 0) s_a[(row0 + t) * G + gi] = __fdiv_rn(amax, 448.0f);
+        }
+      }
+    cluster_sync();  // no CTA refills or leaves its partials while another reads them
+    if (bad) atomicAdd(nonfinite, bad);
+  }
+};
+
+template <int T>
+__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1)
+    w4a8_gemm_swiglu(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
+                     const uint2* __restrict__ tables, const int* __restrict__ table_of, const int* __restrict__ p,
+                     const float* __restrict__ alpha, const uint8_t* __restrict__ x8, const float* __restrict__ s_x,
+                     const int* __restrict__ offsets, int N, int K, const float* __restrict__ gate_global,
+                     const float* __restrict__ up_global, uint8_t* __restrict__ a8, float* __restrict__ s_a,
+                     uint32_t* __restrict__ nonfinite) {
+  __shared__ float part[4][T];
+  __shared__ float cta[T];
+  SwigluQuant<T> epi{a8, s_a, nonfinite, gate_global, up_global, N / 2, part, cta};
+  gemm_body<T, true>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
 }
 
 }  // namespace lab_w4a8

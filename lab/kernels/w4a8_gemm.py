@@ -62,6 +62,16 @@ def gemm_expression(tokens: int, promote: bool = True) -> str:
 GEMM_EXPRESSIONS = tuple(gemm_expression(t) for t in TOKEN_TILES)
 # compiled in their own module, only when the study asks for them
 UNPROMOTED_EXPRESSIONS = tuple(gemm_expression(t, promote=False) for t in TOKEN_TILES)
+CLUSTER = 4  # CTAs of the fused epilogue's cluster: one 128-column group of I
+
+
+def swiglu_expression(tokens: int) -> str:
+    """w13 with the SwiGLU + 1x128 quantize in its epilogue (w4a8_gemm.cu w4a8_gemm_swiglu)."""
+    gemm_expression(tokens)  # names the argument when it is not a tile
+    return f"lab_w4a8::w4a8_gemm_swiglu<{tokens}>"
+
+
+FUSED_EXPRESSIONS = tuple(swiglu_expression(t) for t in TOKEN_TILES)
 ACT_EXPRESSIONS = ("lab_w4a8_act::quantize_act<float>", "lab_w4a8_act::quantize_act<lab_w4a8_act::uint16_t>",
                    "lab_w4a8_act::swiglu_quant")
 SWIGLU_EXPRESSION = ACT_EXPRESSIONS[2]
@@ -186,6 +196,19 @@ def prepare_w4a8_weights(packed, scales, p=None) -> W4A8Weights:
     distinct, table_of = np.unique(p, return_inverse=True)
     tables = np.stack([w4a8.magnitude_table(int(q)) for q in distinct])
     return W4A8Weights(words, prepared_scales, tables, table_of.astype(np.int32).reshape(e), p, e, n, k)
+
+
+def paired_rows(intermediate: int) -> np.ndarray:
+    """(2I,) row order of w13 for the fused epilogue: prepared row 64b + 16w + 8h + g is original
+    row h I + 32b + 8w + g (gate i = 32b + 8w + g for h = 0, its up row for h = 1), so each thread
+    of CTA b holds the gate and up sums of the same column i (w4a8_gemm.cu's SwiGLU epilogue).
+    I must be a multiple of 128: a group of I is four whole CTAs."""
+    i = int(intermediate)
+    if i <= 0 or i % GROUP_K:
+        raise ValueError(f"intermediate: I={i} must be a positive multiple of {GROUP_K} for the fused W4A8 "
+                         f"epilogue (a 128-column group of I is a cluster of {CLUSTER} CTAs)")
+    b, w, h, g = np.meshgrid(np.arange(i // 32), np.arange(4), np.arange(2), np.arange(8), indexing="ij")
+    return (h * i + 32 * b + 8 * w + g).reshape(-1)
 
 
 def undecode_words(words) -> np.ndarray:
@@ -510,3 +533,43 @@ def launch_swiglu_quant(h, offsets, gate_global, up_global, a8, s_a, nonfinite, 
         fn((-(-units // ACT_WARPS),), (32 * ACT_WARPS,),
            (h, offsets, np.int32(offsets.shape[0] - 1), np.int32(rows), np.int32(i), gate_global, up_global, a8,
             s_a, a_out if a_out is not None else np.uint64(0), nonfinite))
+
+
+# ---------------------------------------------------------------------------------------------
+# w13 with the SwiGLU + quantize epilogue
+# ---------------------------------------------------------------------------------------------
+
+
+def plan_w4a8_gemm_swiglu(prep: W4A8Weights, x8, s_x, offsets, alpha, gate_global, up_global, a8, s_a,
+                          nonfinite, tokens: int | None = None, token_blocks: int | None = None) -> GemmPlan:
+    """Every check of a fused launch (the GEMM's, with no fp32 output, and the act stage's
+    shapes), on w13 prepared from paired_rows: ValueError naming the first bad argument. Returns
+    the plan launch_w4a8_gemm_swiglu takes."""
+    offs, _ = check_gemm_args(prep, x8, s_x, offsets, alpha)
+    if prep.n % (2 * GROUP_K):
+        raise ValueError(f"prep: N=2I={prep.n}; the fused epilogue needs I a multiple of {GROUP_K}")
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("the fused W4A8 w13")
+    rows, i, e = x8.shape[0], prep.n // 2, prep.experts
+    _check_device_array(cp, "gate_global", gate_global, (e,), np.float32)
+    _check_device_array(cp, "up_global", up_global, (e,), np.float32)
+    _check_device_array(cp, "a8", a8, (rows, i), np.uint8)
+    _check_device_array(cp, "s_a", s_a, (rows, i // GROUP_K), np.float32)
+    _check_device_array(cp, "nonfinite", nonfinite, (1,), np.uint32)
+    return gemm_plan(offs, tokens, token_blocks)
+
+
+def launch_w4a8_gemm_swiglu(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha, gate_global, up_global,
+                            a8, s_a, nonfinite, stream) -> None:
+    """One fused launch on `stream`, no host reads or allocation, for arguments
+    plan_w4a8_gemm_swiglu accepted: a8, s_a as swiglu_quant writes them from the h that
+    w4a8_gemm would write with the same weights in original row order; non-finite h or a counted
+    into `nonfinite`."""
+    if plan.token_blocks == 0:
+        return
+    fn = _kernel(GEMM_SOURCE, FUSED_EXPRESSIONS, swiglu_expression(plan.tokens))
+    with stream:
+        fn((prep.n // ROWS, plan.token_blocks, prep.experts), (THREADS,),
+           (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, x8, s_x, offsets,
+            np.int32(prep.n), np.int32(prep.k), gate_global, up_global, a8, s_a, nonfinite))

@@ -12,8 +12,9 @@ Each variant has a ``name``, an ``expect`` saying what its output should be, ``p
     approx    fold-b                       option (b): gate/up ratio folded into e4m3 scales
               w4a16, w4a16-fused, w4a16-layer   NVFP4 weights, bf16 activations, on the same kernels:
                                            as a graph, with the SwiGLU epilogue, as one launch
-              w4a8                         NVFP4 weights as e4m3 on the fp8 tensor cores, 1x128 fp8
-                                           activations (lab/w4a8.py), one launch per stage
+              w4a8, w4a8-fused             NVFP4 weights as e4m3 on the fp8 tensor cores, 1x128 fp8
+                                           activations (lab/w4a8.py): one launch per stage, and
+                                           with the SwiGLU + quantize in w13's epilogue
 
 What a user would run instead (PyTorch's grouped GEMMs) lives beside the lab, in `peers/`, on
 the same runner contract.
@@ -39,6 +40,7 @@ REGISTRY = {
     w4a16.W4A16Fused.name: w4a16.W4A16Fused,
     w4a16.W4A16Layer.name: w4a16.W4A16Layer,
     w4a8.name: w4a8.W4A8,
+    w4a8.W4A8Fused.name: w4a8.W4A8Fused,
 }
 NAMES = tuple(REGISTRY)
 # Variants scripts take only when asked by name: ones built and checked on the CPU but not yet run
@@ -51,7 +53,9 @@ NAMES = tuple(REGISTRY)
 # ea736dd-d1bc039), kept for the A/B against fused-out's stages (notes/gemm-log.md v28).
 # w4a8 is built and checked on the CPU only (its kernels compile for sm_90a without spills; its GPU
 # tests are written, not yet run): on request until it has run on a GPU.
-ON_REQUEST: tuple[str, ...] = ("fused-layer-classes", "fused-layer-swiglu", "w4a8")
+# w4a8-fused is built and checked on the CPU only (compiles for sm_90a without spills; its GPU
+# test, bitwise equal to w4a8, is written, not yet run).
+ON_REQUEST: tuple[str, ...] = ("fused-layer-classes", "fused-layer-swiglu", "w4a8", "w4a8-fused")
 DEFAULT = tuple(n for n in NAMES if n not in ON_REQUEST)
 
 

@@ -32,6 +32,7 @@ expect = "approx"
 tensor = "fp8"
 STAGES = ("w13", "act", "w2", "out")
 CACHE_KEY = "w4a8"
+PAIRED_KEY = "w4a8/w13-paired"
 MAX_EXPERTS = 65535  # the GEMM's grid z
 
 
@@ -50,22 +51,31 @@ def check_problem(problem) -> None:
         raise ValueError(f"experts: E={e} must lie in [1, {MAX_EXPERTS}] (the W4A8 GEMM's grid z)")
 
 
-def prepared_weights(weights) -> tuple[wg.W4A8Weights, wg.W4A8Weights]:
+def prepared_weights(weights, paired: bool = False) -> tuple[wg.W4A8Weights, wg.W4A8Weights]:
     """(w13, w2) in the W4A8 GEMM's layout on the device, p per expert by lab/w4a8.py choose_p,
-    converted once per DeviceWeights and kept in its cache. A scale code the conversion refuses
-    (negative or NaN) raises ValueError naming the matrix."""
-    if CACHE_KEY not in weights.cache:
-        host = weights.host
-        out = []
-        for label, packed, scales in (("w13", host.w13_packed, host.w13_scales),
-                                      ("w2", host.w2_packed, host.w2_scales)):
-            try:
-                out.append(wg.prepare_w4a8_weights(packed, scales))
-            except ValueError as err:
-                raise ValueError(f"{label}_scales / {label}_packed: {err}") from None
-        # both converted before either is uploaded: a refused w2 leaves no device memory behind
-        weights.cache[CACHE_KEY] = tuple(prep.to_device() for prep in out)
-    return weights.cache[CACHE_KEY]
+    each converted once per DeviceWeights and kept in its cache ("w4a8/w13", "w4a8/w2"). With
+    `paired`, w13 in the fused epilogue's row order (w4a8_gemm.py paired_rows; cache
+    "w4a8/w13-paired"; a row order does not change an expert's p): the plain w13 is then not
+    converted. A scale code the conversion refuses (negative or NaN) raises ValueError naming the
+    matrix, before anything is uploaded."""
+    host = weights.host
+    w13_key = PAIRED_KEY if paired else CACHE_KEY + "/w13"
+    want = {w13_key: ("w13", host.w13_packed, host.w13_scales), CACHE_KEY + "/w2": ("w2", host.w2_packed, host.w2_scales)}
+    made = {}
+    for key, (label, packed, scales) in want.items():
+        if key in weights.cache:
+            continue
+        if key == PAIRED_KEY:
+            order = wg.paired_rows(packed.shape[1] // 2)
+            packed, scales = packed[:, order], scales[:, order]
+        try:
+            made[key] = wg.prepare_w4a8_weights(packed, scales)
+        except ValueError as err:
+            raise ValueError(f"{label}_scales / {label}_packed: {err}") from None
+    # every missing matrix converted before any is uploaded: a refused w2 leaves no device memory behind
+    for key, prep in made.items():
+        weights.cache[key] = prep.to_device()
+    return weights.cache[w13_key], weights.cache[CACHE_KEY + "/w2"]
 
 
 class W4A8:
@@ -74,11 +84,15 @@ class W4A8:
     tensor = tensor
     stages = STAGES
 
+    paired = False  # w13 in the fused epilogue's row order
+
     def prepare(self, runner, layer) -> None:
         check_problem(layer.problem)
+        if self.paired:
+            wg.paired_rows(layer.problem.intermediate)  # names I before anything is converted
         p, w = layer.problem, layer.weights
         rows, E, H, I = layer.rows, p.experts, p.hidden, p.intermediate
-        self.w13, self.w2 = prepared_weights(w)
+        self.w13, self.w2 = prepared_weights(w, paired=self.paired)
         buf = runner.buffer
         self.x8 = buf("w4a8/x8", (rows, H), np.uint8)
         self.s_x = buf("w4a8/s_x", (rows, -(-H // wg.GROUP_K)), np.float32)
@@ -93,9 +107,14 @@ class W4A8:
         self.quantize_input(runner, layer)
         # every check of both GEMMs, on the values run() launches with: run() reads nothing back
         offs = layer.offsets_host
-        self.plan13 = wg.plan_w4a8_gemm(self.w13, self.x8, self.s_x, offs, np.ones(E, np.float32), layer.h)
         self.plan2 = wg.plan_w4a8_gemm(self.w2, self.a8, self.s_a, offs, np.asarray(w.host.w2_global, np.float32),
                                        layer.out)
+        self.plan_w13(runner, layer)
+
+    def plan_w13(self, runner, layer) -> None:
+        w, offs = layer.weights, layer.offsets_host
+        self.plan13 = wg.plan_w4a8_gemm(self.w13, self.x8, self.s_x, offs, np.ones(layer.problem.experts, np.float32),
+                                        layer.h)
         # and the act stage's, once: run() launches it unchecked (launch_swiglu_quant)
         wg.check_swiglu_args(layer.h, layer.offsets, w.gate_global, w.up_global, self.a8, self.s_a, runner.counter)
 
@@ -120,6 +139,35 @@ class W4A8:
         with runner.stage("act", s):
             wg.launch_swiglu_quant(layer.h, layer.offsets, w.gate_global, w.up_global, self.a8, self.s_a,
                                    runner.counter, s)
+        with runner.stage("w2", s):
+            wg.launch_w4a8_gemm(self.plan2, self.w2, self.a8, self.s_a, layer.offsets, self.w2_global, layer.out, s)
+        with runner.stage("out", s):
+            sq.to_bf16(layer.out, layer.out_bf16, runner.counter, stream=s)
+
+
+class W4A8Fused(W4A8):
+    """w4a8-fused: w13 with the SwiGLU and the 1x128 quantize in its epilogue (w4a8_gemm.cu
+    w4a8_gemm_swiglu: gate and up rows paired in each thread, a cluster of four CTAs per
+    128-column group of I sharing the group's amax), so h never reaches memory; then w2 and the
+    output conversion as w4a8. Its a8, s_a and output are w4a8's bits (same h, same SwiGLU and
+    quantize functions). Needs I % 128 == 0."""
+
+    name = "w4a8-fused"
+    stages = ("w13+act", "w2", "out")
+    paired = True
+
+    def plan_w13(self, runner, layer) -> None:
+        w = layer.weights
+        # alpha checked on the host: the device's ones are still being filled on the runner's stream
+        self.plan13 = wg.plan_w4a8_gemm_swiglu(self.w13, self.x8, self.s_x, layer.offsets_host,
+                                               np.ones(layer.problem.experts, np.float32), w.gate_global,
+                                               w.up_global, self.a8, self.s_a, runner.counter)
+
+    def run(self, runner, layer) -> None:
+        w, s = layer.weights, runner.stream
+        with runner.stage("w13+act", s):
+            wg.launch_w4a8_gemm_swiglu(self.plan13, self.w13, self.x8, self.s_x, layer.offsets, self.ones,
+                                       w.gate_global, w.up_global, self.a8, self.s_a, runner.counter, s)
         with runner.stage("w2", s):
             wg.launch_w4a8_gemm(self.plan2, self.w2, self.a8, self.s_a, layer.offsets, self.w2_global, layer.out, s)
         with runner.stage("out", s):
