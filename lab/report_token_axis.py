@@ -20,10 +20,22 @@ def _ta_impl(point: dict, name: str) -> dict | None:
 W4A16 = ("w4a16", "w4a16-fused", "w4a16-layer")
 
 
+def _fastest_of(point: dict, names: tuple[str, ...]) -> tuple[str, dict] | None:
+    """(name, entry) of the fastest of `names` that ran without error at this mean."""
+    ran = [(n, e) for n in names if (e := _ta_impl(point, n)) is not None and not e.get("error")]
+    return min(ran, key=lambda ne: ne[1]["ms"]) if ran else None
+
+
 def best_w4a16(point: dict) -> tuple[str, dict] | None:
     """(name, entry) of the fastest W4A16 variant that ran without error at this mean."""
-    ran = [(n, e) for n in W4A16 if (e := _ta_impl(point, n)) is not None and not e.get("error")]
-    return min(ran, key=lambda ne: ne[1]["ms"]) if ran else None
+    return _fastest_of(point, W4A16)
+
+
+def _by_noise(pairs: list[tuple[float, float]]) -> tuple[list, list, list]:
+    """(mean, ratio) pairs split into (above 1, level within NOISE_PCT, below 1)."""
+    return ([(m, r) for m, r in pairs if (r - 1) * 100 > NOISE_PCT],
+            [(m, r) for m, r in pairs if abs(r - 1) * 100 <= NOISE_PCT],
+            [(m, r) for m, r in pairs if (1 - r) * 100 > NOISE_PCT])
 
 
 def _means_and_ratios(pairs: list[tuple[float, float]]) -> str:
@@ -38,9 +50,7 @@ def w4a16_verdicts(ta: dict) -> list[str]:
     if not points:
         return []
     cost = [(p["mean"], best_w4a16(p)[1]["ms"] / _ta_impl(p, p["best_lab"])["ms"]) for p in points]
-    level = [(m, r) for m, r in cost if abs(r - 1) * 100 <= NOISE_PCT]
-    dearer = [(m, r) for m, r in cost if (r - 1) * 100 > NOISE_PCT]
-    cheaper = [(m, r) for m, r in cost if (1 - r) * 100 > NOISE_PCT]
+    dearer, level, cheaper = _by_noise(cost)
     out = []
     text = "W4A16 (the best of " + ", ".join(W4A16) + ") against W4A4 (the lab's best valid variant), as W4A16's time / W4A4's:"
     if level:
@@ -53,8 +63,7 @@ def w4a16_verdicts(ta: dict) -> list[str]:
     vs_peer = [(p["mean"], _ta_impl(p, p["fastest_peer"])["ms"] / best_w4a16(p)[1]["ms"], p["fastest_peer"])
                for p in points if p.get("fastest_peer") and _ta_impl(p, p["fastest_peer"])]
     if vs_peer:
-        ahead = [(m, r) for m, r, _ in vs_peer if r > 1 + NOISE_PCT / 100]
-        behind = [(m, r) for m, r, _ in vs_peer if r < 1 - NOISE_PCT / 100]
+        ahead, _, behind = _by_noise([(m, r) for m, r, _ in vs_peer])
         peers_named = sorted({n for _, _, n in vs_peer})
         text = f"W4A16 against the fastest peer ({', '.join(peers_named)}), as the peer's time / W4A16's:"
         if ahead:
@@ -94,8 +103,7 @@ FP8_PEER = "torch-fp8"
 
 def best_w4a8(point: dict) -> tuple[str, dict] | None:
     """(name, entry) of the fastest W4A8 variant that ran without error at this mean."""
-    ran = [(n, e) for n in W4A8 if (e := _ta_impl(point, n)) is not None and not e.get("error")]
-    return min(ran, key=lambda ne: ne[1]["ms"]) if ran else None
+    return _fastest_of(point, W4A8)
 
 
 def w4a8_target(mean: float) -> tuple[float, str | None] | None:
@@ -103,21 +111,29 @@ def w4a8_target(mean: float) -> tuple[float, str | None] | None:
     return next(((pct, kind) for lo, hi, pct, kind in W4A8_TARGETS if lo <= mean <= hi), None)
 
 
-def _w4a8_ceiling_cell(mean: float, e: dict) -> tuple[str, bool | None]:
-    """('84% of read, target 93%: below', met) for one mean; met None where no target applies or
-    the roof% is missing (its ceiling was not measured)."""
+def _w4a8_ceiling(mean: float, e: dict) -> tuple[str, str | None, bool | None]:
+    """('84% of read', 'target 93% of read' or None where no target applies, met) for one mean;
+    met None where no target applies or the roof% is missing (its ceiling was not measured)."""
     target = w4a8_target(mean)
     pct = e.get("roof_pct")
     have = "-" if pct is None else f"{pct:.0f}% of {_binds(e)}"
     if target is None:
-        return f"{have}, no target", None
+        return have, None, None
     want, kind = target
+    wanted = f"target {want:g}%{'' if kind is None else ' of ' + kind}"
     if pct is None:
-        return f"-, target {want:g}%", None
+        return have, wanted, None
     # a target naming one ceiling is met only on that ceiling: 95% of the fp8 peak where the read
     # binds says nothing about the read
-    met = pct >= want and (kind is None or _binds(e) == kind)
-    return f"{have}, target {want:g}%{'' if kind is None else ' of ' + kind}: {'met' if met else 'below'}", met
+    return have, wanted, pct >= want and (kind is None or _binds(e) == kind)
+
+
+def _w4a8_ceiling_cell(mean: float, e: dict) -> str:
+    """'84% of read, target 93% of read: below' (', no target' where none applies)."""
+    have, wanted, met = _w4a8_ceiling(mean, e)
+    if wanted is None:
+        return f"{have}, no target"
+    return f"{have}, {wanted}" + ("" if met is None else f": {'met' if met else 'below'}")
 
 
 def w4a8_table(points: list[dict]) -> str:
@@ -133,7 +149,7 @@ def w4a8_table(points: list[dict]) -> str:
         name, e = b
         peer = _ta_impl(p, FP8_PEER)
         err = lambda x: "-" if x is None or x.get("e2e_rel") is None else f"{x['e2e_rel']:.1e}"  # noqa: E731
-        body.append([f"{p['mean']:g}", name, f"{e['ms']:.3f}", _w4a8_ceiling_cell(p["mean"], e)[0],
+        body.append([f"{p['mean']:g}", name, f"{e['ms']:.3f}", _w4a8_ceiling_cell(p["mean"], e),
                      _fmt(e.get("x_fastest_peer"), 2), f"{err(e)} / {err(peer)}"])
     return tabulate(body, head, tablefmt="github", disable_numparse=True)
 
@@ -145,24 +161,22 @@ def w4a8_verdicts(ta: dict) -> list[str]:
     if not points:
         return []
     out = []
-    cells = [(p["mean"], _w4a8_ceiling_cell(p["mean"], best_w4a8(p)[1])) for p in points]
-    met = [m for m, (_, ok) in cells if ok]
-    below = [(m, c) for m, (c, ok) in cells if ok is False]
+    cells = [(p["mean"], *_w4a8_ceiling(p["mean"], best_w4a8(p)[1])) for p in points]
+    met = [m for m, _, _, ok in cells if ok]
+    below = [(m, have, wanted) for m, have, wanted, ok in cells if ok is False]
     text = "W4A8's share of its binding ceiling:"
     if met:
         text += f" on target at {', '.join(f'{m:g}' for m in met)};"
     if below:
-        text += " below it at " + "; ".join(f"{m:g} ({c.split(', target')[0]}, target{c.split(', target')[1].split(':')[0]})"
-                                          for m, c in below) + ";"
+        text += " below it at " + "; ".join(f"{m:g} ({have}, {wanted})" for m, have, wanted in below) + ";"
     if not met and not below:
         text += " no mean measured falls in a band with a target;"
     out.append(text.rstrip(";") + ".")
     vs = [(p["mean"], best_w4a8(p)[1].get("x_fastest_peer"), p.get("fastest_peer")) for p in points]
     vs = [(m, r, n) for m, r, n in vs if r is not None]
     if vs:
-        ahead = [(m, r) for m, r, _ in vs if r > 1 + NOISE_PCT / 100]
-        behind = [(m, 1 / r) for m, r, _ in vs if r < 1 - NOISE_PCT / 100]
-        level = [(m, r) for m, r, _ in vs if abs(r - 1) * 100 <= NOISE_PCT]
+        ahead, level, behind = _by_noise([(m, r) for m, r, _ in vs])
+        behind = [(m, 1 / r) for m, r in behind]
         text = f"W4A8 against the fastest peer ({', '.join(sorted({n for _, _, n in vs}))}):"
         if ahead:
             text += f" faster at {_means_and_ratios(ahead)};"
