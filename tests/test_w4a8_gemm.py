@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+from dataclasses import replace
 
 import ml_dtypes
 import numpy as np
@@ -404,6 +405,31 @@ def test_gemm_is_bitwise_deterministic_and_the_tiles_agree_within_the_bound():
     assert a.tobytes() == b.tobytes()
     c, _ = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=8, token_blocks=3)
     assert_within_bound(c, ref, mag)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [64, 320, 1024])
+@pytest.mark.parametrize("tokens", wg.TOKEN_TILES)
+def test_every_ring_depth_gives_the_same_bits(tokens, k):
+    """The ring's depth changes when loads are issued, never the sums: every depth gives the
+    shipped kernel's bits, with CTAs that loop over token blocks (the ring restarts per block), K
+    shorter than the ring (one group, a 64-column tail) and K longer."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng(tokens + k)
+    prep, x8, s_x, offsets, alpha, ref, mag = make_problem(rng, [1, 0, 23, 150, 8], 128, k)
+    prep_d = prep.to_device()
+    shipped, _ = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=2)
+    assert_within_bound(shipped, ref, mag)
+    plan = wg.gemm_plan(offsets, tokens, 2)
+    d_x8, d_sx, d_off, d_al = cp.asarray(x8), cp.asarray(s_x), cp.asarray(offsets), cp.asarray(alpha)
+    stream = cp.cuda.get_current_stream()
+    for stages in range(2, wg.max_stages(tokens) + 1):
+        out = cp.full((x8.shape[0], prep.n), np.nan, cp.float32)
+        wg.launch_w4a8_gemm(replace(plan, stages=stages), prep_d, d_x8, d_sx, d_off, d_al, out, stream)
+        got = out.get().astype(np.float64)
+        assert got.tobytes() == shipped.tobytes(), f"stages={stages}"
 
 
 @pytest.mark.gpu
@@ -950,3 +976,24 @@ def test_w4a8_fused_variant_is_w4a8_bit_for_bit():
     layer2 = load_layer(runner, upload_weights(random_weights(odd, seed=seed)), routing, x)
     with pytest.raises(ValueError, match="intermediate: I=192 must be a positive multiple of 128"):
         runner.prepare(make("w4a8-fused"), layer2)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("tokens", wg.TOKEN_TILES)
+def test_every_ring_depth_compiles_and_the_shipped_one_is_the_deepest(tokens):
+    """Each depth the stage study times compiles without spills; the default instantiation is
+    max_stages(tokens) deep (the same shared memory), and the fused kernel fits the deepest ring in
+    static shared memory."""
+    for s in range(2, wg.max_stages(tokens) + 1):
+        info = jit.ptxas_report(wg.GEMM_SOURCE, wg.gemm_expression(tokens, stages=s))
+        assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
+    deepest = jit.ptxas_report(wg.GEMM_SOURCE, wg.gemm_expression(tokens, stages=wg.max_stages(tokens)))
+    assert jit.ptxas_report(wg.GEMM_SOURCE, wg.gemm_expression(tokens)).smem_static == deepest.smem_static
+    assert jit.ptxas_report(wg.GEMM_SOURCE, wg.swiglu_expression(tokens)).smem_static <= 48 * 1024
+
+
+def test_stages_outside_the_tiles_ring_are_refused():
+    for tokens, stages in ((8, 1), (8, 5), (64, 4), (16, 2.0)):
+        with pytest.raises(ValueError, match="stages"):
+            wg.gemm_expression(tokens, stages=stages)
+    assert wg.gemm_expression(8, stages=3) == "lab_w4a8::w4a8_gemm<8, true, 3>"

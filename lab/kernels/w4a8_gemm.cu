@@ -37,9 +37,11 @@
 //          expert e's, which the CTA copies into shared memory (1 KiB).
 //
 // Activations: x8 (rows, K) uint8 e4m3 row-major, s_x (rows, ceil(K/128)) float32. Per 128-column
-// group the CTA copies its T tokens' bytes into shared memory with cp.async (double buffered:
-// group g+1 is in flight while group g multiplies), zero-filled for tokens past the expert's
-// count, so no row of another expert is read. Shared layout of one group: wgmma's K-major B
+// group the CTA copies its T tokens' bytes into shared memory with cp.async, in the same ring
+// stage as the group's weights (STAGES deep: groups g+1 .. g+STAGES-1 are in flight while group g
+// multiplies), zero-filled for tokens past the expert's count, so no row of another expert is
+// read. The weights' words and block scales go to shared memory unchanged and are decoded from
+// there, each thread reading its own 8 bytes per step (consecutive threads, consecutive words). Shared layout of one group: wgmma's K-major B
 // without swizzle, in core matrices of 8 tokens x 16 bytes (rows 16 bytes apart, 128 bytes each):
 //   byte (s * T * 32) + (j / 8) * 256 + h * 128 + (j % 8) * 16 + q   holds token j, k = 32s + 16h + q
 // so one step's descriptor has start = its first byte, LBO = 128 (the next core matrix along K)
@@ -114,11 +116,15 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-// Group gi of T tokens (from row `row0`, `valid` of them real) into one shared buffer in the
-// header's core-matrix layout, and their scales s_x[., gi] into sx. Tokens past `valid` are
-// zeros (codes 0, scale 0), and so are the pieces past K of a 64-column last group.
+// Group gi of T tokens (from row `row0`, `valid` of them real) into one stage of the ring: its
+// activation bytes into xs in the header's core-matrix layout, their scales s_x[., gi] into sx,
+// and the CTA's weights for the group (STEPS x 1 KiB of words, 512 bytes of block scales) into
+// ws and scs. Tokens past `valid` are zeros (codes 0, scale 0), and so are the activation pieces
+// and weight steps past K of a 64-column last group (code-0 words decode to zero whatever the
+// table; the prepared scales are zero there too).
 template <int T>
-__device__ __forceinline__ void load_group(uint32_t xs, float* sx, const uint8_t* x8, const float* s_x, size_t row0,
+__device__ __forceinline__ void load_group(uint32_t xs, float* sx, uint2* ws, uint2* scs, const uint8_t* x8,
+                                           const float* s_x, const uint2* wg, const uint8_t* sg, size_t row0,
                                            int valid, int gi, int K, int G, int tid) {
   const int kleft = K - gi * GROUP_K;
 #pragma unroll
@@ -132,6 +138,14 @@ __device__ __forceinline__ void load_group(uint32_t xs, float* sx, const uint8_t
     const bool ok = tid < valid;
     cp_async4(lab_gemm::smem_addr(sx + tid), ok ? s_x + (row0 + tid) * (size_t)G + gi : s_x, ok);
   }
+  const int steps = min(STEPS, K / STEP_K - gi * STEPS);
+#pragma unroll
+  for (int r = 0; r < STEPS * THREADS * 8 / 16 / THREADS; ++r) {  // 16-byte pieces of the words
+    const int q = tid + r * THREADS;
+    const bool ok = q * 16 < steps * THREADS * 8;
+    cp_async16(lab_gemm::smem_addr(ws) + q * 16, ok ? reinterpret_cast<const uint8_t*>(wg) + q * 16 : (const uint8_t*)wg, ok);
+  }
+  if (tid < ROWS * 8 / 16) cp_async16(lab_gemm::smem_addr(scs) + tid * 16, sg + tid * 16, true);
 }
 
 // Table row of scale byte `i` (0..7) of a row's 8 group scales.
@@ -163,19 +177,33 @@ struct StoreOut {  // out[r, n] = the sum times alpha 2^p, fp32: the contract's 
   }
 };
 
+// Stages of the ring by token tile: as deep as 48 KiB of static shared memory allows with the
+// fused epilogue's arrays (a stage is 4.5 KiB of weights and T x 132 bytes of activations).
+template <int T>
+struct DefaultStages {
+  static constexpr int value = T == 64 ? 3 : 4;
+};
+
 // The mainloop of every instantiation, one token block at a time, handing each block's sums to
-// `epi` (the shared memory it declares is the kernel's).
-template <int T, bool PROMOTE, class Epilogue>
+// `epi` (the shared memory it declares is the kernel's). Each 128-column group's weights and
+// activations come through a ring of STAGES shared buffers filled by cp.async: while group gi
+// multiplies, groups gi + 1 .. gi + STAGES - 1 are in flight, so a CTA keeps up to
+// (STAGES - 1) x 4.5 KiB of reads outstanding (the read rate at decode sizes is bytes in flight
+// per SM over latency).
+template <int T, bool PROMOTE, int STAGES, class Epilogue>
 __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
                                           const uint2* __restrict__ tables, const int* __restrict__ table_of,
                                           const int* __restrict__ p, const float* __restrict__ alpha,
                                           const uint8_t* __restrict__ x8, const float* __restrict__ s_x,
                                           const int* __restrict__ offsets, int N, int K, Epilogue& epi) {
   static_assert(T == 8 || T == 16 || T == 32 || T == 64, "token tile: 8, 16, 32 or 64");
+  static_assert(STAGES >= 2, "the ring needs a stage to fill while one multiplies");
   constexpr int F = T / 8;
   constexpr int BUF = STEPS * T * 32;  // one group's activation bytes
-  __shared__ __align__(128) uint8_t xs[2][BUF];
-  __shared__ __align__(16) float sxs[2][T];
+  __shared__ __align__(128) uint8_t xs[STAGES][BUF];
+  __shared__ __align__(16) uint2 ws[STAGES][STEPS * THREADS];
+  __shared__ __align__(16) uint2 scs[STAGES][ROWS];
+  __shared__ __align__(16) float sxs[STAGES][T];
   __shared__ uint2 table[128];
 
   const int e = blockIdx.z, b = blockIdx.x;
@@ -187,9 +215,8 @@ __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const
   const int G = (K + GROUP_K - 1) / GROUP_K, KS = K / STEP_K, NB = N / ROWS;
   table[tid] = tables[(size_t)table_of[e] * 128 + tid];
   const float factor = ldexpf(alpha[e], p[e]);
-  const uint2* wp = words + (size_t)(e * NB + b) * KS * THREADS + tid;
-  const uint8_t* sp = scales + (size_t)(e * NB + b) * G * (ROWS * 8) + (16 * warp + g) * 8;
-  const uint32_t xs0 = lab_gemm::smem_addr(xs[0]), xs1 = lab_gemm::smem_addr(xs[1]);
+  const uint2* wp = words + (size_t)(e * NB + b) * KS * THREADS;         // the CTA's words, step 0
+  const uint8_t* sp = scales + (size_t)(e * NB + b) * G * (ROWS * 8);    // its block scales, group 0
 
   float tmp[F][4];
 #pragma unroll
@@ -207,38 +234,41 @@ __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
 
-    load_group<T>(xs0, sxs[0], x8, s_x, row0, valid, 0, K, G, tid);
-    cp_async_commit();
-    for (int gi = 0; gi < G; ++gi) {
-      const int buf = gi & 1;
-      // buffer buf ^ 1 was last read by group gi - 1, whose wgmmas every thread retired before
-      // the barrier that ended it
-      if (gi + 1 < G) load_group<T>(buf ? xs0 : xs1, sxs[buf ^ 1], x8, s_x, row0, valid, gi + 1, K, G, tid);
-      cp_async_commit();  // possibly empty: wait_group 1 below then always means "group gi landed"
-
-      // A 64-column last group has two steps; the other two multiply zero codes (weights of
-      // scale code 0, whose table row is all zeros, and zero-filled activations), so every group
-      // issues the same four wgmmas (a wgmma under a branch makes ptxas pad the group).
-      const int steps = min(STEPS, KS - gi * STEPS);
-      uint2 w[STEPS];
+    // every thread is past the previous block's reads of the ring (and the table's first write
+    // is visible) before the prologue refills it
+    __syncthreads();
 #pragma unroll
-      for (int s = 0; s < STEPS; ++s) w[s] = s < steps ? wp[(size_t)(gi * STEPS + s) * THREADS] : make_uint2(0, 0);
-      const uint2 sc0 = *reinterpret_cast<const uint2*>(sp + (size_t)gi * (ROWS * 8));
-      const uint2 sc1 = *reinterpret_cast<const uint2*>(sp + (size_t)gi * (ROWS * 8) + 8 * 8);
-
-      cp_async_wait<1>();
+    for (int i = 0; i < STAGES - 1; ++i) {
+      if (i < G)
+        load_group<T>(lab_gemm::smem_addr(xs[i]), sxs[i], ws[i], scs[i], x8, s_x, wp + (size_t)i * STEPS * THREADS,
+                      sp + (size_t)i * (ROWS * 8), row0, valid, i, K, G, tid);
+      cp_async_commit();  // possibly empty, so that the wait below counts groups, not loads
+    }
+    int stage = 0, fill = STAGES - 1;  // the stage group gi sits in, and the one group gi + STAGES - 1 goes to
+    for (int gi = 0; gi < G; ++gi) {
+      cp_async_wait<STAGES - 2>();    // groups up to gi have landed (this thread's copies)
       lab_gemm::fence_proxy_async();  // this thread's shared writes, before wgmma (async proxy) reads them
-      __syncthreads();
+      __syncthreads();                // everyone's copies; and everyone is done with group gi - 1's stage
+      const int next = gi + STAGES - 1;
+      if (next < G)
+        load_group<T>(lab_gemm::smem_addr(xs[fill]), sxs[fill], ws[fill], scs[fill], x8, s_x,
+                      wp + (size_t)next * STEPS * THREADS, sp + (size_t)next * (ROWS * 8), row0, valid, next, K, G, tid);
+      cp_async_commit();
 
+      // A 64-column last group has two steps; the other two multiply zero codes and zero-filled
+      // activations, so every group issues the same four wgmmas (a wgmma under a branch makes
+      // ptxas pad the group).
+      const uint2 sc0 = scs[stage][16 * warp + g], sc1 = scs[stage][16 * warp + g + 8];
       uint32_t a[STEPS][4];
 #pragma unroll
       for (int s = 0; s < STEPS; ++s) {
+        const uint2 w = ws[stage][s * THREADS + tid];
         const uint2 lo0 = table_row(table, sc0, 2 * s), hi0 = table_row(table, sc0, 2 * s + 1);
         const uint2 lo1 = table_row(table, sc1, 2 * s), hi1 = table_row(table, sc1, 2 * s + 1);
-        lab_gemm::decode_fp8_word2(w[s].x, lo0.x, lo0.y, hi0.x, hi0.y, a[s][0], a[s][2]);
-        lab_gemm::decode_fp8_word2(w[s].y, lo1.x, lo1.y, hi1.x, hi1.y, a[s][1], a[s][3]);
+        lab_gemm::decode_fp8_word2(w.x, lo0.x, lo0.y, hi0.x, hi0.y, a[s][0], a[s][2]);
+        lab_gemm::decode_fp8_word2(w.y, lo1.x, lo1.y, hi1.x, hi1.y, a[s][1], a[s][3]);
       }
-      const uint32_t base = buf ? xs1 : xs0;
+      const uint32_t base = lab_gemm::smem_addr(xs[stage]);
       lab_gemm::wgmma_fence();
 #pragma unroll
       for (int s = 0; s < STEPS; ++s)
@@ -252,27 +282,28 @@ __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const
 
 #pragma unroll
       for (int j = 0; j < (PROMOTE ? F : 0); ++j) {
-        const float s0 = sxs[buf][8 * j + 2 * c], s1 = sxs[buf][8 * j + 2 * c + 1];
+        const float s0 = sxs[stage][8 * j + 2 * c], s1 = sxs[stage][8 * j + 2 * c + 1];
         acc[j][0] = fmaf(tmp[j][0], s0, acc[j][0]);
         acc[j][1] = fmaf(tmp[j][1], s1, acc[j][1]);
         acc[j][2] = fmaf(tmp[j][2], s0, acc[j][2]);
         acc[j][3] = fmaf(tmp[j][3], s1, acc[j][3]);
       }
-      __syncthreads();  // every thread is done with buffer buf before group gi + 2 refills it
+      fill = stage;
+      stage = stage + 1 == STAGES ? 0 : stage + 1;
     }
 
     epi.template store<PROMOTE>(acc, tmp, factor, row0, valid, b, warp, g, c, e, G, s_x);
   }
 }
 
-template <int T, bool PROMOTE = true>
+template <int T, bool PROMOTE = true, int STAGES = DefaultStages<T>::value>
 __global__ void __launch_bounds__(THREADS, 1)
     w4a8_gemm(const uint2* __restrict__ words, const uint8_t* __restrict__ scales, const uint2* __restrict__ tables,
               const int* __restrict__ table_of, const int* __restrict__ p, const float* __restrict__ alpha,
               const uint8_t* __restrict__ x8, const float* __restrict__ s_x, const int* __restrict__ offsets,
               float* __restrict__ out, int N, int K) {
   StoreOut<T> epi{out, N};
-  gemm_body<T, PROMOTE>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
+  gemm_body<T, PROMOTE, STAGES>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
 }
 
 // ------------------------------------------------------------------------------ SwiGLU epilogue
@@ -367,7 +398,7 @@ struct SwigluQuant {
   }
 };
 
-template <int T>
+template <int T, int STAGES = DefaultStages<T>::value>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1)
     w4a8_gemm_swiglu(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
                      const uint2* __restrict__ tables, const int* __restrict__ table_of, const int* __restrict__ p,
@@ -378,7 +409,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1)
   __shared__ float part[4][T];
   __shared__ float cta[T];
   SwigluQuant<T> epi{a8, s_a, nonfinite, gate_global, up_global, N / 2, part, cta};
-  gemm_body<T, true>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
+  gemm_body<T, true, STAGES>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
 }
 
 }  // namespace lab_w4a8

@@ -51,12 +51,25 @@ K_ORDER = np.array([4 * c + i if i < 4 else 16 + 4 * c + (i - 4) for c in range(
 K_UNORDER = np.argsort(K_ORDER)
 
 
-def gemm_expression(tokens: int, promote: bool = True) -> str:
+def max_stages(tokens: int) -> int:
+    """The deepest ring a token tile's CTA fits in 48 KiB of static shared memory beside the fused
+    epilogue's arrays (w4a8_gemm.cu's DefaultStages is this for every tile)."""
+    return 3 if tokens == 64 else 4
+
+
+def gemm_expression(tokens: int, promote: bool = True, stages: int | None = None) -> str:
     """The kernel instantiation for a token tile; promote=False is the form without promotion,
-    built for the accuracy study only (scripts/w4a8_promotion_study.py)."""
+    built for the accuracy study only (scripts/w4a8_promotion_study.py); `stages` sets the ring's
+    depth (2 .. max_stages(tokens); None: the shipped depth), for the depth study only
+    (scripts/w4a8_stage_study.py)."""
     if tokens not in TOKEN_TILES:
         raise ValueError(f"tokens: the token tile must be one of {TOKEN_TILES}, got {tokens!r}")
-    return f"lab_w4a8::w4a8_gemm<{tokens}>" if promote else f"lab_w4a8::w4a8_gemm<{tokens}, false>"
+    if stages is not None and not (isinstance(stages, (int, np.integer)) and 2 <= stages <= max_stages(tokens)):
+        raise ValueError(f"stages: expected an int from 2 to {max_stages(tokens)} for token tile {tokens}, "
+                         f"got {stages!r}")
+    if stages is None:
+        return f"lab_w4a8::w4a8_gemm<{tokens}>" if promote else f"lab_w4a8::w4a8_gemm<{tokens}, false>"
+    return f"lab_w4a8::w4a8_gemm<{tokens}, {'true' if promote else 'false'}, {int(stages)}>"
 
 
 GEMM_EXPRESSIONS = tuple(gemm_expression(t) for t in TOKEN_TILES)
@@ -334,6 +347,7 @@ class GemmPlan:
     tokens: int
     token_blocks: int
     promote: bool = True
+    stages: int | None = None  # the ring's depth; None: the shipped one (the depth study sets it)
 
 
 def gemm_plan(offsets, tokens: int | None = None, token_blocks: int | None = None) -> GemmPlan:
@@ -365,8 +379,12 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
     checked, with the same prep, x8, s_x and out."""
     if plan.token_blocks == 0:
         return
-    fn = _kernel(GEMM_SOURCE, GEMM_EXPRESSIONS if plan.promote else UNPROMOTED_EXPRESSIONS,
-                 gemm_expression(plan.tokens, plan.promote))
+    if plan.stages is None:
+        fn = _kernel(GEMM_SOURCE, GEMM_EXPRESSIONS if plan.promote else UNPROMOTED_EXPRESSIONS,
+                     gemm_expression(plan.tokens, plan.promote))
+    else:  # a study's depth, compiled in its own module
+        expr = gemm_expression(plan.tokens, plan.promote, plan.stages)
+        fn = _kernel(GEMM_SOURCE, (expr,), expr)
     with stream:
         fn((prep.n // ROWS, plan.token_blocks, prep.experts), (THREADS,),
            (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, x8, s_x, offsets, out,

@@ -1,0 +1,176 @@
+"""How deep must the W4A8 GEMM's ring be? At decode sizes the kernel reads weights and nothing
+else binds, so its rate is the bytes each SM keeps in flight over the memory latency; every
+stage of the ring (w4a8_gemm.cu gemm_body) adds one 128-column group of weights (4.5 KiB per
+CTA) to them. This study times w4a8_gemm<T, true, S> for every depth S its token tile T fits,
+on the study layer's w13 and w2 shapes and routing at each mean tokens per expert, in interleaved
+rounds, against the flat read measured in the same process. Every depth computes the same sums
+in the same order, so the outputs must be equal bit for bit (checked on outputs poisoned with
+NaN before each first run).
+
+The prepared weights are drawn at random in the kernel's layout (random codes and signs, block
+scale codes 0x28..0x48, p = 0) rather than converted from NVFP4: the time does not depend on the
+values, and the conversion would cost minutes of CPU here.
+
+--baseline DIR times another version of the kernel beside the depths, on the same data and in
+the same rounds (DIR laid out as lab/kernels, e.g. `git archive <commit> lab/kernels | tar -x -C
+/tmp/base` then /tmp/base/lab/kernels; its w4a8_gemm<T> must take the same arguments and
+prepared layout); its outputs must equal the depths' bits as well.
+
+Needs a GPU. --json writes the table, the configuration and the setup (GPU, commit).
+
+    python scripts/w4a8_stage_study.py
+    python scripts/w4a8_stage_study.py --mean-tokens 1 8 --json stages.json
+    python scripts/w4a8_stage_study.py --baseline /tmp/base/lab/kernels
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tabulate import tabulate  # noqa: E402
+
+from lab import w4a8  # noqa: E402
+from lab.cli import HelpFormatter, output_path  # noqa: E402
+from lab.kernels import w4a8_gemm as wg  # noqa: E402
+from lab.problem import make_routing, tokens_for_mean  # noqa: E402
+
+
+def random_prepared(cp, rng, experts: int, n: int, k: int) -> wg.W4A8Weights:
+    """Prepared weights of the kernel's layout with random codes (see the module's docstring)."""
+    groups = -(-k // wg.GROUP_K)
+    words = cp.asarray(rng.integers(0, 2**32, (experts, n // wg.ROWS, k // wg.STEP_K, wg.THREADS, 2), np.uint32))
+    scales = cp.asarray(rng.integers(0x28, 0x49, (experts, n // wg.ROWS, groups, wg.ROWS, 8), np.uint8))
+    tables = cp.asarray(w4a8.magnitude_table(0)[None])
+    zeros = cp.zeros(experts, cp.int32)
+    return wg.W4A8Weights(words, scales, tables, zeros, zeros, experts, n, k)
+
+
+def random_act(cp, rng, rows: int, k: int):
+    """x8 of finite e4m3 codes (0x7F and 0xFF, the NaNs, left out) and positive scales."""
+    x8 = rng.integers(0, 0x7F, (rows, k), np.uint8) | (rng.integers(0, 2, (rows, k), np.uint8) << 7)
+    s_x = rng.uniform(0.5, 2.0, (rows, -(-k // wg.GROUP_K))).astype(np.float32)
+    return cp.asarray(x8), cp.asarray(s_x)
+
+
+def baseline_launcher(cp, tree: Path, tokens: int):
+    """launch(prep, x8, s_x, offsets, alpha, out, token_blocks, stream) of `tree`'s w4a8_gemm<tokens>."""
+    from lab.kernels import jit
+
+    expr = f"lab_w4a8::w4a8_gemm<{tokens}>"
+    code = jit.source(wg.GEMM_SOURCE, tree).replace("#include <cstdint>\n", "")
+    fn = cp.RawModule(code=code, options=jit.ARCH_OPTIONS, name_expressions=(expr,)).get_function(expr)
+
+    def launch(prep, x8, s_x, offsets, alpha, out, token_blocks, stream):
+        with stream:
+            fn((prep.n // wg.ROWS, token_blocks, prep.experts), (wg.THREADS,),
+               (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, x8, s_x, offsets, out,
+                np.int32(prep.n), np.int32(prep.k)))
+    return launch
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--mean-tokens", type=float, nargs="+", default=[1, 8, 32, 128],
+                    help="mean tokens per expert, one measurement each")
+    ap.add_argument("--experts", type=int, default=288, help="experts (the study layer's)")
+    ap.add_argument("--hidden", type=int, default=4096, help="hidden size H: w13 is (2I, H), w2 (H, I)")
+    ap.add_argument("--intermediate", type=int, default=2048, help="intermediate size I")
+    ap.add_argument("--top-k", type=int, default=8, help="experts per token")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    ap.add_argument("--iterations", type=int, default=10, help="timed launches per variant per round")
+    ap.add_argument("--seed", type=int, default=0, help="routing and data seed")
+    ap.add_argument("--baseline", type=Path, metavar="DIR",
+                    help="another version's lab/kernels directory, its w4a8_gemm<T> timed beside the depths")
+    ap.add_argument("--json", type=output_path, metavar="PATH", help="write the results here")
+    args = ap.parse_args()
+
+    for flag, v in (("--experts", args.experts), ("--hidden", args.hidden), ("--intermediate", args.intermediate),
+                    ("--top-k", args.top_k), ("--rounds", args.rounds), ("--iterations", args.iterations)):
+        if v < 1:
+            ap.error(f"{flag}: expected a positive int, got {v}")
+    if args.hidden % 64 or args.intermediate % 64:
+        ap.error(f"--hidden and --intermediate: the kernel's N and K need multiples of 64, got {args.hidden} and "
+                 f"{args.intermediate}")
+    if args.baseline is not None and not (args.baseline / wg.GEMM_SOURCE).is_file():
+        ap.error(f"--baseline: expected a directory holding {wg.GEMM_SOURCE} (laid out as lab/kernels), "
+                 f"got {args.baseline}")
+    from lab.gpu import GPUUnavailable, require_gpu
+
+    try:
+        cp = require_gpu("the W4A8 stage study")
+    except GPUUnavailable as exc:
+        print(f"w4a8_stage_study: {exc}", file=sys.stderr)
+        return 1
+    from lab.device_info import setup_info
+    from lab.kernels.stream_read import measure_read_roofline
+    from lab.timing import time_cuda
+
+    setup = setup_info()
+    read = measure_read_roofline()
+    print(f"{setup.get('gpu')}: flat read {read['gbps']:.0f} GB/s")
+    rng = np.random.default_rng(args.seed)
+    e, h, i = args.experts, args.hidden, args.intermediate
+    mats = {"w13": random_prepared(cp, rng, e, 2 * i, h), "w2": random_prepared(cp, rng, e, h, i)}
+    alpha = cp.asarray(rng.uniform(0.5, 2.0, e).astype(np.float32))
+    stream = cp.cuda.Stream(non_blocking=True)
+    rows = []
+    for mean in args.mean_tokens:
+        routing = make_routing(tokens_for_mean(mean, e, args.top_k), e, args.top_k, seed=args.seed)
+        offs = routing.offsets.astype(np.int32)
+        d_offs = cp.asarray(offs)
+        for name, prep in mats.items():
+            x8, s_x = random_act(cp, rng, int(offs[-1]), prep.k)
+            base = wg.gemm_plan(offs)
+            runs = {s: (lambda out, plan=replace(base, stages=s):
+                        wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
+                    for s in range(2, wg.max_stages(base.tokens) + 1)}
+            if args.baseline is not None:
+                old = baseline_launcher(cp, args.baseline, base.tokens)
+                runs["base"] = lambda out: old(prep, x8, s_x, d_offs, alpha, out, base.token_blocks, stream)
+            depths = list(runs)
+            outs, times = {}, {s: [] for s in depths}
+            for s in depths:
+                outs[s] = cp.full((x8.shape[0], prep.n), np.nan, cp.float32)
+                runs[s](outs[s])
+            stream.synchronize()
+            ref = outs[wg.max_stages(base.tokens)]
+            equal = all(bool(cp.array_equal(outs[s], ref)) for s in depths) and bool(cp.isfinite(ref).all())
+            for _ in range(args.rounds):
+                for s in depths:
+                    t = time_cuda(lambda: runs[s](outs[s]), iterations=args.iterations, warmup=2, stream=stream)
+                    times[s].append(t.median_ms)
+            nbytes = (prep.words.nbytes * np.count_nonzero(routing.counts) // e
+                      + prep.scales.nbytes * np.count_nonzero(routing.counts) // e
+                      + x8.nbytes + s_x.nbytes + ref.nbytes)
+            for s in depths:
+                ms = float(np.median(times[s]))
+                gbps = nbytes / (ms * 1e-3) / 1e9
+                rows.append({"mean_tokens": mean, "matrix": name, "tokens": base.tokens, "stages": s,
+                             "shipped": s == wg.max_stages(base.tokens), "ms": ms, "gbps": gbps,
+                             "of_read": gbps / read["gbps"], "bytes": int(nbytes), "equal_bits": equal})
+            print(tabulate([[r["mean_tokens"], r["matrix"], r["tokens"], r["stages"], f"{1e3 * r['ms']:.1f}",
+                             f"{r['gbps']:.0f}", f"{100 * r['of_read']:.1f}%", r["equal_bits"]]
+                            for r in rows[-len(depths):]],
+                           headers=["mean", "matrix", "T", "stages", "us", "GB/s", "of read", "same bits"]),
+                  flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps({"setup": setup, "read_roofline": read, "config": vars(args),
+                                                       "rows": rows}, indent=1) + "\n")
+    bad = [r for r in rows if not r["equal_bits"]]
+    if bad:
+        print(f"depths disagree (or an output is not finite) at {sorted({(r['mean_tokens'], r['matrix']) for r in bad})}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
