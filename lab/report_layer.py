@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from lab.report_common import DPI, FILE_KEY, NOISE_PCT, board, fmt as _fmt, layer_means, source as _source
+from lab.report_common import CHART_MAX_PX, DPI, FILE_KEY, NOISE_PCT, board, fmt as _fmt, layer_means, source as _source
 from lab.report_common import us as _us, valid as _valid
 
 FUSED = ("fused-layer", "fused-swiglu")
@@ -334,7 +334,8 @@ def _layer_chart(plt, layer_runs: list[dict], path: Path) -> None:
     rows = {v: next(s["values"][v]["row"] for s in series if v in s["values"]) for v in variants}
     n = len(series)
     bar = 0.8 / n
-    fig, ax = plt.subplots(figsize=(12.5, 3.0 + 0.24 * len(variants) * n))
+    # taller with more bars, up to the page's limit (then the bars grow thinner, the labels stay)
+    fig, ax = plt.subplots(figsize=(12.5, min(3.0 + 0.24 * len(variants) * n, (CHART_MAX_PX - 20) / DPI)))
     colors = plt.get_cmap("tab10").colors
     for k, s in enumerate(series):
         ys, xs, lo, hi, ms, hatch = [], [], [], [], [], []

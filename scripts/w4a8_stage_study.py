@@ -162,7 +162,7 @@ def main() -> int:
                            headers=["mean", "matrix", "T", "stages", "us", "GB/s", "of read", "same bits"]),
                   flush=True)
             if args.json:
-                Path(args.json).write_text(json.dumps({"setup": setup, "read_roofline": read, "config": vars(args),
+                Path(args.json).write_text(json.dumps({"setup": setup, "read_roofline": read, "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                                                        "rows": rows}, indent=1) + "\n")
     bad = [r for r in rows if not r["equal_bits"]]
     if bad:

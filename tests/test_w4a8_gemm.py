@@ -973,6 +973,7 @@ def test_w4a8_fused_variant_is_w4a8_bit_for_bit():
     st = runner.time_stages(fused, layer, iterations=2, warmup=1)
     assert list(st) == list(fused.stages), st
     odd = MoEProblem(problem.experts, problem.hidden, 192, problem.top_k)
+    runner.drop_buffers()  # the layer's own buffers (h: rows x 2I) take the new I
     layer2 = load_layer(runner, upload_weights(random_weights(odd, seed=seed)), routing, x)
     with pytest.raises(ValueError, match="intermediate: I=192 must be a positive multiple of 128"):
         runner.prepare(make("w4a8-fused"), layer2)
