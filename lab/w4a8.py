@@ -111,6 +111,8 @@ this; their only deviation is the GEMMs' accumulation.
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -200,8 +202,13 @@ def choose_p(packed, scales, per_row: bool = False) -> np.ndarray:
     packed, scales = _check_weights(packed, scales)
     lead = packed.shape[:-2]
     amax = np.zeros(packed.shape[:-1])
-    for i in np.ndindex(*lead):
+
+    def one(i) -> None:
         amax[i] = _row_amax(packed[i], scales[i])
+
+    # matrices on the host's cores (NumPy's gathers release the GIL; each writes its own rows)
+    with ThreadPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, 16))) as pool:
+        list(pool.map(one, np.ndindex(*lead)))
     return smallest_p(amax if per_row else amax.max(axis=-1, initial=0.0))
 
 

@@ -237,6 +237,21 @@ def test_the_fused_kernel_keeps_the_mainloop_and_reads_its_cluster(tokens):
     assert any(o.startswith("LD") and not o.startswith("LDS") and not o.startswith("LDG") for o in ops), sorted(set(ops))
 
 
+def test_prepare_with_rows_is_preparing_the_permuted_weights():
+    """rows= permutes one expert at a time: the same arrays as preparing a permuted copy; anything
+    but a permutation of N is refused, naming rows."""
+    rng = np.random.default_rng(5)
+    packed, scales = random_nvfp4(rng, 3, 256, 384)
+    order = wg.paired_rows(128)
+    a = wg.prepare_w4a8_weights(packed[:, order], scales[:, order])
+    b = wg.prepare_w4a8_weights(packed, scales, rows=order)
+    for f in ("words", "scales", "tables", "table_of", "p"):
+        assert np.array_equal(getattr(a, f), getattr(b, f)), f
+    for bad in (order[:-1], np.r_[order[1:], order[1]], order.astype(np.float64)):
+        with pytest.raises(ValueError, match="rows: expected a permutation"):
+            wg.prepare_w4a8_weights(packed, scales, rows=bad)
+
+
 def test_paired_rows_put_gate_and_up_of_one_column_in_one_thread():
     """Prepared row 64b + 16w + g is gate column i = 32b + 8w + g, row 64b + 16w + 8 + g the up row
     of the same i (the thread's d[j][0] and d[j][2]), and the four CTAs 4gi..4gi+3 hold exactly the

@@ -27,6 +27,8 @@ nothing on the host and allocates nothing, with offsets and alpha already on the
 from __future__ import annotations
 
 import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -172,13 +174,22 @@ def _reordered_words(packed) -> np.ndarray:
     return words.reshape(n, half // 4)
 
 
-def prepare_w4a8_weights(packed, scales, p=None) -> W4A8Weights:
+def prepare_w4a8_weights(packed, scales, p=None, rows=None) -> W4A8Weights:
     """NVFP4 weights (packed (E, N, K/2), scales (E, N, K/16), lab/nvfp4.py's layout) -> the
     kernel's layout. ``p``: None (lab/w4a8.py choose_p per expert) or (E,) integers, each at
     least the chosen one (a smaller p lets weights exceed 448: ValueError naming p). A per-row p
-    is not supported by this kernel. Experts are converted one at a time."""
+    is not supported by this kernel. ``rows``: a permutation of N the prepared rows take (row r
+    of the result is row rows[r] of the input; paired_rows for the fused epilogue), applied one
+    expert at a time, so no permuted copy of the whole tensor is made (an expert's p does not
+    depend on its row order). Experts are converted on the host's cores, each with its own
+    temporaries."""
     packed, scales = np.asarray(packed), np.asarray(scales)
     e, n, k = _check_nvfp4(packed, scales)
+    if rows is not None:
+        rows = np.asarray(rows)
+        if rows.shape != (n,) or rows.dtype.kind not in "iu" or not np.array_equal(np.sort(rows), np.arange(n)):
+            raise ValueError(f"rows: expected a permutation of range({n}) (N of the weights), got shape "
+                             f"{rows.shape} dtype {rows.dtype}")
     w4a8._check_weights(packed, scales)  # scale codes 0x00..0x7E
     smallest = w4a8.choose_p(packed, scales)
     if p is None:
@@ -199,13 +210,19 @@ def prepare_w4a8_weights(packed, scales, p=None) -> W4A8Weights:
     nb, ks, groups = n // ROWS, k // STEP_K, -(-k // GROUP_K)
     words = np.empty((e, nb, ks, THREADS, 2), np.uint32)
     prepared_scales = np.zeros((e, nb, groups, ROWS, 8), np.uint8)
-    for i in range(e):
-        wd = _reordered_words(packed[i])  # (n, k/8): word 4s + c of row n
+
+    def convert(i: int) -> None:
+        wd = _reordered_words(packed[i] if rows is None else packed[i][rows])  # (n, k/8): word 4s + c of row n
         # row n = 64b + 16w + 8h + g, thread 32w + 4g + c
         words[i] = wd.reshape(nb, 4, 2, 8, ks, 4).transpose(0, 4, 1, 3, 5, 2).reshape(nb, ks, THREADS, 2)
         padded = np.zeros((n, groups * 8), np.uint8)
-        padded[:, : k // 16] = scales[i]
+        padded[:, : k // 16] = scales[i] if rows is None else scales[i][rows]
         prepared_scales[i] = padded.reshape(nb, ROWS, groups, 8).transpose(0, 2, 1, 3)
+
+    # experts on the host's cores: NumPy's gathers and copies release the GIL, and each expert
+    # writes only its own slices
+    with ThreadPoolExecutor(max_workers=max(1, min(e, os.cpu_count() or 1, 16))) as pool:
+        list(pool.map(convert, range(e)))
     distinct, table_of = np.unique(p, return_inverse=True)
     tables = np.stack([w4a8.magnitude_table(int(q)) for q in distinct])
     return W4A8Weights(words, prepared_scales, tables, table_of.astype(np.int32).reshape(e), p, e, n, k)

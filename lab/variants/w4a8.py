@@ -65,11 +65,9 @@ def prepared_weights(weights, paired: bool = False) -> tuple[wg.W4A8Weights, wg.
     for key, (label, packed, scales) in want.items():
         if key in weights.cache:
             continue
-        if key == PAIRED_KEY:
-            order = wg.paired_rows(packed.shape[1] // 2)
-            packed, scales = packed[:, order], scales[:, order]
+        order = wg.paired_rows(packed.shape[1] // 2) if key == PAIRED_KEY else None
         try:
-            made[key] = wg.prepare_w4a8_weights(packed, scales)
+            made[key] = wg.prepare_w4a8_weights(packed, scales, rows=order)
         except ValueError as err:
             raise ValueError(f"{label}_scales / {label}_packed: {err}") from None
     # every missing matrix converted before any is uploaded: a refused w2 leaves no device memory behind
