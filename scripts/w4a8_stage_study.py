@@ -11,10 +11,11 @@ The prepared weights are drawn at random in the kernel's layout (random codes an
 scale codes 0x28..0x48, p = 0) rather than converted from NVFP4: the time does not depend on the
 values, and the conversion would cost minutes of CPU here.
 
---baseline DIR times another version of the kernel beside the depths, on the same data and in
-the same rounds (DIR laid out as lab/kernels, e.g. `git archive <commit> lab/kernels | tar -x -C
-/tmp/base` then /tmp/base/lab/kernels; its w4a8_gemm<T> must take the same arguments and
-prepared layout); its outputs must equal the depths' bits as well.
+--baseline DIR [DIR ...] times other versions of the kernel beside the depths, on the same data
+and in the same rounds (each DIR laid out as lab/kernels, e.g. `git archive <commit> lab/kernels |
+tar -x -C /tmp/base` then /tmp/base/lab/kernels; its w4a8_gemm<T> must take the same arguments and
+prepared layout), labelled base1, base2, ... in the order given; their outputs must equal the
+depths' bits as well.
 
 Needs a GPU. --json writes the table, the configuration and the setup (GPU, commit).
 
@@ -87,8 +88,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     ap.add_argument("--iterations", type=int, default=10, help="timed launches per variant per round")
     ap.add_argument("--seed", type=int, default=0, help="routing and data seed")
-    ap.add_argument("--baseline", type=Path, metavar="DIR",
-                    help="another version's lab/kernels directory, its w4a8_gemm<T> timed beside the depths")
+    ap.add_argument("--baseline", type=Path, metavar="DIR", nargs="+", default=[],
+                    help="other versions' lab/kernels directories, their w4a8_gemm<T> timed beside the depths")
     ap.add_argument("--json", type=output_path, metavar="PATH", help="write the results here")
     args = ap.parse_args()
 
@@ -99,9 +100,10 @@ def main() -> int:
     if args.hidden % 64 or args.intermediate % 64:
         ap.error(f"--hidden and --intermediate: the kernel's N and K need multiples of 64, got {args.hidden} and "
                  f"{args.intermediate}")
-    if args.baseline is not None and not (args.baseline / wg.GEMM_SOURCE).is_file():
-        ap.error(f"--baseline: expected a directory holding {wg.GEMM_SOURCE} (laid out as lab/kernels), "
-                 f"got {args.baseline}")
+    for tree in args.baseline:
+        if not (tree / wg.GEMM_SOURCE).is_file():
+            ap.error(f"--baseline: expected a directory holding {wg.GEMM_SOURCE} (laid out as lab/kernels), "
+                     f"got {tree}")
     from lab.gpu import GPUUnavailable, require_gpu
 
     try:
@@ -132,9 +134,10 @@ def main() -> int:
             runs = {s: (lambda out, plan=replace(base, stages=s):
                         wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
                     for s in range(2, wg.max_stages(base.tokens) + 1)}
-            if args.baseline is not None:
-                old = baseline_launcher(cp, args.baseline, base.tokens)
-                runs["base"] = lambda out: old(prep, x8, s_x, d_offs, alpha, out, base.token_blocks, stream)
+            for n_base, tree in enumerate(args.baseline, 1):
+                old = baseline_launcher(cp, tree, base.tokens)
+                runs[f"base{n_base}"] = (lambda out, old=old:
+                                         old(prep, x8, s_x, d_offs, alpha, out, base.token_blocks, stream))
             depths = list(runs)
             outs, times = {}, {s: [] for s in depths}
             for s in depths:
@@ -162,7 +165,7 @@ def main() -> int:
                            headers=["mean", "matrix", "T", "stages", "us", "GB/s", "of read", "same bits"]),
                   flush=True)
             if args.json:
-                Path(args.json).write_text(json.dumps({"setup": setup, "read_roofline": read, "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                Path(args.json).write_text(json.dumps({"setup": setup, "read_roofline": read, "config": {**vars(args), "baseline": [str(t) for t in args.baseline]},
                                                        "rows": rows}, indent=1) + "\n")
     bad = [r for r in rows if not r["equal_bits"]]
     if bad:
