@@ -88,6 +88,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     ap.add_argument("--iterations", type=int, default=10, help="timed launches per variant per round")
     ap.add_argument("--seed", type=int, default=0, help="routing and data seed")
+    ap.add_argument("--tiles", type=int, nargs="+", default=[], metavar="T",
+                    help="other token tiles to time beside the plan's, each at its shipped depth (labelled T<t>; "
+                         "their bits are reported, not required equal: another tile may round differently)")
     ap.add_argument("--baseline", type=Path, metavar="DIR", nargs="+", default=[],
                     help="other versions' lab/kernels directories, their w4a8_gemm<T> timed beside the depths")
     ap.add_argument("--json", type=output_path, metavar="PATH", help="write the results here")
@@ -100,6 +103,9 @@ def main() -> int:
     if args.hidden % 64 or args.intermediate % 64:
         ap.error(f"--hidden and --intermediate: the kernel's N and K need multiples of 64, got {args.hidden} and "
                  f"{args.intermediate}")
+    for t in args.tiles:
+        if t not in wg.TOKEN_TILES:
+            ap.error(f"--tiles: expected tiles from {wg.TOKEN_TILES}, got {t}")
     for tree in args.baseline:
         if not (tree / wg.GEMM_SOURCE).is_file():
             ap.error(f"--baseline: expected a directory holding {wg.GEMM_SOURCE} (laid out as lab/kernels), "
@@ -138,6 +144,11 @@ def main() -> int:
                 old = baseline_launcher(cp, tree, base.tokens)
                 runs[f"base{n_base}"] = (lambda out, old=old:
                                          old(prep, x8, s_x, d_offs, alpha, out, base.token_blocks, stream))
+            for t in args.tiles:
+                if t != base.tokens:
+                    tile_plan = wg.GemmPlan(t, -(-int(routing.counts.max()) // t))
+                    runs[f"T{t}"] = (lambda out, plan=tile_plan:
+                                     wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
             depths = list(runs)
             outs, times = {}, {s: [] for s in depths}
             for s in depths:
@@ -145,7 +156,8 @@ def main() -> int:
                 runs[s](outs[s])
             stream.synchronize()
             ref = outs[wg.max_stages(base.tokens)]
-            equal = all(bool(cp.array_equal(outs[s], ref)) for s in depths) and bool(cp.isfinite(ref).all())
+            same = {s: bool(cp.array_equal(outs[s], ref)) for s in depths}
+            equal = all(v for s, v in same.items() if not str(s).startswith("T")) and bool(cp.isfinite(ref).all())
             for _ in range(args.rounds):
                 for s in depths:
                     t = time_cuda(lambda: runs[s](outs[s]), iterations=args.iterations, warmup=2, stream=stream)
@@ -156,18 +168,21 @@ def main() -> int:
             for s in depths:
                 ms = float(np.median(times[s]))
                 gbps = nbytes / (ms * 1e-3) / 1e9
-                rows.append({"mean_tokens": mean, "matrix": name, "tokens": base.tokens, "stages": s,
-                             "shipped": s == wg.max_stages(base.tokens), "ms": ms, "gbps": gbps,
-                             "of_read": gbps / read["gbps"], "bytes": int(nbytes), "equal_bits": equal})
+                tflops = 2.0 * x8.shape[0] * prep.n * prep.k / (ms * 1e-3) / 1e12
+                tile = int(s[1:]) if str(s).startswith("T") else base.tokens
+                rows.append({"mean_tokens": mean, "matrix": name, "tokens": tile, "stages": s,
+                             "shipped": s == wg.max_stages(base.tokens) or str(s).startswith("T"), "ms": ms, "gbps": gbps,
+                             "of_read": gbps / read["gbps"], "tflops": tflops, "bytes": int(nbytes), "equal_bits": equal,
+                             "same_bits_as_shipped": same[s], "finite": bool(cp.isfinite(outs[s]).all())})
             print(tabulate([[r["mean_tokens"], r["matrix"], r["tokens"], r["stages"], f"{1e3 * r['ms']:.1f}",
-                             f"{r['gbps']:.0f}", f"{100 * r['of_read']:.1f}%", r["equal_bits"]]
+                             f"{r['gbps']:.0f}", f"{100 * r['of_read']:.1f}%", f"{r['tflops']:.0f}", r["same_bits_as_shipped"]]
                             for r in rows[-len(depths):]],
-                           headers=["mean", "matrix", "T", "stages", "us", "GB/s", "of read", "same bits"]),
+                           headers=["mean", "matrix", "T", "stages", "us", "GB/s", "of read", "TFLOP/s", "same bits"]),
                   flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps({"setup": setup, "read_roofline": read, "config": {**vars(args), "baseline": [str(t) for t in args.baseline]},
                                                        "rows": rows}, indent=1) + "\n")
-    bad = [r for r in rows if not r["equal_bits"]]
+    bad = [r for r in rows if not (r["equal_bits"] and r["finite"])]
     if bad:
         print(f"depths disagree (or an output is not finite) at {sorted({(r['mean_tokens'], r['matrix']) for r in bad})}",
               file=sys.stderr)

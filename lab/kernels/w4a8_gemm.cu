@@ -6,7 +6,7 @@
 //               for offsets[e] <= r < offsets[e+1]
 //
 // Operand swap, as in the fp16 GEMM: weight rows are wgmma's M (64, A from registers, where the
-// decode puts them) and tokens its N (T = 8, 16, 32 or 64, the template argument), so that an
+// decode puts them) and tokens its N (T = 8, 16, 32, 64 or 128, the template argument), so that an
 // expert with a few tokens wastes columns of an 8-wide N, not rows of a 64-row tile.
 //
 // Grid (N/64, token blocks, E): CTA (b, y, e) computes weight rows 64b..64b+63 of expert e
@@ -105,6 +105,14 @@ template <> struct WgmmaE4M3<8> {
   }
 };
 
+template <> struct WgmmaE4M3<16> {
+  static __device__ __forceinline__ void run(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc, int accumulate) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+  }
+};
+
 // 16 bytes global -> shared, or 16 zero bytes when !valid (src-size 0 reads nothing).
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
@@ -138,27 +146,28 @@ struct __align__(128) Stage {
 // the prepared scales are zero there too).
 template <int T>
 struct GroupLoader {
-  static constexpr int XP = (T * 8 + THREADS - 1) / THREADS;  // activation pieces per thread
-  const uint8_t* x_src[XP];  // group 0's bytes of each piece
-  uint32_t x_dst[XP];        // the piece's offset in a stage
-  int x_k[XP];               // the piece's first column within its group, or K (never loaded) for a token past valid
-  const float* sx_src;       // group 0's scale of token tid (any scale when !sx_ok)
+  // activation pieces per thread: piece tid + 128 r is token tid / 8 + 16 r, 16-byte piece tid % 8
+  static constexpr int XP = (T * 8 + THREADS - 1) / THREADS;
+  const uint8_t* x8;      // any readable byte: the source of a zero-filled piece
+  const uint8_t* x_src;   // group 0's bytes of piece r = 0 (pieces r > 0: 16 r rows further)
+  size_t x_rows16;        // 16 rows of x8, in bytes
+  uint32_t x_dst;         // piece 0's offset in a stage (pieces r > 0: 512 r further)
+  int x_j, x_q16;         // piece 0's token and first column within its group
+  int valid;
+  const float* sx_src;    // group 0's scale of token tid (any scale when !sx_ok)
   bool sx_ok;
-  const uint8_t* w_src;      // the CTA's words and scales, this thread's piece, group 0
+  const uint8_t* w_src;   // the CTA's words and scales, this thread's piece, group 0
   const uint8_t* sc_src;
   int tid;
 
-  __device__ __forceinline__ GroupLoader(const uint8_t* x8, const float* s_x, const uint2* wp, const uint8_t* sp,
-                                         size_t row0, int valid, int K, int G, int tid_)
-      : tid(tid_) {
-#pragma unroll
-    for (int r = 0; r < XP; ++r) {
-      const int i = tid + r * THREADS, j = i >> 3, q = i & 7;
-      const bool live = i < T * 8 && j < valid;
-      x_src[r] = x8 + (live ? (row0 + j) * (size_t)K + q * 16 : 0);
-      x_dst[r] = Stage<T>::XS + (q >> 1) * (T * 32) + (j >> 3) * 256 + (q & 1) * 128 + (j & 7) * 16;
-      x_k[r] = live ? q * 16 : K;
-    }
+  __device__ __forceinline__ GroupLoader(const uint8_t* x8_, const float* s_x, const uint2* wp, const uint8_t* sp,
+                                         size_t row0, int valid_, int K, int G, int tid_)
+      : x8(x8_), valid(valid_), tid(tid_) {
+    x_j = tid >> 3;
+    x_q16 = (tid & 7) * 16;
+    x_src = x8 + (row0 + x_j) * (size_t)K + x_q16;
+    x_rows16 = 16 * (size_t)K;
+    x_dst = Stage<T>::XS + ((tid & 7) >> 1) * (T * 32) + (x_j >> 3) * 256 + (tid & 1) * 128 + (x_j & 7) * 16;
     sx_ok = tid < valid;
     sx_src = s_x + (sx_ok ? (row0 + tid) * (size_t)G : 0);
     w_src = reinterpret_cast<const uint8_t*>(wp) + tid * 16;
@@ -166,12 +175,12 @@ struct GroupLoader {
   }
 
   __device__ __forceinline__ void load(uint32_t stage, int gi, int K) const {
-    const int kleft = K - gi * GROUP_K;
+    const bool col_ok = x_q16 < K - gi * GROUP_K;
 #pragma unroll
     for (int r = 0; r < XP; ++r) {
       if (T * 8 % THREADS == 0 || tid + r * THREADS < T * 8) {
-        const bool ok = x_k[r] < kleft;
-        cp_async16(stage + x_dst[r], ok ? x_src[r] + gi * GROUP_K : x_src[r], ok);
+        const bool ok = col_ok && x_j + 16 * r < valid;
+        cp_async16(stage + x_dst + 512 * r, ok ? x_src + r * x_rows16 + gi * GROUP_K : x8, ok);
       }
     }
     if (tid < T) cp_async4(stage + Stage<T>::SX + tid * 4, sx_src + (sx_ok ? gi : 0), sx_ok);
@@ -219,7 +228,7 @@ struct StoreOut {  // out[r, n] = the sum times alpha 2^p, fp32: the contract's 
 // fused epilogue's arrays (a stage is 4.5 KiB of weights and T x 132 bytes of activations).
 template <int T>
 struct DefaultStages {
-  static constexpr int value = T == 64 ? 3 : 4;
+  static constexpr int value = T == 128 ? 2 : T == 64 ? 3 : 4;
 };
 
 // The mainloop of every instantiation, one token block at a time, handing each block's sums to
@@ -234,7 +243,7 @@ __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const
                                           const int* __restrict__ p, const float* __restrict__ alpha,
                                           const uint8_t* __restrict__ x8, const float* __restrict__ s_x,
                                           const int* __restrict__ offsets, int N, int K, Epilogue& epi) {
-  static_assert(T == 8 || T == 16 || T == 32 || T == 64, "token tile: 8, 16, 32 or 64");
+  static_assert(T == 8 || T == 16 || T == 32 || T == 64 || T == 128, "token tile: 8, 16, 32, 64 or 128");
   static_assert(STAGES >= 2, "the ring needs a stage to fill while one multiplies");
   constexpr int F = T / 8;
   static_assert(sizeof(Stage<T>) % 128 == 0 && Stage<T>::SX + 4 * T <= sizeof(Stage<T>), "a stage's layout");
