@@ -77,7 +77,7 @@ def baseline_launcher(cp, tree: Path, tokens: int):
     return launch
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--mean-tokens", type=float, nargs="+", default=[1, 8, 32, 128],
                     help="mean tokens per expert, one measurement each")
@@ -94,7 +94,7 @@ def main() -> int:
     ap.add_argument("--baseline", type=Path, metavar="DIR", nargs="+", default=[],
                     help="other versions' lab/kernels directories, their w4a8_gemm<T> timed beside the depths")
     ap.add_argument("--json", type=output_path, metavar="PATH", help="write the results here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     for flag, v in (("--experts", args.experts), ("--hidden", args.hidden), ("--intermediate", args.intermediate),
                     ("--top-k", args.top_k), ("--rounds", args.rounds), ("--iterations", args.iterations)):

@@ -23,7 +23,7 @@ JSON_SCRIPTS = ["ab_kernels", "bench_gemm", "chunk_study", "read_roofline", "run
                 "probes/fold_directions_probe", "probes/green_ctx_probe", "probes/slow_state_probe",
                 "probes/sm_partition_probe", "probes/split_streams_probe", "probes/tile_families_probe",
                 "probes/unit_cost_probe", "probes/wgmma_rate_probe", "same_sass", "w4a8_error_study",
-                "w4a8_promotion_study"]
+                "w4a8_promotion_study", "w4a8_stage_study"]
 
 
 def load(name: str):
