@@ -225,6 +225,26 @@ def test_each_group_is_four_fp8_wgmmas_from_registers(tokens):
     assert all("gdesc" in i.operands and not i.operands.split(",")[1].strip().startswith("gdesc") for i in mma), mma
 
 
+# Instructions in one trip of the group loop (static SASS, every path): at decode sizes the
+# kernel issues them for every 4.5 KiB of weights a CTA reads, so they set its read rate once
+# enough bytes are in flight (notes/w4a8.md). 82cf3e2's ring had 454-527 (v1: 440-499), recomputing
+# each activation piece's address per group; the per-block loader has 238-366.
+GROUP_LOOP_MAX = {8: 260, 16: 260, 32: 290, 64: 345, 128: 400}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("tokens", wg.TOKEN_TILES)
+def test_the_group_loop_stays_lean(tokens):
+    if sass.nvdisasm_path() is None:
+        pytest.skip("reading SASS needs nvdisasm")
+    for expr in (wg.gemm_expression(tokens), wg.swiglu_expression(tokens)):
+        code = sass.kernel_sass(wg.GEMM_SOURCE, expr)
+        loops = sass.tensor_loops(code)
+        assert len(loops) == 1, (expr, loops)
+        mix = sass.loop_mix(code, loops[0])
+        assert mix.n_tensor == 4 and mix.instructions <= GROUP_LOOP_MAX[tokens], (expr, mix.instructions, mix.counts)
+
+
 @needs_nvcc
 @pytest.mark.parametrize("tokens", wg.TOKEN_TILES)
 def test_the_fused_kernel_keeps_the_mainloop_and_reads_its_cluster(tokens):

@@ -119,7 +119,7 @@ def _kernel_sass(name: str, expression: str, tree: Path | None) -> list[Instr]:
     return funcs[mangled]
 
 
-TENSOR = ("HGMMA", "HMMA")
+TENSOR = ("HGMMA", "HMMA", "QGMMA")  # QGMMA: fp8 wgmma (the W4A8 GEMM)
 
 # Instruction classes, by base opcode (the first dotted part); IMAD's shift and move forms count
 # as integer work, which they are (ptxas issues shifts on the FMA pipe's IMAD to balance pipes).
