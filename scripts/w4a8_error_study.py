@@ -12,10 +12,16 @@ arithmetic), the error its user pays, as checks.rel_error ||out - ref|| / ||ref|
     w4a8         lab/w4a8.py layer_rows: 1x128 fp8 activations, weights e4m3 with a p per expert
     w4a8-row     the same with a p per weight row
     a8-only      1x128 fp8 activations, NVFP4 weights exact (the activations' share of w4a8)
+    w8-only      w4a8's e4m3 weights (p per expert), activations exact (the weights' share of w4a8)
     fp8-rowwise  a torch fp8 peer: the dequantized NVFP4 weights (globals applied) re-quantized
                  to e4m3 with one amax/448 scale per row, activations with one per token
+    rowwise-w-only  fp8-rowwise's weights, activations exact (the weights' share of fp8-rowwise)
     w4a4         the lab's NVFP4 activations (reference.layer_rows), static input scales
                  calibrated on this batch (amax / 2688 of x and of the unquantized SwiGLU output)
+
+--weights synthetic draws the weights as the GPU scripts do instead (lab/problem.py
+random_weights: random codes, half the block scales over all of e4m3, half in a band of real
+tensors' scales), the layer the token axis judges W4A8's error on.
 
 A second table counts the weights the e4m3 conversion changes (rounded), those below e4m3's
 normal range (subnormal) and those it zeroes (flushed), per matrix and in all, for both p rules.
@@ -23,6 +29,7 @@ normal range (subnormal) and those it zeroes (flushed), per matrix and in all, f
 
     python scripts/w4a8_error_study.py
     python scripts/w4a8_error_study.py --df 3 --experts 4 --top-k 2 --json w4a8_error.json
+    python scripts/w4a8_error_study.py --weights synthetic --experts 4 --top-k 2
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from tabulate import tabulate  # noqa: E402
 from lab import nvfp4, reference, w4a8  # noqa: E402
 from lab.cli import HelpFormatter, output_path  # noqa: E402
 from lab.checks import format_rel, rel_error  # noqa: E402
-from lab.problem import MoEProblem, MoEWeights, make_routing, random_activations  # noqa: E402
+from lab.problem import MoEProblem, MoEWeights, make_routing, random_activations, random_weights  # noqa: E402
 
 WEIGHT_STD = 0.02  # the scale of the t draws (relative errors do not depend on it)
 ROW_SPREAD = 0.3  # lognormal sigma of a row's scale
@@ -85,9 +92,22 @@ def dequantized(w: MoEWeights, e: int) -> tuple[np.ndarray, np.ndarray]:
     return w13, nvfp4.dequantize_blocks(w.w2_packed[e], w.w2_scales[e]) * float(w.w2_global[e])
 
 
-def run_layer(x_rows, offsets, w: MoEWeights, act, weight=None) -> tuple[np.ndarray, np.ndarray]:
+def w4a8_dequantized(w: MoEWeights, e: int) -> tuple[np.ndarray, np.ndarray]:
+    """dequantized()'s matrices as W4A8 runs them: e4m3 codes (p per expert) times 2^p and the globals."""
+    I = w.intermediate
+    mats = []
+    for packed, scales in ((w.w13_packed[e], w.w13_scales[e]), (w.w2_packed[e], w.w2_scales[e])):
+        c = w4a8.convert_weights(packed, scales)
+        mats.append(np.ldexp(w4a8.decode_e4m3(c.codes), int(c.p)))
+    mats[0][:I] *= float(w.gate_global[e])
+    mats[0][I:] *= float(w.up_global[e])
+    return mats[0], mats[1] * float(w.w2_global[e])
+
+
+def run_layer(x_rows, offsets, w: MoEWeights, act, weight=None, matrices=dequantized) -> tuple[np.ndarray, np.ndarray]:
     """The layer in float64 with act() applied to x and to the SwiGLU output (the identity for the
-    reference) and weight() to each dequantized matrix: (out (rows, H), SwiGLU output (rows, I))."""
+    reference) and weight() to each of matrices()'s (dequantized by default): (out (rows, H),
+    SwiGLU output (rows, I))."""
     I = w.intermediate
     out = np.zeros((x_rows.shape[0], w.hidden))
     a_all = np.zeros((x_rows.shape[0], I))
@@ -95,7 +115,7 @@ def run_layer(x_rows, offsets, w: MoEWeights, act, weight=None) -> tuple[np.ndar
         r0, r1 = offsets[e], offsets[e + 1]
         if r1 == r0:
             continue
-        w13, w2 = dequantized(w, e)
+        w13, w2 = matrices(w, e)
         if weight is not None:
             w13, w2 = weight(w13), weight(w2)
         h = act(x_rows[r0:r1]) @ w13.T
@@ -138,7 +158,8 @@ def weight_stats(w: MoEWeights, per_row: bool) -> list[dict]:
 
 def study(args) -> dict:
     problem = MoEProblem(args.experts, args.hidden, args.intermediate, args.top_k).validate()
-    w = heavy_tailed_weights(problem, args.df, args.seed)
+    w = (heavy_tailed_weights(problem, args.df, args.seed) if args.weights == "student-t"
+         else random_weights(problem, args.seed))
     routing = make_routing(args.tokens, problem.experts, problem.top_k, seed=args.seed)
     x_rows = random_activations(args.tokens, problem.hidden, args.seed)[routing.row_token].astype(np.float64)
     offsets = routing.offsets.astype(np.int64)
@@ -153,13 +174,15 @@ def study(args) -> dict:
         "w4a8": w4a8.layer_rows(x_rows, offsets, w)["out"],
         "w4a8-row": w4a8.layer_rows(x_rows, offsets, w, per_row=True)["out"],
         "a8-only": run_layer(x_rows, offsets, w, fp8_1x128)[0],
+        "w8-only": run_layer(x_rows, offsets, w, lambda v: v, matrices=w4a8_dequantized)[0],
         "fp8-rowwise": run_layer(x_rows, offsets, w, fp8_rowwise, fp8_rowwise)[0],
+        "rowwise-w-only": run_layer(x_rows, offsets, w, lambda v: v, fp8_rowwise)[0],
         "w4a4": reference.layer_rows(x_rows, offsets, w)["out"],
     }
     errors = [dict(variant=k, rel_error=rel_error(v, ref)) for k, v in outs.items()]
     return dict(
         config=dict(experts=problem.experts, hidden=problem.hidden, intermediate=problem.intermediate,
-                    tokens=args.tokens, top_k=problem.top_k, df=args.df, seed=args.seed,
+                    tokens=args.tokens, top_k=problem.top_k, weights=args.weights, df=args.df, seed=args.seed,
                     weight_std=WEIGHT_STD, row_spread=ROW_SPREAD),
         errors=errors,
         weights=weight_stats(w, False) + weight_stats(w, True),
@@ -173,6 +196,8 @@ def main(argv=None) -> int:
     p.add_argument("--intermediate", type=int, default=512, help="intermediate size I, a multiple of 64")
     p.add_argument("--tokens", type=int, default=512, help="tokens of the batch")
     p.add_argument("--top-k", type=int, default=1, help="experts per token (at most --experts)")
+    p.add_argument("--weights", choices=("student-t", "synthetic"), default="student-t",
+                   help="NVFP4 quantized from Student-t matrices, or lab/problem.py random_weights (the GPU scripts' layer)")
     p.add_argument("--df", type=float, default=4.0, help="Student-t degrees of freedom of the real weights")
     p.add_argument("--seed", type=int, default=0, help="weights, tokens and routing")
     p.add_argument("--json", type=output_path, metavar="PATH", help="write the tables here as JSON")
@@ -187,7 +212,7 @@ def main(argv=None) -> int:
         p.error(str(exc))
     c = res["config"]
     print(f"E={c['experts']} H={c['hidden']} I={c['intermediate']} tokens={c['tokens']} top_k={c['top_k']} "
-          f"Student-t df={c['df']} seed={c['seed']}")
+          + (f"Student-t df={c['df']}" if c["weights"] == "student-t" else "synthetic weights") + f" seed={c['seed']}")
     print(tabulate([[r["variant"], format_rel(r["rel_error"])] for r in res["errors"]],
                    headers=["variant", "rel error vs float64 layer (unquantized activations)"]))
     print()
