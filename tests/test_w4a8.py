@@ -836,8 +836,9 @@ def test_layer_rows_refuses_a_p_that_overflows():
 
 
 def test_error_study_orders_the_variants_as_their_activation_bits(tmp_path):
-    """On a small layer: bf16 activations beat fp8, fp8 beats NVFP4; the fp8 activations alone
-    cost less than W4A8; a fifth to a quarter of the weights round; the JSON holds the tables."""
+    """On a small layer: bf16 activations beat fp8, fp8 beats NVFP4; the fp8 activations alone, and
+    each recipe's weights alone, cost less than the recipe; a fifth to a quarter of the weights
+    round; the JSON holds the tables."""
     spec = importlib.util.spec_from_file_location("w4a8_error_study", ROOT / "scripts" / "w4a8_error_study.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -847,8 +848,28 @@ def test_error_study_orders_the_variants_as_their_activation_bits(tmp_path):
 
     res = json.loads((tmp_path / "t.json").read_text())
     err = {r["variant"]: r["rel_error"] for r in res["errors"]}
-    assert set(err) == {"w4a16", "w4a8", "w4a8-row", "a8-only", "fp8-rowwise", "w4a4"}
+    assert set(err) == {"w4a16", "w4a8", "w4a8-row", "a8-only", "w8-only", "fp8-rowwise", "rowwise-w-only", "w4a4"}
     assert err["w4a16"] < err["a8-only"] < err["w4a8"] < err["w4a4"]
+    # each recipe's weights alone cost less than the recipe, and more than nothing
+    assert 0 < err["w8-only"] < err["w4a8"] and 0 < err["rowwise-w-only"] < err["fp8-rowwise"]
     assert 0 < err["w4a16"] < 1e-2 and err["w4a4"] < 0.5
     total = [r for r in res["weights"] if r["matrix"] == "all" and r["p_rule"] == "expert"][0]
     assert 0.15 < total["rounded_fraction"] < 0.3
+
+
+def test_error_study_runs_on_the_gpu_scripts_synthetic_layer(tmp_path):
+    """--weights synthetic takes lab/problem.py random_weights: the same tables, named in the
+    config, with the codes' rounding above the Student-t layer's (uniform codes, any scale)."""
+    spec = importlib.util.spec_from_file_location("w4a8_error_study", ROOT / "scripts" / "w4a8_error_study.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--weights", "synthetic", "--experts", "2", "--hidden", "256", "--intermediate", "128",
+                     "--tokens", "64", "--json", str(tmp_path / "s.json")]) == 0
+    import json
+
+    res = json.loads((tmp_path / "s.json").read_text())
+    assert res["config"]["weights"] == "synthetic"
+    err = {r["variant"]: r["rel_error"] for r in res["errors"]}
+    assert err["w4a16"] < err["a8-only"] < err["w4a8"] < err["w4a4"]
+    total = [r for r in res["weights"] if r["matrix"] == "all" and r["p_rule"] == "expert"][0]
+    assert total["rounded_fraction"] > 0.25 and total["subnormal_fraction"] > 0.01
