@@ -6,7 +6,7 @@
 //               for offsets[e] <= r < offsets[e+1]
 //
 // Operand swap, as in the fp16 GEMM: weight rows are wgmma's M (64, A from registers, where the
-// decode puts them) and tokens its N (T = 8, 16, 32 or 64, the template argument), so that an
+// decode puts them) and tokens its N (T = 8, 16, 32, 64 or 128, the template argument), so that an
 // expert with a few tokens wastes columns of an 8-wide N, not rows of a 64-row tile.
 //
 // Grid (N/64, token blocks, E): CTA (b, y, e) computes weight rows 64b..64b+63 of expert e
@@ -105,6 +105,14 @@ template <> struct WgmmaE4M3<8> {
   }
 };
 
+template <> struct WgmmaE4M3<16> {
+  static __device__ __forceinline__ void run(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc, int accumulate) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+  }
+};
+
 // 16 bytes global -> shared, or 16 zero bytes when !valid (src-size 0 reads nothing).
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
@@ -116,37 +124,76 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-// Group gi of T tokens (from row `row0`, `valid` of them real) into one stage of the ring: its
-// activation bytes into xs in the header's core-matrix layout, their scales s_x[., gi] into sx,
-// and the CTA's weights for the group (STEPS x 1 KiB of words, 512 bytes of block scales) into
-// ws and scs. Tokens past `valid` are zeros (codes 0, scale 0), and so are the activation pieces
-// and weight steps past K of a 64-column last group (code-0 words decode to zero whatever the
-// table; the prepared scales are zero there too).
+// One stage of the ring: a 128-column group's weights (STEPS x 1 KiB of words, then the 64 rows'
+// 8 block scales) and its T tokens' activation bytes (the header's core-matrix layout) and
+// scales. 128-byte aligned, so every stage's activations are where a descriptor may point.
 template <int T>
-__device__ __forceinline__ void load_group(uint32_t xs, float* sx, uint2* ws, uint2* scs, const uint8_t* x8,
-                                           const float* s_x, const uint2* wg, const uint8_t* sg, size_t row0,
-                                           int valid, int gi, int K, int G, int tid) {
-  const int kleft = K - gi * GROUP_K;
+struct __align__(128) Stage {
+  uint2 ws[STEPS * THREADS];
+  uint2 scs[ROWS];
+  uint8_t xs[STEPS * T * 32];
+  float sx[T];
+  // byte offsets of the members, for the cp.async destinations (shared addresses)
+  static constexpr uint32_t WS = 0, SCS = STEPS * THREADS * 8, XS = SCS + ROWS * 8, SX = XS + STEPS * T * 32;
+};
+
+// What one thread copies of each group of a token block, its addresses worked out once per block
+// (a group's are these plus gi times a constant): activation pieces tid, tid + 128, ... of the
+// group's T x 8 (16 bytes each, token j = i / 8, piece q = i % 8), its tokens' scale when tid < T,
+// two 16-byte pieces of the weights' 4 KiB, and a piece of the 512 bytes of block scales when
+// tid < 32. Tokens past `valid` are zeros (codes 0, scale 0), and so are activation pieces and
+// weight steps past K in a 64-column last group (code-0 words decode to zero whatever the table;
+// the prepared scales are zero there too).
+template <int T>
+struct GroupLoader {
+  // activation pieces per thread: piece tid + 128 r is token tid / 8 + 16 r, 16-byte piece tid % 8
+  static constexpr int XP = (T * 8 + THREADS - 1) / THREADS;
+  const uint8_t* x8;      // any readable byte: the source of a zero-filled piece
+  const uint8_t* x_src;   // group 0's bytes of piece r = 0 (pieces r > 0: 16 r rows further)
+  size_t x_rows16;        // 16 rows of x8, in bytes
+  uint32_t x_dst;         // piece 0's offset in a stage (pieces r > 0: 512 r further)
+  int x_j, x_q16;         // piece 0's token and first column within its group
+  int valid;
+  const float* sx_src;    // group 0's scale of token tid (any scale when !sx_ok)
+  bool sx_ok;
+  const uint8_t* w_src;   // the CTA's words and scales, this thread's piece, group 0
+  const uint8_t* sc_src;
+  int tid;
+
+  __device__ __forceinline__ GroupLoader(const uint8_t* x8_, const float* s_x, const uint2* wp, const uint8_t* sp,
+                                         size_t row0, int valid_, int K, int G, int tid_)
+      : x8(x8_), valid(valid_), tid(tid_) {
+    x_j = tid >> 3;
+    x_q16 = (tid & 7) * 16;
+    x_src = x8 + (row0 + x_j) * (size_t)K + x_q16;
+    x_rows16 = 16 * (size_t)K;
+    x_dst = Stage<T>::XS + ((tid & 7) >> 1) * (T * 32) + (x_j >> 3) * 256 + (tid & 1) * 128 + (x_j & 7) * 16;
+    sx_ok = tid < valid;
+    sx_src = s_x + (sx_ok ? (row0 + tid) * (size_t)G : 0);
+    w_src = reinterpret_cast<const uint8_t*>(wp) + tid * 16;
+    sc_src = sp + tid * 16;
+  }
+
+  __device__ __forceinline__ void load(uint32_t stage, int gi, int K) const {
+    const bool col_ok = x_q16 < K - gi * GROUP_K;
 #pragma unroll
-  for (int i = tid; i < T * 8; i += THREADS) {
-    const int j = i >> 3, q = i & 7;  // token, 16-byte piece of the group's 128 bytes
-    const bool ok = j < valid && q * 16 < kleft;
-    const uint8_t* src = ok ? x8 + (row0 + j) * (size_t)K + gi * GROUP_K + q * 16 : x8;
-    cp_async16(xs + (q >> 1) * (T * 32) + (j >> 3) * 256 + (q & 1) * 128 + (j & 7) * 16, src, ok);
-  }
-  if (tid < T) {
-    const bool ok = tid < valid;
-    cp_async4(lab_gemm::smem_addr(sx + tid), ok ? s_x + (row0 + tid) * (size_t)G + gi : s_x, ok);
-  }
-  const int steps = min(STEPS, K / STEP_K - gi * STEPS);
+    for (int r = 0; r < XP; ++r) {
+      if (T * 8 % THREADS == 0 || tid + r * THREADS < T * 8) {
+        const bool ok = col_ok && x_j + 16 * r < valid;
+        cp_async16(stage + x_dst + 512 * r, ok ? x_src + r * x_rows16 + gi * GROUP_K : x8, ok);
+      }
+    }
+    if (tid < T) cp_async4(stage + Stage<T>::SX + tid * 4, sx_src + (sx_ok ? gi : 0), sx_ok);
+    const int wbytes = min(STEPS, K / STEP_K - gi * STEPS) * (THREADS * 8);  // the group's bytes of words
 #pragma unroll
-  for (int r = 0; r < STEPS * THREADS * 8 / 16 / THREADS; ++r) {  // 16-byte pieces of the words
-    const int q = tid + r * THREADS;
-    const bool ok = q * 16 < steps * THREADS * 8;
-    cp_async16(lab_gemm::smem_addr(ws) + q * 16, ok ? reinterpret_cast<const uint8_t*>(wg) + q * 16 : (const uint8_t*)wg, ok);
+    for (int r = 0; r < 2; ++r) {  // 4 KiB of words: 256 pieces, two per thread
+      const bool ok = tid * 16 + r * 2048 < wbytes;
+      cp_async16(stage + Stage<T>::WS + tid * 16 + r * 2048,
+                 w_src + (ok ? (size_t)gi * (STEPS * THREADS * 8) + r * 2048 : 0), ok);
+    }
+    if (tid < ROWS * 8 / 16) cp_async16(stage + Stage<T>::SCS + tid * 16, sc_src + (size_t)gi * (ROWS * 8), true);
   }
-  if (tid < ROWS * 8 / 16) cp_async16(lab_gemm::smem_addr(scs) + tid * 16, sg + tid * 16, true);
-}
+};
 
 // Table row of scale byte `i` (0..7) of a row's 8 group scales.
 __device__ __forceinline__ uint2 table_row(const uint2* table, uint2 sc, int i) {
@@ -181,7 +228,7 @@ struct StoreOut {  // out[r, n] = the sum times alpha 2^p, fp32: the contract's 
 // fused epilogue's arrays (a stage is 4.5 KiB of weights and T x 132 bytes of activations).
 template <int T>
 struct DefaultStages {
-  static constexpr int value = T == 64 ? 3 : 4;
+  static constexpr int value = T == 128 ? 2 : T == 64 ? 3 : 4;
 };
 
 // The mainloop of every instantiation, one token block at a time, handing each block's sums to
@@ -196,14 +243,11 @@ __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const
                                           const int* __restrict__ p, const float* __restrict__ alpha,
                                           const uint8_t* __restrict__ x8, const float* __restrict__ s_x,
                                           const int* __restrict__ offsets, int N, int K, Epilogue& epi) {
-  static_assert(T == 8 || T == 16 || T == 32 || T == 64, "token tile: 8, 16, 32 or 64");
+  static_assert(T == 8 || T == 16 || T == 32 || T == 64 || T == 128, "token tile: 8, 16, 32, 64 or 128");
   static_assert(STAGES >= 2, "the ring needs a stage to fill while one multiplies");
   constexpr int F = T / 8;
-  constexpr int BUF = STEPS * T * 32;  // one group's activation bytes
-  __shared__ __align__(128) uint8_t xs[STAGES][BUF];
-  __shared__ __align__(16) uint2 ws[STAGES][STEPS * THREADS];
-  __shared__ __align__(16) uint2 scs[STAGES][ROWS];
-  __shared__ __align__(16) float sxs[STAGES][T];
+  static_assert(sizeof(Stage<T>) % 128 == 0 && Stage<T>::SX + 4 * T <= sizeof(Stage<T>), "a stage's layout");
+  __shared__ Stage<T> ring[STAGES];
   __shared__ uint2 table[128];
 
   const int e = blockIdx.z, b = blockIdx.x;
@@ -237,11 +281,11 @@ __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const
     // every thread is past the previous block's reads of the ring (and the table's first write
     // is visible) before the prologue refills it
     __syncthreads();
+    const GroupLoader<T> loader(x8, s_x, wp, sp, row0, valid, K, G, tid);
+    const uint32_t ring0 = lab_gemm::smem_addr(&ring[0]);
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) {
-      if (i < G)
-        load_group<T>(lab_gemm::smem_addr(xs[i]), sxs[i], ws[i], scs[i], x8, s_x, wp + (size_t)i * STEPS * THREADS,
-                      sp + (size_t)i * (ROWS * 8), row0, valid, i, K, G, tid);
+      if (i < G) loader.load(ring0 + i * (uint32_t)sizeof(Stage<T>), i, K);
       cp_async_commit();  // possibly empty, so that the wait below counts groups, not loads
     }
     int stage = 0, fill = STAGES - 1;  // the stage group gi sits in, and the one group gi + STAGES - 1 goes to
@@ -249,26 +293,24 @@ __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const
       cp_async_wait<STAGES - 2>();    // groups up to gi have landed (this thread's copies)
       lab_gemm::fence_proxy_async();  // this thread's shared writes, before wgmma (async proxy) reads them
       __syncthreads();                // everyone's copies; and everyone is done with group gi - 1's stage
-      const int next = gi + STAGES - 1;
-      if (next < G)
-        load_group<T>(lab_gemm::smem_addr(xs[fill]), sxs[fill], ws[fill], scs[fill], x8, s_x,
-                      wp + (size_t)next * STEPS * THREADS, sp + (size_t)next * (ROWS * 8), row0, valid, next, K, G, tid);
+      if (gi + STAGES - 1 < G) loader.load(ring0 + fill * (uint32_t)sizeof(Stage<T>), gi + STAGES - 1, K);
       cp_async_commit();
 
       // A 64-column last group has two steps; the other two multiply zero codes and zero-filled
       // activations, so every group issues the same four wgmmas (a wgmma under a branch makes
       // ptxas pad the group).
-      const uint2 sc0 = scs[stage][16 * warp + g], sc1 = scs[stage][16 * warp + g + 8];
+      const Stage<T>& st = ring[stage];
+      const uint2 sc0 = st.scs[16 * warp + g], sc1 = st.scs[16 * warp + g + 8];
       uint32_t a[STEPS][4];
 #pragma unroll
       for (int s = 0; s < STEPS; ++s) {
-        const uint2 w = ws[stage][s * THREADS + tid];
+        const uint2 w = st.ws[s * THREADS + tid];
         const uint2 lo0 = table_row(table, sc0, 2 * s), hi0 = table_row(table, sc0, 2 * s + 1);
         const uint2 lo1 = table_row(table, sc1, 2 * s), hi1 = table_row(table, sc1, 2 * s + 1);
         lab_gemm::decode_fp8_word2(w.x, lo0.x, lo0.y, hi0.x, hi0.y, a[s][0], a[s][2]);
         lab_gemm::decode_fp8_word2(w.y, lo1.x, lo1.y, hi1.x, hi1.y, a[s][1], a[s][3]);
       }
-      const uint32_t base = lab_gemm::smem_addr(xs[stage]);
+      const uint32_t base = lab_gemm::smem_addr(st.xs);
       lab_gemm::wgmma_fence();
 #pragma unroll
       for (int s = 0; s < STEPS; ++s)
@@ -282,7 +324,7 @@ __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const
 
 #pragma unroll
       for (int j = 0; j < (PROMOTE ? F : 0); ++j) {
-        const float s0 = sxs[stage][8 * j + 2 * c], s1 = sxs[stage][8 * j + 2 * c + 1];
+        const float s0 = st.sx[8 * j + 2 * c], s1 = st.sx[8 * j + 2 * c + 1];
         acc[j][0] = fmaf(tmp[j][0], s0, acc[j][0]);
         acc[j][1] = fmaf(tmp[j][1], s1, acc[j][1]);
         acc[j][2] = fmaf(tmp[j][2], s0, acc[j][2]);
