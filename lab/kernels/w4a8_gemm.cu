@@ -159,18 +159,17 @@ struct GroupLoader {
   const uint8_t* w_src;   // the CTA's words and scales, this thread's piece, group 0
   const uint8_t* sc_src;
   int tid;
-  int G;                  // groups of K: group G (the zeros an odd G adds) is all zero-filled copies
 
   __device__ __forceinline__ GroupLoader(const uint8_t* x8_, const float* s_x, const uint2* wp, const uint8_t* sp,
-                                         size_t row0, int valid_, int K, int G_, int tid_)
-      : x8(x8_), valid(valid_), tid(tid_), G(G_) {
+                                         size_t row0, int valid_, int K, int G, int tid_)
+      : x8(x8_), valid(valid_), tid(tid_) {
     x_j = tid >> 3;
     x_q16 = (tid & 7) * 16;
     x_src = x8 + (row0 + x_j) * (size_t)K + x_q16;
     x_rows16 = 16 * (size_t)K;
     x_dst = Stage<T>::XS + ((tid & 7) >> 1) * (T * 32) + (x_j >> 3) * 256 + (tid & 1) * 128 + (x_j & 7) * 16;
     sx_ok = tid < valid;
-    sx_src = s_x + (sx_ok ? (row0 + tid) * (size_t)G_ : 0);
+    sx_src = s_x + (sx_ok ? (row0 + tid) * (size_t)G : 0);
     w_src = reinterpret_cast<const uint8_t*>(wp) + tid * 16;
     sc_src = sp + tid * 16;
   }
@@ -184,8 +183,7 @@ struct GroupLoader {
         cp_async16(stage + x_dst + 512 * r, ok ? x_src + r * x_rows16 + gi * GROUP_K : x8, ok);
       }
     }
-    const bool g_ok = gi < G;
-    if (tid < T) cp_async4(stage + Stage<T>::SX + tid * 4, sx_src + (sx_ok && g_ok ? gi : 0), sx_ok && g_ok);
+    if (tid < T) cp_async4(stage + Stage<T>::SX + tid * 4, sx_src + (sx_ok ? gi : 0), sx_ok);
     const int wbytes = min(STEPS, K / STEP_K - gi * STEPS) * (THREADS * 8);  // the group's bytes of words
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // 4 KiB of words: 256 pieces, two per thread
@@ -193,7 +191,7 @@ struct GroupLoader {
       cp_async16(stage + Stage<T>::WS + tid * 16 + r * 2048,
                  w_src + (ok ? (size_t)gi * (STEPS * THREADS * 8) + r * 2048 : 0), ok);
     }
-    if (tid < ROWS * 8 / 16) cp_async16(stage + Stage<T>::SCS + tid * 16, sc_src + (g_ok ? (size_t)gi * (ROWS * 8) : 0), g_ok);
+    if (tid < ROWS * 8 / 16) cp_async16(stage + Stage<T>::SCS + tid * 16, sc_src + (size_t)gi * (ROWS * 8), true);
   }
 };
 
@@ -226,53 +224,19 @@ struct StoreOut {  // out[r, n] = the sum times alpha 2^p, fp32: the contract's 
   }
 };
 
-// Stages of the ring by token tile. The ring lives in dynamic shared memory (STAGES x
-// sizeof(Stage<T>), which the launcher passes): four stages, three at T = 128 (a stage of 21 KiB).
+// Stages of the ring by token tile: as deep as 48 KiB of static shared memory allows with the
+// fused epilogue's arrays (a stage is 4.5 KiB of weights and T x 132 bytes of activations).
 template <int T>
 struct DefaultStages {
-  static constexpr int value = T == 128 ? 3 : 4;
+  static constexpr int value = T == 128 ? 2 : T == 64 ? 3 : 4;
 };
-constexpr int MIN_STAGES = 3;
-
-// CTAs an SM should hold, which caps the registers: four at decode tiles (128 registers; their
-// read rate is bytes in flight per SM), three at 64 tokens, and the 128-token tile's two
-// accumulator sets take what they need.
-template <int T>
-struct MinCtas {
-  static constexpr int value = T == 128 ? 1 : T == 64 ? 3 : 4;
-};  // one multiplying, one decoding, one filling
-
-// One group's A fragments from its stage: the thread's four words and its two rows' block scales,
-// through the magnitude table.
-template <int T>
-__device__ __forceinline__ void decode_group(uint32_t (&a)[STEPS][4], const Stage<T>& st, const uint2* table,
-                                             int tid, int warp, int g) {
-  const uint2 sc0 = st.scs[16 * warp + g], sc1 = st.scs[16 * warp + g + 8];
-#pragma unroll
-  for (int s = 0; s < STEPS; ++s) {
-    const uint2 w = st.ws[s * THREADS + tid];
-    const uint2 lo0 = table_row(table, sc0, 2 * s), hi0 = table_row(table, sc0, 2 * s + 1);
-    const uint2 lo1 = table_row(table, sc1, 2 * s), hi1 = table_row(table, sc1, 2 * s + 1);
-    lab_gemm::decode_fp8_word2(w.x, lo0.x, lo0.y, hi0.x, hi0.y, a[s][0], a[s][2]);
-    lab_gemm::decode_fp8_word2(w.y, lo1.x, lo1.y, hi1.x, hi1.y, a[s][1], a[s][3]);
-  }
-}
 
 // The mainloop of every instantiation, one token block at a time, handing each block's sums to
-// `epi` (the shared memory it declares is the kernel's, beside the dynamic ring). Each 128-column
-// group's weights and activations come through a ring of STAGES shared buffers filled by cp.async.
-//
-// The decode runs one group ahead: a trip issues group gi's four wgmmas with the A registers the
-// previous trip decoded, and while the tensor cores work it waits for group gi + 1's copies and
-// decodes them into the other set of A registers; only then does it wait for gi's wgmmas and
-// promote them. So the decode (most of what a warp issues) overlaps the wgmmas, and the temporary
-// accumulator is read only once no wgmma is in flight (reading it under a running wgmma, or
-// writing a running wgmma's A registers, makes ptxas serialize every wgmma of the kernel: the two
-// sets are named registers, taken in turn by trips in pairs, plus one trip for an odd G). The
-// last trip decodes group G, which the loader fills with zeros and nothing multiplies. Group
-// gi + STAGES - 1's copies go to the stage of gi - 1, which every warp finished with (its wgmmas
-// retired, its scales read) before the barrier of trip gi; so STAGES - 2 groups are in flight
-// behind the one decoding.
+// `epi` (the shared memory it declares is the kernel's). Each 128-column group's weights and
+// activations come through a ring of STAGES shared buffers filled by cp.async: while group gi
+// multiplies, groups gi + 1 .. gi + STAGES - 1 are in flight, so a CTA keeps up to
+// (STAGES - 1) x 4.5 KiB of reads outstanding (the read rate at decode sizes is bytes in flight
+// per SM over latency).
 template <int T, bool PROMOTE, int STAGES, class Epilogue>
 __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
                                           const uint2* __restrict__ tables, const int* __restrict__ table_of,
@@ -280,11 +244,10 @@ __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const
                                           const uint8_t* __restrict__ x8, const float* __restrict__ s_x,
                                           const int* __restrict__ offsets, int N, int K, Epilogue& epi) {
   static_assert(T == 8 || T == 16 || T == 32 || T == 64 || T == 128, "token tile: 8, 16, 32, 64 or 128");
-  static_assert(STAGES >= MIN_STAGES, "the ring needs a stage multiplying, one decoding and one filling");
+  static_assert(STAGES >= 2, "the ring needs a stage to fill while one multiplies");
   constexpr int F = T / 8;
   static_assert(sizeof(Stage<T>) % 128 == 0 && Stage<T>::SX + 4 * T <= sizeof(Stage<T>), "a stage's layout");
-  extern __shared__ __align__(128) uint8_t ring_bytes[];
-  Stage<T>* ring = reinterpret_cast<Stage<T>*>(ring_bytes);
+  __shared__ Stage<T> ring[STAGES];
   __shared__ uint2 table[128];
 
   const int e = blockIdx.z, b = blockIdx.x;
@@ -319,42 +282,46 @@ __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const
     // is visible) before the prologue refills it
     __syncthreads();
     const GroupLoader<T> loader(x8, s_x, wp, sp, row0, valid, K, G, tid);
-    const uint32_t ring0 = lab_gemm::smem_addr(ring);
+    const uint32_t ring0 = lab_gemm::smem_addr(&ring[0]);
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) {
-      if (i <= G) loader.load(ring0 + i * (uint32_t)sizeof(Stage<T>), i, K);
-      cp_async_commit();  // possibly empty, so that the waits below count groups, not loads
+      if (i < G) loader.load(ring0 + i * (uint32_t)sizeof(Stage<T>), i, K);
+      cp_async_commit();  // possibly empty, so that the wait below counts groups, not loads
     }
-    cp_async_wait<STAGES - 2>();  // group 0 has landed (this thread's copies)
-    lab_gemm::fence_proxy_async();
-    __syncthreads();
-    uint32_t a[STEPS][4];
-    decode_group<T>(a, ring[0], table, tid, warp, g);
+    int stage = 0, fill = STAGES - 1;  // the stage group gi sits in, and the one group gi + STAGES - 1 goes to
+    for (int gi = 0; gi < G; ++gi) {
+      cp_async_wait<STAGES - 2>();    // groups up to gi have landed (this thread's copies)
+      lab_gemm::fence_proxy_async();  // this thread's shared writes, before wgmma (async proxy) reads them
+      __syncthreads();                // everyone's copies; and everyone is done with group gi - 1's stage
+      if (gi + STAGES - 1 < G) loader.load(ring0 + fill * (uint32_t)sizeof(Stage<T>), gi + STAGES - 1, K);
+      cp_async_commit();
 
-    // the stage group gi sits in, and the one group gi + STAGES - 1 goes to (gi - 1's)
-    int stage = 0, fill = STAGES - 1;
-    // group gi (fragments a) multiplied and promoted; group gi + 1 decoded into an meanwhile
-    auto trip = [&](int gi, uint32_t (&a)[STEPS][4], uint32_t (&an)[STEPS][4]) {
+      // A 64-column last group has two steps; the other two multiply zero codes and zero-filled
+      // activations, so every group issues the same four wgmmas (a wgmma under a branch makes
+      // ptxas pad the group).
       const Stage<T>& st = ring[stage];
+      const uint2 sc0 = st.scs[16 * warp + g], sc1 = st.scs[16 * warp + g + 8];
+      uint32_t a[STEPS][4];
+#pragma unroll
+      for (int s = 0; s < STEPS; ++s) {
+        const uint2 w = st.ws[s * THREADS + tid];
+        const uint2 lo0 = table_row(table, sc0, 2 * s), hi0 = table_row(table, sc0, 2 * s + 1);
+        const uint2 lo1 = table_row(table, sc1, 2 * s), hi1 = table_row(table, sc1, 2 * s + 1);
+        lab_gemm::decode_fp8_word2(w.x, lo0.x, lo0.y, hi0.x, hi0.y, a[s][0], a[s][2]);
+        lab_gemm::decode_fp8_word2(w.y, lo1.x, lo1.y, hi1.x, hi1.y, a[s][1], a[s][3]);
+      }
       const uint32_t base = lab_gemm::smem_addr(st.xs);
       lab_gemm::wgmma_fence();
 #pragma unroll
       for (int s = 0; s < STEPS; ++s)
         WgmmaE4M3<F>::run(tmp, a[s], lab_gemm::smem_desc(base + s * (T * 32), 128, 256), PROMOTE ? s : gi | s);
       lab_gemm::wgmma_commit();
-      // while they run: group gi + 1 (zeros past the last) lands and is decoded
-      cp_async_wait<STAGES - 3>();    // groups up to gi + 1 have landed (this thread's copies)
-      lab_gemm::fence_proxy_async();  // this thread's shared writes, before wgmma (async proxy) reads them
-      __syncthreads();                // everyone's copies; everyone done with group gi - 1's stage
-      if (gi + STAGES - 1 <= G) loader.load(ring0 + fill * (uint32_t)sizeof(Stage<T>), gi + STAGES - 1, K);
-      cp_async_commit();
-      const int next = stage + 1 == STAGES ? 0 : stage + 1;
-      decode_group<T>(an, ring[next], table, tid, warp, g);
       lab_gemm::wgmma_wait<0>();
       lab_gemm::fence_acc(tmp);  // the reads below stay after the wait
 #pragma unroll
-      for (int s = 0; s < STEPS; ++s)  // gi's A registers stay allocated until its wgmmas retire
+      for (int s = 0; s < STEPS; ++s)  // the A registers stay allocated until the wgmmas retire
         asm volatile("" ::"r"(a[s][0]), "r"(a[s][1]), "r"(a[s][2]), "r"(a[s][3]));
+
 #pragma unroll
       for (int j = 0; j < (PROMOTE ? F : 0); ++j) {
         const float s0 = st.sx[8 * j + 2 * c], s1 = st.sx[8 * j + 2 * c + 1];
@@ -364,22 +331,15 @@ __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const
         acc[j][3] = fmaf(tmp[j][3], s1, acc[j][3]);
       }
       fill = stage;
-      stage = next;
-    };
-    uint32_t a1[STEPS][4];
-    int gi = 0;
-    for (; gi + 1 < G; gi += 2) {
-      trip(gi, a, a1);
-      trip(gi + 1, a1, a);
+      stage = stage + 1 == STAGES ? 0 : stage + 1;
     }
-    if (gi < G) trip(gi, a, a1);
 
     epi.template store<PROMOTE>(acc, tmp, factor, row0, valid, b, warp, g, c, e, G, s_x);
   }
 }
 
 template <int T, bool PROMOTE = true, int STAGES = DefaultStages<T>::value>
-__global__ void __launch_bounds__(THREADS, MinCtas<T>::value)
+__global__ void __launch_bounds__(THREADS, 1)
     w4a8_gemm(const uint2* __restrict__ words, const uint8_t* __restrict__ scales, const uint2* __restrict__ tables,
               const int* __restrict__ table_of, const int* __restrict__ p, const float* __restrict__ alpha,
               const uint8_t* __restrict__ x8, const float* __restrict__ s_x, const int* __restrict__ offsets,
@@ -481,7 +441,7 @@ struct SwigluQuant {
 };
 
 template <int T, int STAGES = DefaultStages<T>::value>
-__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, MinCtas<T>::value)
+__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1)
     w4a8_gemm_swiglu(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
                      const uint2* __restrict__ tables, const int* __restrict__ table_of, const int* __restrict__ p,
                      const float* __restrict__ alpha, const uint8_t* __restrict__ x8, const float* __restrict__ s_x,

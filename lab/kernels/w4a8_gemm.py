@@ -53,43 +53,21 @@ K_ORDER = np.array([4 * c + i if i < 4 else 16 + 4 * c + (i - 4) for c in range(
 K_UNORDER = np.argsort(K_ORDER)
 
 
-MIN_STAGES = 3  # w4a8_gemm.cu MIN_STAGES: one stage filling, one multiplying, one retiring
-RING_BYTES = 64 * 1024  # the most dynamic shared memory a study's ring may take
-
-
-def stage_bytes(tokens: int) -> int:
-    """sizeof(Stage<tokens>) in w4a8_gemm.cu: a group's words (4 KiB) and block scales (512 bytes),
-    its tokens' activation bytes (32 per token per k32 step) and scales, 128-byte aligned."""
-    raw = 4 * THREADS * 8 + ROWS * 8 + 4 * tokens * 32 + 4 * tokens
-    return -(-raw // 128) * 128
-
-
-def shipped_stages(tokens: int) -> int:
-    """w4a8_gemm.cu DefaultStages: four (two groups in flight ahead of the one multiplying), three
-    at the 128-token tile."""
-    return 3 if tokens == 128 else 4
-
-
 def max_stages(tokens: int) -> int:
-    """The deepest ring the depth study may ask of a token tile: RING_BYTES of stages, at most 6."""
-    return min(6, RING_BYTES // stage_bytes(tokens))
-
-
-def ring_bytes(tokens: int, stages: int | None = None) -> int:
-    """The dynamic shared memory a launch of the tile passes: its ring."""
-    return stage_bytes(tokens) * (shipped_stages(tokens) if stages is None else stages)
+    """The deepest ring a token tile's CTA fits in 48 KiB of static shared memory beside the fused
+    epilogue's arrays (w4a8_gemm.cu's DefaultStages is this for every tile)."""
+    return {64: 3, 128: 2}.get(tokens, 4)
 
 
 def gemm_expression(tokens: int, promote: bool = True, stages: int | None = None) -> str:
     """The kernel instantiation for a token tile; promote=False is the form without promotion,
     built for the accuracy study only (scripts/w4a8_promotion_study.py); `stages` sets the ring's
-    depth (MIN_STAGES .. max_stages(tokens); None: the shipped depth), for the depth study only
+    depth (2 .. max_stages(tokens); None: the shipped depth), for the depth study only
     (scripts/w4a8_stage_study.py)."""
     if tokens not in TOKEN_TILES:
         raise ValueError(f"tokens: the token tile must be one of {TOKEN_TILES}, got {tokens!r}")
-    if stages is not None and not (isinstance(stages, (int, np.integer))
-                                   and MIN_STAGES <= stages <= max_stages(tokens)):
-        raise ValueError(f"stages: expected an int from {MIN_STAGES} to {max_stages(tokens)} for token tile {tokens}, "
+    if stages is not None and not (isinstance(stages, (int, np.integer)) and 2 <= stages <= max_stages(tokens)):
+        raise ValueError(f"stages: expected an int from 2 to {max_stages(tokens)} for token tile {tokens}, "
                          f"got {stages!r}")
     if stages is None:
         return f"lab_w4a8::w4a8_gemm<{tokens}>" if promote else f"lab_w4a8::w4a8_gemm<{tokens}, false>"
@@ -305,14 +283,11 @@ def _module(name: str, expressions: tuple[str, ...]):
     return cp.RawModule(code=code, options=jit.ARCH_OPTIONS, name_expressions=expressions)
 
 
-def _kernel(name: str, expressions: tuple[str, ...], expression: str, smem_bytes: int = 0):
+def _kernel(name: str, expressions: tuple[str, ...], expression: str):
     from lab.gpu import require_gpu
 
     require_gpu(f"compiling {expression}")
-    fn = _module(name, expressions).get_function(expression)
-    if smem_bytes > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem_bytes:
-        fn.max_dynamic_shared_size_bytes = smem_bytes
-    return fn
+    return _module(name, expressions).get_function(expression)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -428,17 +403,16 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
     checked, with the same prep, x8, s_x and out."""
     if plan.token_blocks == 0:
         return
-    smem = ring_bytes(plan.tokens, plan.stages)
     if plan.stages is None:
         fn = _kernel(GEMM_SOURCE, GEMM_EXPRESSIONS if plan.promote else UNPROMOTED_EXPRESSIONS,
-                     gemm_expression(plan.tokens, plan.promote), smem)
+                     gemm_expression(plan.tokens, plan.promote))
     else:  # a study's depth, compiled in its own module
         expr = gemm_expression(plan.tokens, plan.promote, plan.stages)
-        fn = _kernel(GEMM_SOURCE, (expr,), expr, smem)
+        fn = _kernel(GEMM_SOURCE, (expr,), expr)
     with stream:
         fn((prep.n // ROWS, plan.token_blocks, prep.experts), (THREADS,),
            (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, x8, s_x, offsets, out,
-            np.int32(prep.n), np.int32(prep.k)), shared_mem=smem)
+            np.int32(prep.n), np.int32(prep.k)))
 
 
 def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None, tokens: int | None = None,
@@ -636,9 +610,8 @@ def launch_w4a8_gemm_swiglu(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets,
     into `nonfinite`."""
     if plan.token_blocks == 0:
         return
-    smem = ring_bytes(plan.tokens)
-    fn = _kernel(GEMM_SOURCE, FUSED_EXPRESSIONS, swiglu_expression(plan.tokens), smem)
+    fn = _kernel(GEMM_SOURCE, FUSED_EXPRESSIONS, swiglu_expression(plan.tokens))
     with stream:
         fn((prep.n // ROWS, plan.token_blocks, prep.experts), (THREADS,),
            (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, x8, s_x, offsets,
-            np.int32(prep.n), np.int32(prep.k), gate_global, up_global, a8, s_a, nonfinite), shared_mem=smem)
+            np.int32(prep.n), np.int32(prep.k), gate_global, up_global, a8, s_a, nonfinite))
