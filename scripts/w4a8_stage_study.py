@@ -17,6 +17,10 @@ tar -x -C /tmp/base` then /tmp/base/lab/kernels; its w4a8_gemm<T> must take the 
 prepared layout), labelled base1, base2, ... in the order given; their outputs must equal the
 depths' bits as well.
 
+--wide times the two-warpgroup CTA (w4a8_gemm_wide: 128 weight rows over one activation tile, so
+each expert's activations are read from L2 half as often) beside them, labelled W2; its bits must
+equal the depths' too.
+
 Needs a GPU. --json writes the table, the configuration and the setup (GPU, commit).
 
     python scripts/w4a8_stage_study.py
@@ -104,6 +108,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     ap.add_argument("--iterations", type=int, default=10, help="timed launches per variant per round")
     ap.add_argument("--seed", type=int, default=0, help="routing and data seed")
+    ap.add_argument("--wide", action="store_true",
+                    help="also time the two-warpgroup CTA (128 weight rows over one activation tile; labelled W2) "
+                         "at the plan's tile, where it has one; it must give the same bits")
     ap.add_argument("--tiles", type=int, nargs="+", default=[], metavar="T",
                     help="other token tiles to time beside the plan's, each at its shipped depth (labelled T<t>; "
                          "their bits are reported, not required equal: another tile may round differently)")
@@ -160,6 +167,9 @@ def main(argv=None) -> int:
                 old = baseline_launcher(cp, tree, base.tokens)
                 runs[f"base{n_base}"] = (lambda out, old=old:
                                          old(prep, x8, s_x, d_offs, alpha, out, base.token_blocks, stream))
+            if args.wide and base.tokens in wg.WIDE_TILES and prep.n % (2 * wg.ROWS) == 0:
+                runs["W2"] = (lambda out, plan=replace(base, warpgroups=2):
+                              wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
             for t in args.tiles:
                 if t != base.tokens:
                     tile_plan = wg.GemmPlan(t, -(-int(routing.counts.max()) // t))

@@ -246,6 +246,34 @@ def test_the_group_loop_stays_lean(tokens):
 
 
 @needs_nvcc
+@pytest.mark.parametrize("tokens", wg.WIDE_TILES)
+def test_the_wide_cta_compiles_to_the_same_four_wgmmas_a_warpgroup(tokens):
+    """w4a8_gemm_wide: no spills, no serialized wgmma, at most 128 registers (two CTAs of 256
+    threads an SM), and each warpgroup's group the plain kernel's four QGMMA (RZ first)."""
+    expr = wg.wide_expression(tokens)
+    info = jit.ptxas_report(wg.GEMM_SOURCE, expr)
+    assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
+    assert not info.wgmma_serialized and info.registers <= 128, info
+    assert info.smem_static <= 48 * 1024, info
+    if sass.nvdisasm_path() is None:
+        pytest.skip("reading SASS needs nvdisasm")
+    mma = [i for i in sass.kernel_sass(wg.GEMM_SOURCE, expr) if "GMMA" in i.opcode]
+    assert [i.opcode for i in mma] == [f"QGMMA.64x{tokens}x32.F32.E4M3.E4M3"] * 4, mma
+    assert "RZ, !UPT" in mma[0].operands and all("RZ" not in i.operands for i in mma[1:]), mma
+
+
+def test_wide_plans_refuse_what_the_wide_cta_cannot_run():
+    offs = np.array([0, 3, 3, 70], np.int32)
+    assert wg.gemm_plan(offs, warpgroups=2) == wg.GemmPlan(tokens=64, token_blocks=2, warpgroups=2)
+    assert wg.gemm_plan(offs) == wg.GemmPlan(tokens=64, token_blocks=2)
+    with pytest.raises(ValueError, match="tokens: the two-warpgroup CTA takes a token tile of"):
+        wg.gemm_plan(offs, tokens=128, warpgroups=2)
+    for bad in (0, 3, True, 2.0):
+        with pytest.raises(ValueError, match="warpgroups: expected 1 or 2"):
+            wg.gemm_plan(offs, warpgroups=bad)
+
+
+@needs_nvcc
 @pytest.mark.parametrize("tokens", wg.TOKEN_TILES)
 def test_the_fused_kernel_keeps_the_mainloop_and_reads_its_cluster(tokens):
     """w4a8_gemm_swiglu: the plain kernel's four QGMMA per group, two cluster barriers per token
@@ -428,6 +456,38 @@ def test_every_token_tile_and_grid_height(tokens, token_blocks):
     got, guard = run_gemm(cp, prep.to_device(), x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks)
     assert np.isnan(guard).all()
     assert_within_bound(got, ref, mag)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", wg.WIDE_TILES)
+@pytest.mark.parametrize("token_blocks", [None, 2])
+def test_the_wide_cta_gives_the_plain_kernels_bits(tokens, token_blocks):
+    """Two warpgroups a CTA over one activation tile: the plain kernel's bits on a ragged problem
+    with an empty expert, a 64-column last group and CTAs that loop over token tiles; nothing
+    written outside the output."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng(100 + tokens)
+    prep, x8, s_x, offsets, alpha, ref, mag = make_problem(rng, [1, 0, 23, 150, 8], 256, 320)
+    prep_d = prep.to_device()
+    plain, _ = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks)
+    wide, guard = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
+                           warpgroups=2)
+    assert np.isnan(guard).all()
+    assert_within_bound(wide, ref, mag)
+    assert wide.tobytes() == plain.tobytes()
+
+
+@pytest.mark.gpu
+def test_the_wide_cta_refuses_n_it_cannot_split():
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng(7)
+    prep, x8, s_x, offsets, alpha, _, _ = make_problem(rng, [4, 9], 192, 128)
+    with pytest.raises(ValueError, match="warpgroups: the two-warpgroup CTA takes N a multiple of 128, got N=192"):
+        wg.w4a8_gemm(prep.to_device(), cp.asarray(x8), cp.asarray(s_x), offsets, alpha, warpgroups=2)
 
 
 @pytest.mark.gpu

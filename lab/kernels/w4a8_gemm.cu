@@ -124,30 +124,32 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-// One stage of the ring: a 128-column group's weights (STEPS x 1 KiB of words, then the 64 rows'
-// 8 block scales) and its T tokens' activation bytes (the header's core-matrix layout) and
-// scales. 128-byte aligned, so every stage's activations are where a descriptor may point.
-template <int T>
+// One stage of the ring: a 128-column group's weights for each of the CTA's W warpgroups
+// (STEPS x 1 KiB of words each, then each one's 64 rows' 8 block scales) and its T tokens'
+// activation bytes (the header's core-matrix layout) and scales, which the W warpgroups share.
+// 128-byte aligned, so every stage's activations are where a descriptor may point.
+template <int T, int W = 1>
 struct __align__(128) Stage {
-  uint2 ws[STEPS * THREADS];
-  uint2 scs[ROWS];
+  uint2 ws[W * STEPS * THREADS];
+  uint2 scs[W * ROWS];
   uint8_t xs[STEPS * T * 32];
   float sx[T];
   // byte offsets of the members, for the cp.async destinations (shared addresses)
-  static constexpr uint32_t WS = 0, SCS = STEPS * THREADS * 8, XS = SCS + ROWS * 8, SX = XS + STEPS * T * 32;
+  static constexpr uint32_t WS = 0, SCS = W * STEPS * THREADS * 8, XS = SCS + W * ROWS * 8, SX = XS + STEPS * T * 32;
 };
 
 // What one thread copies of each group of a token block, its addresses worked out once per block
-// (a group's are these plus gi times a constant): activation pieces tid, tid + 128, ... of the
+// (a group's are these plus gi times a constant): activation pieces tid, tid + 128 W, ... of the
 // group's T x 8 (16 bytes each, token j = i / 8, piece q = i % 8), its tokens' scale when tid < T,
-// two 16-byte pieces of the weights' 4 KiB, and a piece of the 512 bytes of block scales when
-// tid < 32. Tokens past `valid` are zeros (codes 0, scale 0), and so are activation pieces and
+// two 16-byte pieces of its warpgroup's 4 KiB of weights, and a piece of that warpgroup's 512
+// bytes of block scales when its index in the warpgroup is below 32 (wp, sp: the warpgroup's). Tokens past `valid` are zeros (codes 0, scale 0), and so are activation pieces and
 // weight steps past K in a 64-column last group (code-0 words decode to zero whatever the table;
 // the prepared scales are zero there too).
-template <int T>
+template <int T, int W = 1>
 struct GroupLoader {
-  // activation pieces per thread: piece tid + 128 r is token tid / 8 + 16 r, 16-byte piece tid % 8
-  static constexpr int XP = (T * 8 + THREADS - 1) / THREADS;
+  static constexpr int CTA_THREADS = W * THREADS;
+  // activation pieces per thread: piece tid + 128 W r is token tid / 8 + 16 W r, 16-byte piece tid % 8
+  static constexpr int XP = (T * 8 + CTA_THREADS - 1) / CTA_THREADS;
   const uint8_t* x8;      // any readable byte: the source of a zero-filled piece
   const uint8_t* x_src;   // group 0's bytes of piece r = 0 (pieces r > 0: 16 r rows further)
   size_t x_rows16;        // 16 rows of x8, in bytes
@@ -167,31 +169,36 @@ struct GroupLoader {
     x_q16 = (tid & 7) * 16;
     x_src = x8 + (row0 + x_j) * (size_t)K + x_q16;
     x_rows16 = 16 * (size_t)K;
-    x_dst = Stage<T>::XS + ((tid & 7) >> 1) * (T * 32) + (x_j >> 3) * 256 + (tid & 1) * 128 + (x_j & 7) * 16;
+    x_dst = Stage<T, W>::XS + ((tid & 7) >> 1) * (T * 32) + (x_j >> 3) * 256 + (tid & 1) * 128 + (x_j & 7) * 16;
     sx_ok = tid < valid;
     sx_src = s_x + (sx_ok ? (row0 + tid) * (size_t)G : 0);
-    w_src = reinterpret_cast<const uint8_t*>(wp) + tid * 16;
-    sc_src = sp + tid * 16;
+    w_src = reinterpret_cast<const uint8_t*>(wp) + wt() * 16;
+    sc_src = sp + wt() * 16;
   }
+
+  // the thread's warpgroup, and its index in it
+  __device__ __forceinline__ int wg() const { return W == 1 ? 0 : tid / THREADS; }
+  __device__ __forceinline__ int wt() const { return W == 1 ? tid : tid % THREADS; }
 
   __device__ __forceinline__ void load(uint32_t stage, int gi, int K) const {
     const bool col_ok = x_q16 < K - gi * GROUP_K;
 #pragma unroll
     for (int r = 0; r < XP; ++r) {
-      if (T * 8 % THREADS == 0 || tid + r * THREADS < T * 8) {
-        const bool ok = col_ok && x_j + 16 * r < valid;
-        cp_async16(stage + x_dst + 512 * r, ok ? x_src + r * x_rows16 + gi * GROUP_K : x8, ok);
+      if (T * 8 % CTA_THREADS == 0 || tid + r * CTA_THREADS < T * 8) {
+        const bool ok = col_ok && x_j + 16 * W * r < valid;
+        cp_async16(stage + x_dst + 512 * W * r, ok ? x_src + W * r * x_rows16 + gi * GROUP_K : x8, ok);
       }
     }
-    if (tid < T) cp_async4(stage + Stage<T>::SX + tid * 4, sx_src + (sx_ok ? gi : 0), sx_ok);
+    if (tid < T) cp_async4(stage + Stage<T, W>::SX + tid * 4, sx_src + (sx_ok ? gi : 0), sx_ok);
     const int wbytes = min(STEPS, K / STEP_K - gi * STEPS) * (THREADS * 8);  // the group's bytes of words
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {  // 4 KiB of words: 256 pieces, two per thread
-      const bool ok = tid * 16 + r * 2048 < wbytes;
-      cp_async16(stage + Stage<T>::WS + tid * 16 + r * 2048,
+    for (int r = 0; r < 2; ++r) {  // 4 KiB of words a warpgroup: 256 pieces, two per thread
+      const bool ok = wt() * 16 + r * 2048 < wbytes;
+      cp_async16(stage + Stage<T, W>::WS + wg() * (STEPS * THREADS * 8) + wt() * 16 + r * 2048,
                  w_src + (ok ? (size_t)gi * (STEPS * THREADS * 8) + r * 2048 : 0), ok);
     }
-    if (tid < ROWS * 8 / 16) cp_async16(stage + Stage<T>::SCS + tid * 16, sc_src + (size_t)gi * (ROWS * 8), true);
+    if (wt() < ROWS * 8 / 16)
+      cp_async16(stage + Stage<T, W>::SCS + wg() * (ROWS * 8) + wt() * 16, sc_src + (size_t)gi * (ROWS * 8), true);
   }
 };
 
@@ -237,7 +244,7 @@ struct DefaultStages {
 // multiplies, groups gi + 1 .. gi + STAGES - 1 are in flight, so a CTA keeps up to
 // (STAGES - 1) x 4.5 KiB of reads outstanding (the read rate at decode sizes is bytes in flight
 // per SM over latency).
-template <int T, bool PROMOTE, int STAGES, class Epilogue>
+template <int T, bool PROMOTE, int STAGES, int W, class Epilogue>
 __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
                                           const uint2* __restrict__ tables, const int* __restrict__ table_of,
                                           const int* __restrict__ p, const float* __restrict__ alpha,
@@ -246,8 +253,10 @@ __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const
   static_assert(T == 8 || T == 16 || T == 32 || T == 64 || T == 128, "token tile: 8, 16, 32, 64 or 128");
   static_assert(STAGES >= 2, "the ring needs a stage to fill while one multiplies");
   constexpr int F = T / 8;
-  static_assert(sizeof(Stage<T>) % 128 == 0 && Stage<T>::SX + 4 * T <= sizeof(Stage<T>), "a stage's layout");
-  __shared__ Stage<T> ring[STAGES];
+  static_assert(W == 1 || W == 2, "one or two warpgroups a CTA");
+  using St = Stage<T, W>;
+  static_assert(sizeof(St) % 128 == 0 && St::SX + 4 * T <= sizeof(St), "a stage's layout");
+  __shared__ St ring[STAGES];
   __shared__ uint2 table[128];
 
   const int e = blockIdx.z, b = blockIdx.x;
@@ -255,12 +264,16 @@ __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const
   const int count = offsets[e + 1] - r0;
   if ((int)blockIdx.y * T >= count) return;  // the whole CTA: no barrier is left waiting
 
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  // wg: the thread's warpgroup, which owns weight rows 64 (W b + wg) .. + 63; wt, warp: its thread
+  // and warp within the warpgroup
+  const int tid = threadIdx.x, wg = W == 1 ? 0 : tid / THREADS, wt = W == 1 ? tid : tid % THREADS;
+  const int warp = wt >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int bw = W * b + wg;
   const int G = (K + GROUP_K - 1) / GROUP_K, KS = K / STEP_K, NB = N / ROWS;
-  table[tid] = tables[(size_t)table_of[e] * 128 + tid];
+  if (W == 1 || tid < 128) table[tid] = tables[(size_t)table_of[e] * 128 + tid];
   const float factor = ldexpf(alpha[e], p[e]);
-  const uint2* wp = words + (size_t)(e * NB + b) * KS * THREADS;         // the CTA's words, step 0
-  const uint8_t* sp = scales + (size_t)(e * NB + b) * G * (ROWS * 8);    // its block scales, group 0
+  const uint2* wp = words + (size_t)(e * NB + bw) * KS * THREADS;         // the warpgroup's words, step 0
+  const uint8_t* sp = scales + (size_t)(e * NB + bw) * G * (ROWS * 8);    // its block scales, group 0
 
   float tmp[F][4];
 #pragma unroll
@@ -281,11 +294,11 @@ __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const
     // every thread is past the previous block's reads of the ring (and the table's first write
     // is visible) before the prologue refills it
     __syncthreads();
-    const GroupLoader<T> loader(x8, s_x, wp, sp, row0, valid, K, G, tid);
+    const GroupLoader<T, W> loader(x8, s_x, wp, sp, row0, valid, K, G, tid);
     const uint32_t ring0 = lab_gemm::smem_addr(&ring[0]);
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) {
-      if (i < G) loader.load(ring0 + i * (uint32_t)sizeof(Stage<T>), i, K);
+      if (i < G) loader.load(ring0 + i * (uint32_t)sizeof(St), i, K);
       cp_async_commit();  // possibly empty, so that the wait below counts groups, not loads
     }
     int stage = 0, fill = STAGES - 1;  // the stage group gi sits in, and the one group gi + STAGES - 1 goes to
@@ -293,18 +306,18 @@ __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const
       cp_async_wait<STAGES - 2>();    // groups up to gi have landed (this thread's copies)
       lab_gemm::fence_proxy_async();  // this thread's shared writes, before wgmma (async proxy) reads them
       __syncthreads();                // everyone's copies; and everyone is done with group gi - 1's stage
-      if (gi + STAGES - 1 < G) loader.load(ring0 + fill * (uint32_t)sizeof(Stage<T>), gi + STAGES - 1, K);
+      if (gi + STAGES - 1 < G) loader.load(ring0 + fill * (uint32_t)sizeof(St), gi + STAGES - 1, K);
       cp_async_commit();
 
       // A 64-column last group has two steps; the other two multiply zero codes and zero-filled
       // activations, so every group issues the same four wgmmas (a wgmma under a branch makes
       // ptxas pad the group).
-      const Stage<T>& st = ring[stage];
-      const uint2 sc0 = st.scs[16 * warp + g], sc1 = st.scs[16 * warp + g + 8];
+      const St& st = ring[stage];
+      const uint2 sc0 = st.scs[wg * ROWS + 16 * warp + g], sc1 = st.scs[wg * ROWS + 16 * warp + g + 8];
       uint32_t a[STEPS][4];
 #pragma unroll
       for (int s = 0; s < STEPS; ++s) {
-        const uint2 w = st.ws[s * THREADS + tid];
+        const uint2 w = st.ws[(wg * STEPS + s) * THREADS + wt];
         const uint2 lo0 = table_row(table, sc0, 2 * s), hi0 = table_row(table, sc0, 2 * s + 1);
         const uint2 lo1 = table_row(table, sc1, 2 * s), hi1 = table_row(table, sc1, 2 * s + 1);
         lab_gemm::decode_fp8_word2(w.x, lo0.x, lo0.y, hi0.x, hi0.y, a[s][0], a[s][2]);
@@ -334,7 +347,7 @@ __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const
       stage = stage + 1 == STAGES ? 0 : stage + 1;
     }
 
-    epi.template store<PROMOTE>(acc, tmp, factor, row0, valid, b, warp, g, c, e, G, s_x);
+    epi.template store<PROMOTE>(acc, tmp, factor, row0, valid, bw, warp, g, c, e, G, s_x);
   }
 }
 
@@ -345,7 +358,28 @@ __global__ void __launch_bounds__(THREADS, 1)
               const uint8_t* __restrict__ x8, const float* __restrict__ s_x, const int* __restrict__ offsets,
               float* __restrict__ out, int N, int K) {
   StoreOut<T> epi{out, N};
-  gemm_body<T, PROMOTE, STAGES>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
+  gemm_body<T, PROMOTE, STAGES, 1>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
+}
+
+// Stages of the two-warpgroup CTA's ring within 48 KiB: its stage holds twice the weights (9 KiB); no
+// 128-token tile (one stage of 26.5 KiB).
+template <int T>
+struct WideStages {
+  static constexpr int value = T == 64 ? 2 : T == 32 ? 3 : 4;
+};
+
+// Two warpgroups a CTA (w4a8_gemm_wide): 128 weight rows, 64 a warpgroup, over one activation
+// tile in shared memory, so each expert's activations are read from L2 by N / 128 CTAs, not
+// N / 64 (at large batches the 64-row CTA is bound by that traffic). Each output is computed by
+// the same wgmmas in the same order as in w4a8_gemm: the same bits. Needs N % 128 == 0.
+template <int T, int STAGES = WideStages<T>::value>
+__global__ void __launch_bounds__(2 * THREADS, 1)
+    w4a8_gemm_wide(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
+                   const uint2* __restrict__ tables, const int* __restrict__ table_of, const int* __restrict__ p,
+                   const float* __restrict__ alpha, const uint8_t* __restrict__ x8, const float* __restrict__ s_x,
+                   const int* __restrict__ offsets, float* __restrict__ out, int N, int K) {
+  StoreOut<T> epi{out, N};
+  gemm_body<T, true, STAGES, 2>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
 }
 
 // ------------------------------------------------------------------------------ SwiGLU epilogue
@@ -451,7 +485,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1)
   __shared__ float part[4][T];
   __shared__ float cta[T];
   SwigluQuant<T> epi{a8, s_a, nonfinite, gate_global, up_global, N / 2, part, cta};
-  gemm_body<T, true, STAGES>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
+  gemm_body<T, true, STAGES, 1>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
 }
 
 }  // namespace lab_w4a8

@@ -87,6 +87,19 @@ def swiglu_expression(tokens: int) -> str:
 
 
 FUSED_EXPRESSIONS = tuple(swiglu_expression(t) for t in TOKEN_TILES)
+WIDE_TILES = (8, 16, 32, 64)  # the two-warpgroup CTA's tiles: 128 tokens leave no room for a ring
+
+
+def wide_expression(tokens: int) -> str:
+    """The two-warpgroup CTA (w4a8_gemm.cu w4a8_gemm_wide): 128 weight rows over one activation
+    tile, the same bits as w4a8_gemm; on request (GemmPlan.warpgroups = 2)."""
+    if tokens not in WIDE_TILES:
+        raise ValueError(f"tokens: the two-warpgroup CTA takes a token tile of {WIDE_TILES}, got {tokens!r}")
+    return f"lab_w4a8::w4a8_gemm_wide<{tokens}>"
+
+
+# compiled in their own module, only when a plan asks for them
+WIDE_EXPRESSIONS = tuple(wide_expression(t) for t in WIDE_TILES)
 ACT_EXPRESSIONS = ("lab_w4a8_act::quantize_act<float>", "lab_w4a8_act::quantize_act<lab_w4a8_act::uint16_t>",
                    "lab_w4a8_act::swiglu_quant")
 SWIGLU_EXPRESSION = ACT_EXPRESSIONS[2]
@@ -372,29 +385,44 @@ class GemmPlan:
     token_blocks: int
     promote: bool = True
     stages: int | None = None  # the ring's depth; None: the shipped one (the depth study sets it)
+    warpgroups: int = 1  # 2: the two-warpgroup CTA (128 weight rows a CTA; needs N % 128 == 0)
 
 
-def gemm_plan(offsets, tokens: int | None = None, token_blocks: int | None = None) -> GemmPlan:
+def gemm_plan(offsets, tokens: int | None = None, token_blocks: int | None = None, warpgroups: int = 1) -> GemmPlan:
     """The launch shape for host offsets (E+1,): `tokens` forces the token tile (one of
     TOKEN_TILES; by default the smallest that holds the largest expert, token_tile);
-    `token_blocks` the grid's height (default: one token tile per CTA for the largest expert)."""
+    `token_blocks` the grid's height (default: one token tile per CTA for the largest expert);
+    `warpgroups` 2 asks for the two-warpgroup CTA (a tile of WIDE_TILES)."""
+    if not isinstance(warpgroups, (int, np.integer)) or isinstance(warpgroups, bool) or warpgroups not in (1, 2):
+        raise ValueError(f"warpgroups: expected 1 or 2, got {warpgroups!r}")
     if tokens is not None:
         gemm_expression(tokens)  # names the argument when it is not a tile
+        if warpgroups == 2:
+            wide_expression(tokens)
     if token_blocks is not None and not (isinstance(token_blocks, (int, np.integer)) and 1 <= token_blocks < 65536):
         raise ValueError(f"token_blocks: expected an int from 1 to 65535, got {token_blocks!r}")
     max_count = int(np.diff(np.asarray(offsets, np.int64)).max(initial=0))
     if max_count == 0:
-        return GemmPlan(tokens or TOKEN_TILES[0], 0)
+        return GemmPlan(tokens or TOKEN_TILES[0], 0, warpgroups=warpgroups)
     t = token_tile(max_count) if tokens is None else tokens
-    return GemmPlan(t, min(-(-max_count // t), 65535) if token_blocks is None else int(token_blocks))
+    if warpgroups == 2:
+        wide_expression(t)
+    return GemmPlan(t, min(-(-max_count // t), 65535) if token_blocks is None else int(token_blocks),
+                    warpgroups=warpgroups)
 
 
 def plan_w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out, tokens: int | None = None,
-                   token_blocks: int | None = None) -> GemmPlan:
+                   token_blocks: int | None = None, warpgroups: int = 1) -> GemmPlan:
     """check_gemm_args and gemm_plan: everything launch_w4a8_gemm leaves to its caller, for
     these arguments (host or device offsets and alpha: their values are what is checked)."""
     offs, _ = check_gemm_args(prep, x8, s_x, offsets, alpha, out)
-    return gemm_plan(offs, tokens, token_blocks)
+    _check_warpgroups(prep, warpgroups)
+    return gemm_plan(offs, tokens, token_blocks, warpgroups)
+
+
+def _check_warpgroups(prep: W4A8Weights, warpgroups: int) -> None:
+    if warpgroups == 2 and prep.n % (2 * ROWS):
+        raise ValueError(f"warpgroups: the two-warpgroup CTA takes N a multiple of {2 * ROWS}, got N={prep.n}")
 
 
 def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha, out, stream) -> None:
@@ -402,6 +430,15 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
     (E+1,) int32 and alpha (E,) float32 on the device, holding the values plan_w4a8_gemm
     checked, with the same prep, x8, s_x and out."""
     if plan.token_blocks == 0:
+        return
+    if plan.warpgroups == 2:
+        if not plan.promote or plan.stages is not None:
+            raise ValueError("plan: the two-warpgroup CTA is promoted and at its shipped depth only")
+        fn = _kernel(GEMM_SOURCE, WIDE_EXPRESSIONS, wide_expression(plan.tokens))
+        with stream:
+            fn((prep.n // (2 * ROWS), plan.token_blocks, prep.experts), (2 * THREADS,),
+               (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, x8, s_x, offsets, out,
+                np.int32(prep.n), np.int32(prep.k)))
         return
     if plan.stages is None:
         fn = _kernel(GEMM_SOURCE, GEMM_EXPRESSIONS if plan.promote else UNPROMOTED_EXPRESSIONS,
@@ -416,7 +453,7 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
 
 
 def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None, tokens: int | None = None,
-              token_blocks: int | None = None, promote: bool = True):
+              token_blocks: int | None = None, promote: bool = True, warpgroups: int = 1):
     """Launch the W4A8 grouped GEMM on `stream` (a CuPy stream, None for the current one) and
     return `out` (allocated on that stream when None). `tokens` forces the token tile (one of
     TOKEN_TILES); by default the smallest tile that holds the largest expert (token_tile).
@@ -424,15 +461,19 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
     expert); a CTA takes every token_blocks-th tile of its expert, so any height computes every
     token. promote=False runs the form without promotion (one fp8 accumulator over all of K, the
     row's scale applied at the end), for the accuracy study: it takes one scale per row, every
-    column of s_x equal (checked on the host)."""
+    column of s_x equal (checked on the host). warpgroups=2 runs the two-warpgroup CTA (the same
+    bits; N a multiple of 128, a token tile of WIDE_TILES)."""
     offs, al = check_gemm_args(prep, x8, s_x, offsets, alpha, out)
+    _check_warpgroups(prep, warpgroups)
+    if warpgroups == 2 and not promote:
+        raise ValueError("warpgroups: the two-warpgroup CTA is promoted only (promote=False takes 1)")
     if not promote:
         sx = _host(s_x, "s_x")
         if (sx != sx[:, :1]).any():
             bad = int(np.argmax((sx != sx[:, :1]).any(axis=1)))
             raise ValueError(f"s_x: promote=False takes one scale per row (every column equal); row {bad} "
                              f"has {sx[bad, :4].tolist()}...")
-    plan = replace(gemm_plan(offs, tokens, token_blocks), promote=bool(promote))
+    plan = replace(gemm_plan(offs, tokens, token_blocks, warpgroups), promote=bool(promote))
     import cupy as cp
 
     stream = stream if stream is not None else cp.cuda.get_current_stream()
