@@ -159,6 +159,7 @@ def main(argv=None) -> int:
         d_offs = cp.asarray(offs)
         for name, prep in mats.items():
             x8, s_x = random_act(cp, rng, int(offs[-1]), prep.k)
+            cp.cuda.Device().synchronize()  # the uploads (current stream) land before the study's stream reads them
             base = wg.gemm_plan(offs)
             runs = {s: (lambda out, plan=replace(base, stages=s):
                         wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))

@@ -271,6 +271,9 @@ def test_wide_plans_refuse_what_the_wide_cta_cannot_run():
     for bad in (0, 3, True, 2.0):
         with pytest.raises(ValueError, match="warpgroups: expected 1 or 2"):
             wg.gemm_plan(offs, warpgroups=bad)
+    # the default: two warpgroups from WIDE_FROM tokens where N splits into 128-row CTAs
+    assert [wg.wide_warpgroups(t, 4096) for t in wg.TOKEN_TILES] == [1, 2, 2, 2, 1]
+    assert wg.wide_warpgroups(64, 192) == 1 and wg.wide_warpgroups(64, 256) == 2
 
 
 @needs_nvcc
@@ -471,7 +474,8 @@ def test_the_wide_cta_gives_the_plain_kernels_bits(tokens, token_blocks):
     rng = np.random.default_rng(100 + tokens)
     prep, x8, s_x, offsets, alpha, ref, mag = make_problem(rng, [1, 0, 23, 150, 8], 256, 320)
     prep_d = prep.to_device()
-    plain, _ = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks)
+    plain, _ = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
+                        warpgroups=1)
     wide, guard = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
                            warpgroups=2)
     assert np.isnan(guard).all()
