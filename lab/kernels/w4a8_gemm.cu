@@ -408,9 +408,9 @@ __device__ __forceinline__ float cluster_load(const float* p, uint32_t rank) {  
   return v;
 }
 
-constexpr int CLUSTER = 4;  // CTAs of one 128-column group of I
+constexpr int CLUSTER = 4;  // 64-row blocks (one-warpgroup CTAs) of one 128-column group of I
 
-template <int T>
+template <int T, int W = 1>
 struct SwigluQuant {
   lab_w4a8_act::uint8_t* __restrict__ a8;  // (rows, I)
   float* __restrict__ s_a;                 // (rows, I / 128)
@@ -418,7 +418,7 @@ struct SwigluQuant {
   const float* __restrict__ gate_global;
   const float* __restrict__ up_global;
   int I;
-  float (*part)[T];  // [4 warps][T] shared: each warp's |a| maximum per token
+  float (*part)[T];  // [4 W warps][T] shared: each warp's |a| maximum per token
   float* cta;        // [T] shared: the CTA's, read by the cluster
 
   template <bool PROMOTE>
@@ -447,11 +447,15 @@ struct SwigluQuant {
 #pragma unroll
       for (int j = 0; j < F; ++j)
 #pragma unroll
-        for (int q = 0; q < 2; ++q) part[warp][8 * j + 2 * c + q] = m[j][q];
+        for (int q = 0; q < 2; ++q) part[(W == 1 ? 0 : 4 * (threadIdx.x / THREADS)) + warp][8 * j + 2 * c + q] = m[j][q];
     }
     __syncthreads();
     const int tid = threadIdx.x;
-    if (tid < T) cta[tid] = fmaxf(fmaxf(part[0][tid], part[1][tid]), fmaxf(part[2][tid], part[3][tid]));
+    if (tid < T) {
+      float v = fmaxf(fmaxf(part[0][tid], part[1][tid]), fmaxf(part[2][tid], part[3][tid]));
+      if (W == 2) v = fmaxf(v, fmaxf(fmaxf(part[4][tid], part[5][tid]), fmaxf(part[6][tid], part[7][tid])));
+      cta[tid] = v;
+    }
     cluster_sync();  // every CTA's partials written and visible to the cluster
     const int G = I / 128, gi = b / CLUSTER;
 #pragma unroll
@@ -461,7 +465,7 @@ struct SwigluQuant {
         const int t = 8 * j + 2 * c + q;
         float mt = 0.0f;
 #pragma unroll
-        for (int r = 0; r < CLUSTER; ++r) mt = fmaxf(mt, cluster_load(cta + t, r));
+        for (int r = 0; r < CLUSTER / W; ++r) mt = fmaxf(mt, cluster_load(cta + t, r));
         const float amax = fmaxf(mt, 0x1p-116f);
         const float inv = __fdiv_rn(448.0f, amax);
         if (t < valid) {
@@ -486,6 +490,22 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1)
   __shared__ float cta[T];
   SwigluQuant<T> epi{a8, s_a, nonfinite, gate_global, up_global, N / 2, part, cta};
   gemm_body<T, true, STAGES, 1>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
+}
+
+// The fused epilogue on the two-warpgroup CTA: a 128-column group of I is two CTAs of 64 columns,
+// each reducing its eight warps' |a| before the cluster's exchange; the same a8 and s_a.
+template <int T, int STAGES = WideStages<T>::value>
+__global__ void __cluster_dims__(CLUSTER / 2, 1, 1) __launch_bounds__(2 * THREADS, 1)
+    w4a8_gemm_swiglu_wide(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
+                          const uint2* __restrict__ tables, const int* __restrict__ table_of,
+                          const int* __restrict__ p, const float* __restrict__ alpha, const uint8_t* __restrict__ x8,
+                          const float* __restrict__ s_x, const int* __restrict__ offsets, int N, int K,
+                          const float* __restrict__ gate_global, const float* __restrict__ up_global,
+                          uint8_t* __restrict__ a8, float* __restrict__ s_a, uint32_t* __restrict__ nonfinite) {
+  __shared__ float part[8][T];
+  __shared__ float cta[T];
+  SwigluQuant<T, 2> epi{a8, s_a, nonfinite, gate_global, up_global, N / 2, part, cta};
+  gemm_body<T, true, STAGES, 2>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
 }
 
 }  // namespace lab_w4a8

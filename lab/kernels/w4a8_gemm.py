@@ -100,6 +100,15 @@ def wide_expression(tokens: int) -> str:
 
 # compiled in their own module, only when a plan asks for them
 WIDE_EXPRESSIONS = tuple(wide_expression(t) for t in WIDE_TILES)
+
+
+def swiglu_wide_expression(tokens: int) -> str:
+    """The fused w13 on the two-warpgroup CTA (w4a8_gemm_swiglu_wide): the same a8 and s_a."""
+    wide_expression(tokens)  # names the argument when the wide CTA has no such tile
+    return f"lab_w4a8::w4a8_gemm_swiglu_wide<{tokens}>"
+
+
+FUSED_WIDE_EXPRESSIONS = tuple(swiglu_wide_expression(t) for t in WIDE_TILES)
 ACT_EXPRESSIONS = ("lab_w4a8_act::quantize_act<float>", "lab_w4a8_act::quantize_act<lab_w4a8_act::uint16_t>",
                    "lab_w4a8_act::swiglu_quant")
 SWIGLU_EXPRESSION = ACT_EXPRESSIONS[2]
@@ -645,10 +654,11 @@ def launch_swiglu_quant(h, offsets, gate_global, up_global, a8, s_a, nonfinite, 
 
 
 def plan_w4a8_gemm_swiglu(prep: W4A8Weights, x8, s_x, offsets, alpha, gate_global, up_global, a8, s_a,
-                          nonfinite, tokens: int | None = None, token_blocks: int | None = None) -> GemmPlan:
+                          nonfinite, tokens: int | None = None, token_blocks: int | None = None,
+                          warpgroups: int | None = None) -> GemmPlan:
     """Every check of a fused launch (the GEMM's, with no fp32 output, and the act stage's
     shapes), on w13 prepared from paired_rows: ValueError naming the first bad argument. Returns
-    the plan launch_w4a8_gemm_swiglu takes."""
+    the plan launch_w4a8_gemm_swiglu takes (warpgroups as plan_w4a8_gemm's)."""
     offs, _ = check_gemm_args(prep, x8, s_x, offsets, alpha)
     if prep.n % (2 * GROUP_K):
         raise ValueError(f"prep: N=2I={prep.n}; the fused epilogue needs I a multiple of {GROUP_K}")
@@ -661,7 +671,7 @@ def plan_w4a8_gemm_swiglu(prep: W4A8Weights, x8, s_x, offsets, alpha, gate_globa
     _check_device_array(cp, "a8", a8, (rows, i), np.uint8)
     _check_device_array(cp, "s_a", s_a, (rows, i // GROUP_K), np.float32)
     _check_device_array(cp, "nonfinite", nonfinite, (1,), np.uint32)
-    return gemm_plan(offs, tokens, token_blocks)
+    return _plan(prep, offs, tokens, token_blocks, warpgroups)
 
 
 def launch_w4a8_gemm_swiglu(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha, gate_global, up_global,
@@ -672,8 +682,10 @@ def launch_w4a8_gemm_swiglu(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets,
     into `nonfinite`."""
     if plan.token_blocks == 0:
         return
-    fn = _kernel(GEMM_SOURCE, FUSED_EXPRESSIONS, swiglu_expression(plan.tokens))
+    w = plan.warpgroups
+    fn = (_kernel(GEMM_SOURCE, FUSED_EXPRESSIONS, swiglu_expression(plan.tokens)) if w == 1 else
+          _kernel(GEMM_SOURCE, FUSED_WIDE_EXPRESSIONS, swiglu_wide_expression(plan.tokens)))
     with stream:
-        fn((prep.n // ROWS, plan.token_blocks, prep.experts), (THREADS,),
+        fn((prep.n // (w * ROWS), plan.token_blocks, prep.experts), (w * THREADS,),
            (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, x8, s_x, offsets,
             np.int32(prep.n), np.int32(prep.k), gate_global, up_global, a8, s_a, nonfinite))
