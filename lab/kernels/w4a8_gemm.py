@@ -92,7 +92,8 @@ WIDE_TILES = (8, 16, 32, 64)  # the two-warpgroup CTA's tiles: 128 tokens leave 
 
 def wide_expression(tokens: int) -> str:
     """The two-warpgroup CTA (w4a8_gemm.cu w4a8_gemm_wide): 128 weight rows over one activation
-    tile, the same bits as w4a8_gemm; on request (GemmPlan.warpgroups = 2)."""
+    tile, the same bits as w4a8_gemm (GemmPlan.warpgroups = 2; the default from WIDE_FROM tokens,
+    wide_warpgroups)."""
     if tokens not in WIDE_TILES:
         raise ValueError(f"tokens: the two-warpgroup CTA takes a token tile of {WIDE_TILES}, got {tokens!r}")
     return f"lab_w4a8::w4a8_gemm_wide<{tokens}>"
@@ -106,9 +107,9 @@ SWIGLU_EXPRESSION = ACT_EXPRESSIONS[2]
 
 
 # The largest tile token_tile picks. 128 (two warpgroups' worth of accumulators in one: 191
-# registers, two CTAs an SM, a ring of two) decodes each weight once for twice the tokens, which
-# is what the 512-2048 band needs, but has not been timed against 64: it runs only when asked
-# for (tokens=128) until an A/B says it should be the default.
+# registers, two CTAs an SM, a ring of two) decodes each weight once for twice the tokens, but
+# on an H100 it was only 1% faster than 64 at 512 tokens per expert and 4-5x slower below 32
+# (results/studies/w4a8_loader_and_decode_ahead_h100.json): it runs only when asked for.
 DEFAULT_MAX_TILE = 64
 
 
