@@ -12,7 +12,9 @@
 // Grid (N/64, token blocks, E): CTA (b, y, e) computes weight rows 64b..64b+63 of expert e
 // against the expert's token blocks y, y + gridDim.y, ... (T tokens each), so any grid height
 // covers every token; CTAs of empty experts or of blocks past the count return at once. One
-// warpgroup (128 threads) per CTA, no warp specialization.
+// warpgroup (128 threads) per CTA, no warp specialization; w4a8_gemm_wide is the same with two
+// warpgroups (grid N/128: CTA b's warpgroup w takes rows 64 (2b + w) .. + 63) over one activation
+// tile. Below, w is the warp within its warpgroup.
 //
 // What thread (warp w, lane l; g = l / 4, c = l % 4) owns, per the PTX ISA's fragments of
 // wgmma m64nNk32 with 8-bit A:
