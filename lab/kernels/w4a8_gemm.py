@@ -157,9 +157,13 @@ class W4A8Weights:
         from lab.gpu import require_gpu
 
         cp = require_gpu("W4A8Weights.to_device")
-        return W4A8Weights(*(cp.ascontiguousarray(cp.asarray(a)) for a in
-                             (self.words, self.scales, self.tables, self.table_of, self.p)),
-                           self.experts, self.n, self.k)
+        dev = W4A8Weights(*(cp.ascontiguousarray(cp.asarray(a)) for a in
+                            (self.words, self.scales, self.tables, self.table_of, self.p)),
+                          self.experts, self.n, self.k)
+        # the copies land before this returns: the runners launch on non-blocking streams, which
+        # do not wait for the current one
+        cp.cuda.get_current_stream().synchronize()
+        return dev
 
     def to_host(self) -> "W4A8Weights":
         def host(a):
