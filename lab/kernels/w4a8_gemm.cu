@@ -270,7 +270,7 @@ __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const
   // and warp within the warpgroup
   const int tid = threadIdx.x, wg = W == 1 ? 0 : tid / THREADS, wt = W == 1 ? tid : tid % THREADS;
   const int warp = wt >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
-  const int bw = W * b + wg;
+  const int bw = W == 1 ? b : W * b + wg;
   const int G = (K + GROUP_K - 1) / GROUP_K, KS = K / STEP_K, NB = N / ROWS;
   if (W == 1 || tid < 128) table[tid] = tables[(size_t)table_of[e] * 128 + tid];
   const float factor = ldexpf(alpha[e], p[e]);
