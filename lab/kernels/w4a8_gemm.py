@@ -108,7 +108,7 @@ SWIGLU_EXPRESSION = ACT_EXPRESSIONS[2]
 
 # The largest tile token_tile picks. 128 (two warpgroups' worth of accumulators in one: 191
 # registers, two CTAs an SM, a ring of two) decodes each weight once for twice the tokens, but
-# on an H100 it was only 1% faster than 64 at 512 tokens per expert and 4-5x slower below 32
+# on an H100 it was only 1% faster than 64 at 512 tokens per expert and 1.9-4.6x slower at 1-32
 # (results/studies/w4a8_loader_and_decode_ahead_h100.json): it runs only when asked for.
 DEFAULT_MAX_TILE = 64
 
