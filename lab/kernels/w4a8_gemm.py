@@ -455,23 +455,19 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
     checked, with the same prep, x8, s_x and out."""
     if plan.token_blocks == 0:
         return
-    if plan.warpgroups == 2:
+    w = plan.warpgroups
+    if w == 2:
         if not plan.promote or plan.stages is not None:
             raise ValueError("plan: the two-warpgroup CTA is promoted and at its shipped depth only")
         fn = _kernel(GEMM_SOURCE, WIDE_EXPRESSIONS, wide_expression(plan.tokens))
-        with stream:
-            fn((prep.n // (2 * ROWS), plan.token_blocks, prep.experts), (2 * THREADS,),
-               (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, x8, s_x, offsets, out,
-                np.int32(prep.n), np.int32(prep.k)))
-        return
-    if plan.stages is None:
+    elif plan.stages is None:
         fn = _kernel(GEMM_SOURCE, GEMM_EXPRESSIONS if plan.promote else UNPROMOTED_EXPRESSIONS,
                      gemm_expression(plan.tokens, plan.promote))
     else:  # a study's depth, compiled in its own module
         expr = gemm_expression(plan.tokens, plan.promote, plan.stages)
         fn = _kernel(GEMM_SOURCE, (expr,), expr)
     with stream:
-        fn((prep.n // ROWS, plan.token_blocks, prep.experts), (THREADS,),
+        fn((prep.n // (w * ROWS), plan.token_blocks, prep.experts), (w * THREADS,),
            (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, x8, s_x, offsets, out,
             np.int32(prep.n), np.int32(prep.k)))
 
