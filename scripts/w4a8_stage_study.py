@@ -19,7 +19,7 @@ depths' bits as well.
 
 --wide times the two-warpgroup CTA (w4a8_gemm_wide: 128 weight rows over one activation tile, so
 each expert's activations are read from L2 half as often) beside them, labelled W2; its bits must
-equal the depths' too.
+equal the depths' too (with --tiles, each tile also on it: T<t>W2).
 
 Needs a GPU. --json writes the table, the configuration and the setup (GPU, commit).
 
@@ -176,6 +176,9 @@ def main(argv=None) -> int:
                     tile_plan = wg.GemmPlan(t, -(-int(routing.counts.max()) // t))
                     runs[f"T{t}"] = (lambda out, plan=tile_plan:
                                      wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
+                    if args.wide and t in wg.WIDE_TILES and prep.n % (2 * wg.ROWS) == 0:
+                        runs[f"T{t}W2"] = (lambda out, plan=replace(tile_plan, warpgroups=2):
+                                           wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
             depths = list(runs)
             outs, times = {}, {s: [] for s in depths}
             with stream:  # poisoned on the launches' stream, so no fill lands after a launch's writes

@@ -246,7 +246,18 @@ struct DefaultStages {
 // multiplies, groups gi + 1 .. gi + STAGES - 1 are in flight, so a CTA keeps up to
 // (STAGES - 1) x 4.5 KiB of reads outstanding (the read rate at decode sizes is bytes in flight
 // per SM over latency).
-template <int T, bool PROMOTE, int STAGES, int W, class Epilogue>
+// The ring's storage: STAGES static stages, or (DYN) a placeholder, the ring then being the dynamic
+// shared memory the launcher passes (a ring past 48 KiB).
+template <class St, int STAGES, bool DYN>
+struct RingStorage {
+  St stages[STAGES];
+};
+template <class St, int STAGES>
+struct RingStorage<St, STAGES, true> {
+  uint32_t unused;
+};
+
+template <int T, bool PROMOTE, int STAGES, int W, bool DYN, class Epilogue>
 __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
                                           const uint2* __restrict__ tables, const int* __restrict__ table_of,
                                           const int* __restrict__ p, const float* __restrict__ alpha,
@@ -258,7 +269,9 @@ __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const
   static_assert(W == 1 || W == 2, "one or two warpgroups a CTA");
   using St = Stage<T, W>;
   static_assert(sizeof(St) % 128 == 0 && St::SX + 4 * T <= sizeof(St), "a stage's layout");
-  __shared__ St ring[STAGES];
+  __shared__ RingStorage<St, STAGES, DYN> ring_static;
+  extern __shared__ __align__(128) uint8_t ring_dynamic[];
+  St* const ring = DYN ? reinterpret_cast<St*>(ring_dynamic) : reinterpret_cast<St*>(&ring_static);
   __shared__ uint2 table[128];
 
   const int e = blockIdx.z, b = blockIdx.x;
@@ -360,14 +373,15 @@ __global__ void __launch_bounds__(THREADS, 1)
               const uint8_t* __restrict__ x8, const float* __restrict__ s_x, const int* __restrict__ offsets,
               float* __restrict__ out, int N, int K) {
   StoreOut<T> epi{out, N};
-  gemm_body<T, PROMOTE, STAGES, 1>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
+  gemm_body<T, PROMOTE, STAGES, 1, false>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
 }
 
-// Stages of the two-warpgroup CTA's ring within 48 KiB: its stage holds twice the weights (9 KiB); no
-// 128-token tile (one stage of 26.5 KiB).
+// Stages of the two-warpgroup CTA's ring: its stage holds twice the weights (9 KiB). Within 48 KiB of
+// static shared memory at 8-64 tokens; the 128-token tile's stage is 25.5 KiB, so its ring of
+// three is dynamic shared memory (76.5 KiB, two CTAs an SM by shared memory).
 template <int T>
 struct WideStages {
-  static constexpr int value = T == 64 ? 2 : T == 32 ? 3 : 4;
+  static constexpr int value = T == 128 ? 3 : T == 64 ? 2 : T == 32 ? 3 : 4;
 };
 
 // Two warpgroups a CTA (w4a8_gemm_wide): 128 weight rows, 64 a warpgroup, over one activation
@@ -381,7 +395,7 @@ __global__ void __launch_bounds__(2 * THREADS, 1)
                    const float* __restrict__ alpha, const uint8_t* __restrict__ x8, const float* __restrict__ s_x,
                    const int* __restrict__ offsets, float* __restrict__ out, int N, int K) {
   StoreOut<T> epi{out, N};
-  gemm_body<T, true, STAGES, 2>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
+  gemm_body<T, true, STAGES, 2, T == 128>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
 }
 
 // ------------------------------------------------------------------------------ SwiGLU epilogue
@@ -410,9 +424,9 @@ __device__ __forceinline__ float cluster_load(const float* p, uint32_t rank) {  
   return v;
 }
 
-constexpr int CLUSTER = 4;  // CTAs of one 128-column group of I
+constexpr int CLUSTER = 4;  // 64-row blocks (one-warpgroup CTAs) of one 128-column group of I
 
-template <int T>
+template <int T, int W = 1>
 struct SwigluQuant {
   lab_w4a8_act::uint8_t* __restrict__ a8;  // (rows, I)
   float* __restrict__ s_a;                 // (rows, I / 128)
@@ -420,7 +434,7 @@ struct SwigluQuant {
   const float* __restrict__ gate_global;
   const float* __restrict__ up_global;
   int I;
-  float (*part)[T];  // [4 warps][T] shared: each warp's |a| maximum per token
+  float (*part)[T];  // [4 W warps][T] shared: each warp's |a| maximum per token
   float* cta;        // [T] shared: the CTA's, read by the cluster
 
   template <bool PROMOTE>
@@ -449,11 +463,15 @@ struct SwigluQuant {
 #pragma unroll
       for (int j = 0; j < F; ++j)
 #pragma unroll
-        for (int q = 0; q < 2; ++q) part[warp][8 * j + 2 * c + q] = m[j][q];
+        for (int q = 0; q < 2; ++q) part[(W == 1 ? 0 : 4 * (threadIdx.x / THREADS)) + warp][8 * j + 2 * c + q] = m[j][q];
     }
     __syncthreads();
     const int tid = threadIdx.x;
-    if (tid < T) cta[tid] = fmaxf(fmaxf(part[0][tid], part[1][tid]), fmaxf(part[2][tid], part[3][tid]));
+    if (tid < T) {
+      float v = fmaxf(fmaxf(part[0][tid], part[1][tid]), fmaxf(part[2][tid], part[3][tid]));
+      if (W == 2) v = fmaxf(v, fmaxf(fmaxf(part[4][tid], part[5][tid]), fmaxf(part[6][tid], part[7][tid])));
+      cta[tid] = v;
+    }
     cluster_sync();  // every CTA's partials written and visible to the cluster
     const int G = I / 128, gi = b / CLUSTER;
 #pragma unroll
@@ -463,7 +481,7 @@ struct SwigluQuant {
         const int t = 8 * j + 2 * c + q;
         float mt = 0.0f;
 #pragma unroll
-        for (int r = 0; r < CLUSTER; ++r) mt = fmaxf(mt, cluster_load(cta + t, r));
+        for (int r = 0; r < CLUSTER / W; ++r) mt = fmaxf(mt, cluster_load(cta + t, r));
         const float amax = fmaxf(mt, 0x1p-116f);
         const float inv = __fdiv_rn(448.0f, amax);
         if (t < valid) {
@@ -487,7 +505,23 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1)
   __shared__ float part[4][T];
   __shared__ float cta[T];
   SwigluQuant<T> epi{a8, s_a, nonfinite, gate_global, up_global, N / 2, part, cta};
-  gemm_body<T, true, STAGES, 1>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
+  gemm_body<T, true, STAGES, 1, false>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
+}
+
+// The fused epilogue on the two-warpgroup CTA: a 128-column group of I is two CTAs of 64 columns,
+// each reducing its eight warps' |a| before the cluster's exchange; the same a8 and s_a.
+template <int T, int STAGES = WideStages<T>::value>
+__global__ void __cluster_dims__(CLUSTER / 2, 1, 1) __launch_bounds__(2 * THREADS, 1)
+    w4a8_gemm_swiglu_wide(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
+                          const uint2* __restrict__ tables, const int* __restrict__ table_of,
+                          const int* __restrict__ p, const float* __restrict__ alpha, const uint8_t* __restrict__ x8,
+                          const float* __restrict__ s_x, const int* __restrict__ offsets, int N, int K,
+                          const float* __restrict__ gate_global, const float* __restrict__ up_global,
+                          uint8_t* __restrict__ a8, float* __restrict__ s_a, uint32_t* __restrict__ nonfinite) {
+  __shared__ float part[8][T];
+  __shared__ float cta[T];
+  SwigluQuant<T, 2> epi{a8, s_a, nonfinite, gate_global, up_global, N / 2, part, cta};
+  gemm_body<T, true, STAGES, 2, false>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
 }
 
 }  // namespace lab_w4a8

@@ -87,7 +87,8 @@ def swiglu_expression(tokens: int) -> str:
 
 
 FUSED_EXPRESSIONS = tuple(swiglu_expression(t) for t in TOKEN_TILES)
-WIDE_TILES = (8, 16, 32, 64)  # the two-warpgroup CTA's tiles: 128 tokens leave no room for a ring
+WIDE_TILES = (8, 16, 32, 64, 128)  # the two-warpgroup CTA's tiles (128: a ring in dynamic shared memory)
+FUSED_WIDE_TILES = (8, 16, 32, 64)  # and the fused epilogue's on it
 
 
 def wide_expression(tokens: int) -> str:
@@ -101,6 +102,24 @@ def wide_expression(tokens: int) -> str:
 
 # compiled in their own module, only when a plan asks for them
 WIDE_EXPRESSIONS = tuple(wide_expression(t) for t in WIDE_TILES)
+
+
+def wide_ring_bytes(tokens: int) -> int:
+    """The dynamic shared memory a two-warpgroup launch passes: the 128-token tile's ring of three
+    stages (w4a8_gemm.cu Stage<128, 2>: 8 KiB of words, 1 KiB of block scales, 16 KiB of
+    activations and 512 bytes of their scales each), none for the static rings."""
+    return 3 * (2 * 4 * THREADS * 8 + 2 * ROWS * 8 + 4 * 128 * 32 + 4 * 128) if tokens == 128 else 0
+
+
+def swiglu_wide_expression(tokens: int) -> str:
+    """The fused w13 on the two-warpgroup CTA (w4a8_gemm_swiglu_wide): the same a8 and s_a."""
+    if tokens not in FUSED_WIDE_TILES:
+        raise ValueError(f"tokens: the fused two-warpgroup CTA takes a token tile of {FUSED_WIDE_TILES}, "
+                         f"got {tokens!r}")
+    return f"lab_w4a8::w4a8_gemm_swiglu_wide<{tokens}>"
+
+
+FUSED_WIDE_EXPRESSIONS = tuple(swiglu_wide_expression(t) for t in FUSED_WIDE_TILES)
 ACT_EXPRESSIONS = ("lab_w4a8_act::quantize_act<float>", "lab_w4a8_act::quantize_act<lab_w4a8_act::uint16_t>",
                    "lab_w4a8_act::swiglu_quant")
 SWIGLU_EXPRESSION = ACT_EXPRESSIONS[2]
@@ -121,7 +140,7 @@ WIDE_FROM = 16
 
 def wide_warpgroups(tokens: int, n: int) -> int:
     """The warpgroups a plan takes by default: 2 from WIDE_FROM tokens when N % 128 == 0, else 1."""
-    return 2 if tokens >= WIDE_FROM and tokens in WIDE_TILES and n % (2 * ROWS) == 0 else 1
+    return 2 if WIDE_FROM <= tokens <= DEFAULT_MAX_TILE and n % (2 * ROWS) == 0 else 1
 
 
 def token_tile(max_count: int) -> int:
@@ -455,11 +474,14 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
     checked, with the same prep, x8, s_x and out."""
     if plan.token_blocks == 0:
         return
-    w = plan.warpgroups
+    w, smem = plan.warpgroups, 0
     if w == 2:
         if not plan.promote or plan.stages is not None:
             raise ValueError("plan: the two-warpgroup CTA is promoted and at its shipped depth only")
+        smem = wide_ring_bytes(plan.tokens)
         fn = _kernel(GEMM_SOURCE, WIDE_EXPRESSIONS, wide_expression(plan.tokens))
+        if smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:
+            fn.max_dynamic_shared_size_bytes = smem
     elif plan.stages is None:
         fn = _kernel(GEMM_SOURCE, GEMM_EXPRESSIONS if plan.promote else UNPROMOTED_EXPRESSIONS,
                      gemm_expression(plan.tokens, plan.promote))
@@ -469,7 +491,7 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
     with stream:
         fn((prep.n // (w * ROWS), plan.token_blocks, prep.experts), (w * THREADS,),
            (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, x8, s_x, offsets, out,
-            np.int32(prep.n), np.int32(prep.k)))
+            np.int32(prep.n), np.int32(prep.k)), shared_mem=smem)
 
 
 def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None, tokens: int | None = None,
@@ -646,10 +668,11 @@ def launch_swiglu_quant(h, offsets, gate_global, up_global, a8, s_a, nonfinite, 
 
 
 def plan_w4a8_gemm_swiglu(prep: W4A8Weights, x8, s_x, offsets, alpha, gate_global, up_global, a8, s_a,
-                          nonfinite, tokens: int | None = None, token_blocks: int | None = None) -> GemmPlan:
+                          nonfinite, tokens: int | None = None, token_blocks: int | None = None,
+                          warpgroups: int | None = None) -> GemmPlan:
     """Every check of a fused launch (the GEMM's, with no fp32 output, and the act stage's
     shapes), on w13 prepared from paired_rows: ValueError naming the first bad argument. Returns
-    the plan launch_w4a8_gemm_swiglu takes."""
+    the plan launch_w4a8_gemm_swiglu takes (warpgroups as plan_w4a8_gemm's)."""
     offs, _ = check_gemm_args(prep, x8, s_x, offsets, alpha)
     if prep.n % (2 * GROUP_K):
         raise ValueError(f"prep: N=2I={prep.n}; the fused epilogue needs I a multiple of {GROUP_K}")
@@ -662,7 +685,10 @@ def plan_w4a8_gemm_swiglu(prep: W4A8Weights, x8, s_x, offsets, alpha, gate_globa
     _check_device_array(cp, "a8", a8, (rows, i), np.uint8)
     _check_device_array(cp, "s_a", s_a, (rows, i // GROUP_K), np.float32)
     _check_device_array(cp, "nonfinite", nonfinite, (1,), np.uint32)
-    return gemm_plan(offs, tokens, token_blocks)
+    plan = _plan(prep, offs, tokens, token_blocks, warpgroups)
+    if plan.warpgroups == 2:
+        swiglu_wide_expression(plan.tokens)  # names the tile the fused two-warpgroup CTA lacks
+    return plan
 
 
 def launch_w4a8_gemm_swiglu(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha, gate_global, up_global,
@@ -673,8 +699,10 @@ def launch_w4a8_gemm_swiglu(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets,
     into `nonfinite`."""
     if plan.token_blocks == 0:
         return
-    fn = _kernel(GEMM_SOURCE, FUSED_EXPRESSIONS, swiglu_expression(plan.tokens))
+    w = plan.warpgroups
+    fn = (_kernel(GEMM_SOURCE, FUSED_EXPRESSIONS, swiglu_expression(plan.tokens)) if w == 1 else
+          _kernel(GEMM_SOURCE, FUSED_WIDE_EXPRESSIONS, swiglu_wide_expression(plan.tokens)))
     with stream:
-        fn((prep.n // ROWS, plan.token_blocks, prep.experts), (THREADS,),
+        fn((prep.n // (w * ROWS), plan.token_blocks, prep.experts), (w * THREADS,),
            (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, x8, s_x, offsets,
             np.int32(prep.n), np.int32(prep.k), gate_global, up_global, a8, s_a, nonfinite))
