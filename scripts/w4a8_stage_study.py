@@ -14,8 +14,10 @@ values, and the conversion would cost minutes of CPU here.
 --baseline DIR [DIR ...] times other versions of the kernel beside the depths, on the same data
 and in the same rounds (each DIR laid out as lab/kernels, e.g. `git archive <commit> lab/kernels |
 tar -x -C /tmp/base` then /tmp/base/lab/kernels; its w4a8_gemm<T> must take the same arguments and
-prepared layout), labelled base1, base2, ... in the order given; their outputs must equal the
-depths' bits as well.
+prepared layout), labelled base1, base2, ... in the order given; whether their outputs equal the
+depths' bits is reported, not required (a version may order the fp8 accumulation differently, and
+one with another prepared layout computes other sums from the same random words: then only its
+time compares).
 
 --wide times the two-warpgroup CTA (w4a8_gemm_wide: 128 weight rows over one activation tile, so
 each expert's activations are read from L2 half as often) beside them, labelled W2; its bits must
@@ -188,7 +190,8 @@ def main(argv=None) -> int:
             stream.synchronize()
             ref = outs[wg.max_stages(base.tokens)]
             same = {s: bool(cp.array_equal(outs[s], ref)) for s in depths}
-            equal = all(v for s, v in same.items() if not str(s).startswith("T")) and bool(cp.isfinite(ref).all())
+            equal = (all(v for s, v in same.items() if not str(s).startswith(("T", "base")))
+                     and bool(cp.isfinite(ref).all()))
             for _ in range(args.rounds):
                 for s in depths:
                     t = time_cuda(lambda: runs[s](outs[s]), iterations=args.iterations, warmup=2, stream=stream)
