@@ -51,14 +51,21 @@ def random_nvfp4(rng, e, n, k, small_scales_expert=None):
 # ------------------------------------------------------------------------------- CPU: layout
 
 
+# The kernel's K permutation inside a k32 step (w4a8_gemm.cu's sigma), written from its definition:
+# the tensor core's k = 4m + i holds logical k 8m + i for m < 4 and 8(m - 4) + 4 + i for m >= 4.
+SIGMA = np.array([8 * m + i if m < 4 else 8 * (m - 4) + 4 + i for m in range(8) for i in range(4)], np.intp)
+
+
 def fragment_codes(prep: wg.W4A8Weights) -> tuple[np.ndarray, np.ndarray]:
-    """(E, N, K) uint8: the e4m3 code the kernel's A registers give each weight (row, k), and how
-    many times each (row, k) was produced. Written from the PTX ISA's fragment of wgmma
-    m64nNk32 with 8-bit A, not from the preparation: thread t = 32w + l (g = l / 4, c = l % 4)
-    holds, per k32 step s, a0 = row 16w + g, k 4c..4c+3; a1 = row 16w + g + 8, the same k;
-    a2 = row 16w + g, k 16 + 4c..16 + 4c+3; a3 = row 16w + g + 8, those k; byte i of a register
-    is its i-th k. The kernel makes a0 / a2 from word .x and a1 / a3 from word .y with
-    decode_fp8_word2, whose table rows are the scales of 16-blocks 2s and 2s+1 of the row."""
+    """(E, N, K) uint8: the e4m3 code the kernel's A registers give each weight (row, logical k),
+    and how many times each (row, k) was produced. Written from the PTX ISA's fragment of wgmma
+    m64nNk32 with 8-bit A and the kernel's K permutation, not from the preparation: thread
+    t = 32w + l (g = l / 4, c = l % 4) holds, per k32 step s, a0 = row 16w + g at the tensor
+    core's k 4c..4c+3; a1 = row 16w + g + 8, the same k; a2 = row 16w + g, k 16 + 4c..16 + 4c+3;
+    a3 = row 16w + g + 8, those k; byte i of a register is its i-th k. The kernel stores logical k
+    SIGMA[kappa] at the tensor core's kappa (the activations are copied so). It makes a0 / a2
+    from word .x and a1 / a3 from word .y with decode_fp8_word, one table row each: the scale of
+    16-block 2s + c / 2 of the row."""
     prep = prep.to_host()
     e, n, k = prep.experts, prep.n, prep.k
     nb = n // 64
@@ -75,14 +82,14 @@ def fragment_codes(prep: wg.W4A8Weights) -> tuple[np.ndarray, np.ndarray]:
             row = 16 * w + g + 8 * h  # (128,)
             word = prep.words[:, :, s, :, h]  # (E, NB, 128)
             sc = prep.scales[:, :, group, row, :]  # (E, NB, 128, 8)
-            lo_tab = tables[ei, sc[..., 2 * step]]  # (E, NB, 128, 8)
-            hi_tab = tables[ei, sc[..., 2 * step + 1]]
-            lo, hi = w4a8.decode_fp8_reference(word, lo_tab, hi_tab)
+            block = np.take_along_axis(sc, (2 * step + c // 2)[None, None, :, None], axis=-1)[..., 0]  # (E, NB, 128)
+            tab = tables[ei, block]  # (E, NB, 128, 8)
+            lo, hi = w4a8.decode_fp8_reference(word, tab, tab)
             rows = 64 * bi + row[None, None, :]  # (1, NB, 128)
             for reg, val in ((reg_lo, lo), (reg_hi, hi)):
                 assert reg in (0, 1, 2, 3)
                 for i in range(4):
-                    kk = 32 * s + (16 if reg >= 2 else 0) + 4 * c + i  # (128,)
+                    kk = 32 * s + SIGMA[(16 if reg >= 2 else 0) + 4 * c + i]  # (128,)
                     out[ei, rows, kk[None, None, :]] = (val >> np.uint32(8 * i)) & np.uint32(0xFF)
                     hits[ei, rows, kk[None, None, :]] += 1
     return out, hits
@@ -228,8 +235,10 @@ def test_each_group_is_four_fp8_wgmmas_from_registers(tokens):
 # Instructions in one trip of the group loop (static SASS, every path): at decode sizes the
 # kernel issues them for every 4.5 KiB of weights a CTA reads, so they set its read rate once
 # enough bytes are in flight (notes/w4a8.md). 82cf3e2's ring had 454-527 (v1: 440-499), recomputing
-# each activation piece's address per group; the per-block loader has 238-366.
-GROUP_LOOP_MAX = {8: 260, 16: 260, 32: 290, 64: 345, 128: 400}
+# each activation piece's address per group; the per-block loader 238-362; with the K permutation
+# (one table row per word, the activations copied 4 bytes a lane) 222-283 up to 32 tokens, 462 at 64
+# (16 copies a thread; the two-warpgroup CTA, the default there, has 310) and 713 at 128.
+GROUP_LOOP_MAX = {8: 240, 16: 260, 32: 300, 64: 480, 128: 750}
 
 
 @needs_nvcc

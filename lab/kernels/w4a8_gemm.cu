@@ -16,22 +16,27 @@
 // warpgroups (grid N/128: CTA b's warpgroup w takes rows 64 (2b + w) .. + 63) over one activation
 // tile. Below, w is the warp within its warpgroup.
 //
+// K permutation: inside each k32 step the tensor core's k = kappa multiplies logical k
+// sigma(kappa), sigma(4m + i) = 8m + i for m < 4 and 8(m - 4) + 4 + i for m >= 4, in both operands
+// (the sum does not care which logical k sits where, as long as A and B agree). So lane c's
+// fragment below holds logical k 8c .. 8c+7, one 16-block of a row, one table row to decode.
+//
 // What thread (warp w, lane l; g = l / 4, c = l % 4) owns, per the PTX ISA's fragments of
-// wgmma m64nNk32 with 8-bit A:
+// wgmma m64nNk32 with 8-bit A (k the tensor core's):
 //   A (weights), one k32 step: four b32 registers of four e4m3 bytes, low byte first:
 //       a0 = row 16w + g,     k = 4c .. 4c+3        a2 = row 16w + g,     k = 16 + 4c .. 16 + 4c+3
 //       a1 = row 16w + g + 8, k = 4c .. 4c+3        a3 = row 16w + g + 8, k = 16 + 4c .. 16 + 4c+3
+//   (logical k 8c .. 8c+3 in a0 / a1 and 8c+4 .. 8c+7 in a2 / a3)
 //   D (fp32 accumulators), j = 0 .. T/8 - 1:
 //       d[j][0] = (row 16w + g, token 8j + 2c)      d[j][1] = (row 16w + g, token 8j + 2c + 1)
 //       d[j][2] = (row 16w + g + 8, token 8j + 2c)  d[j][3] = (row 16w + g + 8, token 8j + 2c + 1)
 //
 // Prepared weights (lab/kernels/w4a8_gemm.py prepare_w4a8_weights):
 //   words  (E, N/64, K/32, 128) uint2: thread t = 32w + l's two words of step s, .x for row
-//          16w + g, .y for row 16w + g + 8. Within each 32 of K the codes are stored in the order
-//          stored[8c + i] = k(i) = (i < 4 ? 4c + i : 16 + 4c + i - 4), so one word (decode_words'
-//          layout, lab/w4a8.py) holds exactly the eight elements of a0 and a2 (or a1 and a3): its
-//          e0..e3 (k < 16) lie in 16-block 2s and its e4..e7 in block 2s+1, which is why the decode
-//          takes two table rows (decode_fp8_word2). One step is 1 KiB, read coalesced.
+//          16w + g, .y for row 16w + g + 8: word c of a row's step is its codes for logical k
+//          8c .. 8c+7 in their natural order (decode_words' layout, lab/w4a8.py), the eight elements
+//          of a0 and a2 (or a1 and a3), all in 16-block 2s + c / 2: one table row decodes them
+//          (decode_fp8_word). One step is 1 KiB, read coalesced.
 //   scales (E, N/64, ceil(K/128), 64, 8) uint8: the e4m3 block scales of the 64 rows for one
 //          128-column group (8 blocks; zero past K), 8 bytes per row: a thread reads one uint2 for
 //          row 16w + g and one for row 16w + g + 8 per group.
@@ -45,7 +50,9 @@
 // read. The weights' words and block scales go to shared memory unchanged and are decoded from
 // there, each thread reading its own 8 bytes per step (consecutive threads, consecutive words). Shared layout of one group: wgmma's K-major B
 // without swizzle, in core matrices of 8 tokens x 16 bytes (rows 16 bytes apart, 128 bytes each):
-//   byte (s * T * 32) + (j / 8) * 256 + h * 128 + (j % 8) * 16 + q   holds token j, k = 32s + 16h + q
+//   byte (s * T * 32) + (j / 8) * 256 + h * 128 + (j % 8) * 16 + q   holds token j, tensor-core
+//   k = 16h + q of step s, which is logical k 32s + sigma(16h + q): its 4-byte chunk q / 4 of half
+//   h is logical chunk 2 (q / 4) + h of the step, copied 4 bytes at a time (GroupLoader)
 // so one step's descriptor has start = its first byte, LBO = 128 (the next core matrix along K)
 // and SBO = 256 (the next 8 tokens), the fp16 GEMM's no-swizzle convention on 16-byte rows.
 //
@@ -141,22 +148,30 @@ struct __align__(128) Stage {
 };
 
 // What one thread copies of each group of a token block, its addresses worked out once per block
-// (a group's are these plus gi times a constant): activation pieces tid, tid + 128 W, ... of the
-// group's T x 8 (16 bytes each, token j = i / 8, piece q = i % 8), its tokens' scale when tid < T,
+// (a group's are these plus gi times a constant): 4-byte activation chunks, one per lane of one core
+// matrix per copy (below), its tokens' scale when tid < T,
 // two 16-byte pieces of its warpgroup's 4 KiB of weights, and a piece of that warpgroup's 512
 // bytes of block scales when its index in the warpgroup is below 32 (wp, sp: the warpgroup's). Tokens past `valid` are zeros (codes 0, scale 0), and so are activation pieces and
 // weight steps past K in a 64-column last group (code-0 words decode to zero whatever the table;
 // the prepared scales are zero there too).
+//
+// The activations are stored K-permuted (the header's sigma): a group's T x 4 x 2 core matrices (8
+// tokens x 16 bytes: token octet o, step s, half h) are copied one per warp and copy, lane l taking
+// token 8o + l / 4 and the core matrix's 4-byte chunk q = l % 4, which is logical chunk 2q + h of
+// the step: 32 banks a warp on the shared side, 16 of each 32 bytes of a token's row on the global
+// side (the other 16 are the other half's, from L1). Core matrix cm = warp + NW r (NW warps a CTA)
+// is h = cm % 2, s = cm / 2 % 4, o = cm / 8.
 template <int T, int W = 1>
 struct GroupLoader {
   static constexpr int CTA_THREADS = W * THREADS;
-  // activation pieces per thread: piece tid + 128 W r is token tid / 8 + 16 W r, 16-byte piece tid % 8
-  static constexpr int XP = (T * 8 + CTA_THREADS - 1) / CTA_THREADS;
-  const uint8_t* x8;      // any readable byte: the source of a zero-filled piece
-  const uint8_t* x_src;   // group 0's bytes of piece r = 0 (pieces r > 0: 16 r rows further)
-  size_t x_rows16;        // 16 rows of x8, in bytes
-  uint32_t x_dst;         // piece 0's offset in a stage (pieces r > 0: 512 r further)
-  int x_j, x_q16;         // piece 0's token and first column within its group
+  static constexpr int NW = CTA_THREADS / 32;     // warps: 4 or 8
+  static constexpr int XP = T / NW;  // core matrices a warp copies per group (a group has T)
+  static_assert(T % NW == 0 && (NW == 4 || NW == 8), "whole core matrices a warp");
+  const uint8_t* x8;      // any readable byte: the source of a zero-filled chunk
+  const uint8_t* x_src;   // group 0's chunk of copy r = 0
+  size_t x_row;           // one row of x8, in bytes (K)
+  uint32_t x_dst;         // copy 0's offset in a stage
+  int x_j, x_col;         // copy 0's token and column within its group
   int valid;
   const float* sx_src;    // group 0's scale of token tid (any scale when !sx_ok)
   bool sx_ok;
@@ -167,11 +182,13 @@ struct GroupLoader {
   __device__ __forceinline__ GroupLoader(const uint8_t* x8_, const float* s_x, const uint2* wp, const uint8_t* sp,
                                          size_t row0, int valid_, int K, int G, int tid_)
       : x8(x8_), valid(valid_), tid(tid_) {
-    x_j = tid >> 3;
-    x_q16 = (tid & 7) * 16;
-    x_src = x8 + (row0 + x_j) * (size_t)K + x_q16;
-    x_rows16 = 16 * (size_t)K;
-    x_dst = Stage<T, W>::XS + ((tid & 7) >> 1) * (T * 32) + (x_j >> 3) * 256 + (tid & 1) * 128 + (x_j & 7) * 16;
+    const int cm = tid >> 5, l = tid & 31;  // copy 0's core matrix (h = cm % 2, s = cm / 2 % 4, o = 0)
+    const int h = cm & 1, s = (cm >> 1) & 3, jj = l >> 2, q = l & 3;
+    x_j = jj;
+    x_col = s * STEP_K + (2 * q + h) * 4;
+    x_src = x8 + (row0 + x_j) * (size_t)K + x_col;
+    x_row = (size_t)K;
+    x_dst = Stage<T, W>::XS + s * (T * 32) + h * 128 + jj * 16 + q * 4;
     sx_ok = tid < valid;
     sx_src = s_x + (sx_ok ? (row0 + tid) * (size_t)G : 0);
     w_src = reinterpret_cast<const uint8_t*>(wp) + wt() * 16;
@@ -183,13 +200,14 @@ struct GroupLoader {
   __device__ __forceinline__ int wt() const { return W == 1 ? tid : tid % THREADS; }
 
   __device__ __forceinline__ void load(uint32_t stage, int gi, int K) const {
-    const bool col_ok = x_q16 < K - gi * GROUP_K;
 #pragma unroll
     for (int r = 0; r < XP; ++r) {
-      if (T * 8 % CTA_THREADS == 0 || tid + r * CTA_THREADS < T * 8) {
-        const bool ok = col_ok && x_j + 16 * W * r < valid;
-        cp_async16(stage + x_dst + 512 * W * r, ok ? x_src + W * r * x_rows16 + gi * GROUP_K : x8, ok);
-      }
+      // copy r: core matrix tid / 32 + NW r; with NW = 4 its step advances by 2 (r odd) and its
+      // octet by r / 2, with NW = 8 its octet by r
+      const int ds = NW == 4 ? 2 * (r & 1) : 0, o = NW == 4 ? r >> 1 : r;
+      const bool ok = x_col + ds * STEP_K < K - gi * GROUP_K && x_j + 8 * o < valid;
+      cp_async4(stage + x_dst + ds * (T * 32) + o * 256,
+                ok ? x_src + 8 * o * x_row + ds * STEP_K + gi * GROUP_K : x8, ok);
     }
     if (tid < T) cp_async4(stage + Stage<T, W>::SX + tid * 4, sx_src + (sx_ok ? gi : 0), sx_ok);
     const int wbytes = min(STEPS, K / STEP_K - gi * STEPS) * (THREADS * 8);  // the group's bytes of words
@@ -203,12 +221,6 @@ struct GroupLoader {
       cp_async16(stage + Stage<T, W>::SCS + wg() * (ROWS * 8) + wt() * 16, sc_src + (size_t)gi * (ROWS * 8), true);
   }
 };
-
-// Table row of scale byte `i` (0..7) of a row's 8 group scales.
-__device__ __forceinline__ uint2 table_row(const uint2* table, uint2 sc, int i) {
-  const uint32_t word = i < 4 ? sc.x : sc.y;
-  return table[(word >> (8 * (i & 3))) & 0x7Fu];
-}
 
 // Where a token block's results go once its groups are summed: Epilogue::store<PROMOTE>(acc, tmp,
 // factor, row0, valid, b, warp, g, c, e, G, s_x), called by every thread with its accumulators
@@ -328,15 +340,19 @@ __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const
       // activations, so every group issues the same four wgmmas (a wgmma under a branch makes
       // ptxas pad the group).
       const St& st = ring[stage];
+      // lane c's words of step s are logical k 32s + 8c .. + 7: 16-block 2s + c / 2 of its rows, whose
+      // scale byte is byte c / 2 of each 16-bit half of the row's scales shifted by 8 (c / 2)
+      const uint32_t cs = 8 * (c >> 1);
       const uint2 sc0 = st.scs[wg * ROWS + 16 * warp + g], sc1 = st.scs[wg * ROWS + 16 * warp + g + 8];
+      const uint32_t b0[2] = {sc0.x >> cs, sc0.y >> cs}, b1[2] = {sc1.x >> cs, sc1.y >> cs};
       uint32_t a[STEPS][4];
 #pragma unroll
       for (int s = 0; s < STEPS; ++s) {
         const uint2 w = st.ws[(wg * STEPS + s) * THREADS + wt];
-        const uint2 lo0 = table_row(table, sc0, 2 * s), hi0 = table_row(table, sc0, 2 * s + 1);
-        const uint2 lo1 = table_row(table, sc1, 2 * s), hi1 = table_row(table, sc1, 2 * s + 1);
-        lab_gemm::decode_fp8_word2(w.x, lo0.x, lo0.y, hi0.x, hi0.y, a[s][0], a[s][2]);
-        lab_gemm::decode_fp8_word2(w.y, lo1.x, lo1.y, hi1.x, hi1.y, a[s][1], a[s][3]);
+        const uint2 t0 = table[(b0[s >> 1] >> (16 * (s & 1))) & 0x7Fu];
+        const uint2 t1 = table[(b1[s >> 1] >> (16 * (s & 1))) & 0x7Fu];
+        lab_gemm::decode_fp8_word(w.x, t0.x, t0.y, a[s][0], a[s][2]);
+        lab_gemm::decode_fp8_word(w.y, t1.x, t1.y, a[s][1], a[s][3]);
       }
       const uint32_t base = lab_gemm::smem_addr(st.xs);
       lab_gemm::wgmma_fence();

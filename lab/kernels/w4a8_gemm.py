@@ -47,9 +47,11 @@ GROUP_K = w4a8.FP8_GROUP
 ACT_WARPS = 8  # (row, group) units per quantize block
 
 # Within each 32 of K the prepared codes are stored in this order: stored[8c + i] = K_ORDER[8c + i],
-# the k of element i of lane c's A fragment (a0 = k 4c..4c+3, a2 = k 16+4c..16+4c+3), so that one
-# 32-bit word of eight codes is one thread's share of a row for one k32 step.
-K_ORDER = np.array([4 * c + i if i < 4 else 16 + 4 * c + (i - 4) for c in range(4) for i in range(8)], np.intp)
+# the logical k of element i of lane c's A fragment. The kernel permutes K inside each k32 step
+# (its activations are stored so, w4a8_gemm.cu's sigma): lane c's fragment (a0 at the tensor
+# core's k 4c..4c+3, a2 at 16+4c..16+4c+3) holds logical k 8c..8c+7, so the order is the
+# natural one and each 32-bit word of eight codes lies in one 16-block.
+K_ORDER = np.arange(32, dtype=np.intp)
 K_UNORDER = np.argsort(K_ORDER)
 
 
@@ -211,10 +213,10 @@ def _check_nvfp4(packed, scales) -> tuple[int, int, int]:
 # magnitudes and signs of a byte's two codes land on bits of their own), so decode_words of the
 # reordered codes is four table lookups per word: WORD_OF_BYTE[m][v] is decode_words of one word
 # whose byte m is v and the rest zero. Word c of a 32-element step holds K_ORDER[8c .. 8c+7] =
-# elements 4c..4c+3 and 16+4c..16+4c+3, packed in bytes 2c, 2c+1, 8+2c and 9+2c of the step's 16.
+# elements 8c..8c+7, packed in bytes 4c..4c+3 of the step's 16.
 WORD_OF_BYTE = np.stack([w4a8.decode_words(np.eye(4, dtype=np.uint8)[m][None, :] * np.arange(256, dtype=np.uint8)[:, None])[:, 0]
                          for m in range(4)])
-SOURCE_BYTES = np.array([[2 * c, 2 * c + 1, 8 + 2 * c, 9 + 2 * c] for c in range(4)], np.intp)
+SOURCE_BYTES = np.array([[4 * c, 4 * c + 1, 4 * c + 2, 4 * c + 3] for c in range(4)], np.intp)
 
 
 def _reordered_words(packed) -> np.ndarray:
