@@ -203,7 +203,7 @@ def main(argv=None) -> int:
                 ms = float(np.median(times[s]))
                 gbps = nbytes / (ms * 1e-3) / 1e9
                 tflops = 2.0 * x8.shape[0] * prep.n * prep.k / (ms * 1e-3) / 1e12
-                tile = int(s[1:]) if str(s).startswith("T") else base.tokens
+                tile = int(s[1:].split("W")[0]) if str(s).startswith("T") else base.tokens
                 rows.append({"mean_tokens": mean, "matrix": name, "tokens": tile, "stages": s,
                              "shipped": s == wg.max_stages(base.tokens) or str(s).startswith("T"), "ms": ms, "gbps": gbps,
                              "of_read": gbps / read["gbps"], "tflops": tflops, "bytes": int(nbytes), "equal_bits": equal,
