@@ -130,7 +130,9 @@ SWIGLU_EXPRESSION = ACT_EXPRESSIONS[2]
 # The largest tile token_tile picks. 128 (two warpgroups' worth of accumulators in one: 191
 # registers, two CTAs an SM, a ring of two) decodes each weight once for twice the tokens, but
 # on an H100 it was only 1% faster than 64 at 512 tokens per expert and 1.9-4.6x slower at 1-32
-# (results/studies/w4a8_loader_and_decode_ahead_h100.json): it runs only when asked for.
+# (results/studies/w4a8_loader_and_decode_ahead_h100.json); on the two-warpgroup CTA it matched
+# 64 at 512 (14130 against 14159 us, w13) and was 11% slower at 128 (results/studies/
+# w4a8_kperm_wide_h100.json): it runs only when asked for.
 DEFAULT_MAX_TILE = 64
 
 
