@@ -21,7 +21,9 @@ time compares).
 
 --wide times the two-warpgroup CTA (w4a8_gemm_wide: 128 weight rows over one activation tile, so
 each expert's activations are read from L2 half as often) beside them, labelled W2; its bits must
-equal the depths' too (with --tiles, each tile also on it: T<t>W2).
+equal the depths' too (with --tiles, each tile also on it: T<t>W2). --wide-stages S ... times it at
+other ring depths as well (labelled W2S<s>; a ring deeper than the shipped one is dynamic shared
+memory), and those bits must equal too.
 
 Needs a GPU. --json writes the table, the configuration and the setup (GPU, commit).
 
@@ -113,6 +115,9 @@ def main(argv=None) -> int:
     ap.add_argument("--wide", action="store_true",
                     help="also time the two-warpgroup CTA (128 weight rows over one activation tile; labelled W2) "
                          "at the plan's tile, where it has one; it must give the same bits")
+    ap.add_argument("--wide-stages", type=int, nargs="+", default=[], metavar="S",
+                    help="with --wide, also time the two-warpgroup CTA with a ring of S stages (labelled W2S<s>; "
+                         "2 .. w4a8_gemm.max_wide_stages(T)); it must give the same bits")
     ap.add_argument("--tiles", type=int, nargs="+", default=[], metavar="T",
                     help="other token tiles to time beside the plan's, each at its shipped depth (labelled T<t>; "
                          "their bits are reported, not required equal: another tile may round differently)")
@@ -128,6 +133,11 @@ def main(argv=None) -> int:
     if args.hidden % 64 or args.intermediate % 64:
         ap.error(f"--hidden and --intermediate: the kernel's N and K need multiples of 64, got {args.hidden} and "
                  f"{args.intermediate}")
+    if args.wide_stages and not args.wide:
+        ap.error("--wide-stages: times the two-warpgroup CTA, so it needs --wide")
+    for st in args.wide_stages:
+        if not 2 <= st <= 8:
+            ap.error(f"--wide-stages: expected depths from 2 to 8, got {st}")
     for t in args.tiles:
         if t not in wg.TOKEN_TILES:
             ap.error(f"--tiles: expected tiles from {wg.TOKEN_TILES}, got {t}")
@@ -173,6 +183,10 @@ def main(argv=None) -> int:
             if args.wide and base.tokens in wg.WIDE_TILES and prep.n % (2 * wg.ROWS) == 0:
                 runs["W2"] = (lambda out, plan=replace(base, warpgroups=2):
                               wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
+                for st in args.wide_stages:
+                    if st != wg.wide_stages(base.tokens) and st <= wg.max_wide_stages(base.tokens):
+                        runs[f"W2S{st}"] = (lambda out, plan=replace(base, warpgroups=2, stages=st):
+                                            wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
             for t in args.tiles:
                 if t != base.tokens:
                     tile_plan = wg.GemmPlan(t, -(-int(routing.counts.max()) // t))

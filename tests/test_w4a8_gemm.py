@@ -274,6 +274,33 @@ def test_the_wide_cta_compiles_to_the_same_four_wgmmas_a_warpgroup(tokens):
 
 
 @needs_nvcc
+@pytest.mark.parametrize("tokens, stages", [(32, 6), (64, 4)])
+def test_a_deeper_wide_ring_is_dynamic_and_keeps_the_mainloop(tokens, stages):
+    """The depth study's two-warpgroup rings past the shipped depth: the ring in dynamic shared
+    memory (static: the table alone), no spills, the same registers bound and four QGMMA a group."""
+    expr = wg.wide_expression(tokens, stages)
+    assert expr == f"lab_w4a8::w4a8_gemm_wide<{tokens}, {stages}>"
+    assert wg.wide_ring_bytes(tokens, stages) == stages * wg.wide_stage_bytes(tokens) > 48 * 1024 - 4096
+    info = jit.ptxas_report(wg.GEMM_SOURCE, expr)
+    assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
+    assert not info.wgmma_serialized and info.registers <= 128 and info.smem_static == 1024, info
+    if sass.nvdisasm_path() is None:
+        pytest.skip("reading SASS needs nvdisasm")
+    mma = [i.opcode for i in sass.kernel_sass(wg.GEMM_SOURCE, expr) if "GMMA" in i.opcode]
+    assert mma == [f"QGMMA.64x{tokens}x32.F32.E4M3.E4M3"] * 4, mma
+
+
+def test_wide_depths_are_checked():
+    assert wg.wide_stages(64) == 2 and wg.wide_stages(32) == 3 and wg.wide_stages(8) == 4
+    assert wg.wide_stage_bytes(64) == 17664 and wg.wide_stage_bytes(128) == 26112
+    assert wg.wide_ring_bytes(64, 2) == 0 and wg.wide_ring_bytes(64, 3) == 3 * 17664
+    assert wg.wide_expression(64, 3) == "lab_w4a8::w4a8_gemm_wide<64, 3>"
+    for bad in (1, 9, True, 3.0):
+        with pytest.raises(ValueError, match="stages: expected an int from 2 to 8"):
+            wg.wide_expression(64, bad)
+
+
+@needs_nvcc
 @pytest.mark.parametrize("tokens", wg.FUSED_WIDE_TILES)
 def test_the_wide_fused_kernel_keeps_the_mainloop_and_reads_a_cluster_of_two(tokens):
     """w4a8_gemm_swiglu_wide: no spills, at most 128 registers, the four QGMMA a group, two

@@ -394,10 +394,15 @@ __global__ void __launch_bounds__(THREADS, 1)
 
 // Stages of the two-warpgroup CTA's ring: its stage holds twice the weights (9 KiB). Within 48 KiB of
 // static shared memory at 8-64 tokens; the 128-token tile's stage is 25.5 KiB, so its ring of
-// three is dynamic shared memory (76.5 KiB, two CTAs an SM by shared memory).
+// three is dynamic shared memory (76.5 KiB, two CTAs an SM by shared memory). A deeper ring than
+// these (the depth study's) is dynamic shared memory too.
 template <int T>
 struct WideStages {
   static constexpr int value = T == 128 ? 3 : T == 64 ? 2 : T == 32 ? 3 : 4;
+};
+template <int T, int STAGES>
+struct WideRingIsDynamic {
+  static constexpr bool value = T == 128 || STAGES > WideStages<T>::value;
 };
 
 // Two warpgroups a CTA (w4a8_gemm_wide): 128 weight rows, 64 a warpgroup, over one activation
@@ -411,7 +416,7 @@ __global__ void __launch_bounds__(2 * THREADS, 1)
                    const float* __restrict__ alpha, const uint8_t* __restrict__ x8, const float* __restrict__ s_x,
                    const int* __restrict__ offsets, float* __restrict__ out, int N, int K) {
   StoreOut<T> epi{out, N};
-  gemm_body<T, true, STAGES, 2, T == 128>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
+  gemm_body<T, true, STAGES, 2, WideRingIsDynamic<T, STAGES>::value>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
 }
 
 // ------------------------------------------------------------------------------ SwiGLU epilogue

@@ -93,24 +93,51 @@ WIDE_TILES = (8, 16, 32, 64, 128)  # the two-warpgroup CTA's tiles (128: a ring 
 FUSED_WIDE_TILES = (8, 16, 32, 64)  # and the fused epilogue's on it
 
 
-def wide_expression(tokens: int) -> str:
+def wide_expression(tokens: int, stages: int | None = None) -> str:
     """The two-warpgroup CTA (w4a8_gemm.cu w4a8_gemm_wide): 128 weight rows over one activation
     tile, the same bits as w4a8_gemm (GemmPlan.warpgroups = 2; the default from WIDE_FROM tokens,
-    wide_warpgroups)."""
+    wide_warpgroups). `stages` sets its ring's depth (2 .. max_wide_stages(tokens); None: the
+    shipped one, wide_stages), for the depth study only (scripts/w4a8_stage_study.py)."""
     if tokens not in WIDE_TILES:
         raise ValueError(f"tokens: the two-warpgroup CTA takes a token tile of {WIDE_TILES}, got {tokens!r}")
-    return f"lab_w4a8::w4a8_gemm_wide<{tokens}>"
+    if stages is None:
+        return f"lab_w4a8::w4a8_gemm_wide<{tokens}>"
+    top = max_wide_stages(tokens)
+    if isinstance(stages, bool) or not (isinstance(stages, (int, np.integer)) and 2 <= stages <= top):
+        raise ValueError(f"stages: expected an int from 2 to {top} for the two-warpgroup CTA's token tile "
+                         f"{tokens}, got {stages!r}")
+    return f"lab_w4a8::w4a8_gemm_wide<{tokens}, {int(stages)}>"
+
+
+def wide_stages(tokens: int) -> int:
+    """The two-warpgroup CTA's shipped ring depth (w4a8_gemm.cu WideStages)."""
+    return {128: 3, 64: 2, 32: 3}.get(tokens, 4)
+
+
+def wide_stage_bytes(tokens: int) -> int:
+    """One stage of the two-warpgroup CTA's ring (w4a8_gemm.cu Stage<T, 2>): 8 KiB of words, 1 KiB
+    of block scales, the tile's activation bytes (32 a token a step) and scales, 128-byte aligned."""
+    raw = 2 * 4 * THREADS * 8 + 2 * ROWS * 8 + 4 * tokens * 32 + 4 * tokens
+    return -(-raw // 128) * 128
+
+
+def max_wide_stages(tokens: int) -> int:
+    """The deepest ring the depth study builds for the two-warpgroup CTA: what fits in the 227 KiB
+    of shared memory a CTA may have beside its static arrays (the table and the epilogue's, under
+    2 KiB), at most 8."""
+    return min(8, (227 * 1024 - 2048) // wide_stage_bytes(tokens))
+
+
+def wide_ring_bytes(tokens: int, stages: int | None = None) -> int:
+    """The dynamic shared memory a two-warpgroup launch passes: the ring, where it is dynamic (the
+    128-token tile's, and any deeper than the shipped one: w4a8_gemm.cu WideRingIsDynamic), else
+    none (the static rings)."""
+    s = wide_stages(tokens) if stages is None else int(stages)
+    return s * wide_stage_bytes(tokens) if tokens == 128 or s > wide_stages(tokens) else 0
 
 
 # compiled in their own module, only when a plan asks for them
 WIDE_EXPRESSIONS = tuple(wide_expression(t) for t in WIDE_TILES)
-
-
-def wide_ring_bytes(tokens: int) -> int:
-    """The dynamic shared memory a two-warpgroup launch passes: the 128-token tile's ring of three
-    stages (w4a8_gemm.cu Stage<128, 2>: 8 KiB of words, 1 KiB of block scales, 16 KiB of
-    activations and 512 bytes of their scales each), none for the static rings."""
-    return 3 * (2 * 4 * THREADS * 8 + 2 * ROWS * 8 + 4 * 128 * 32 + 4 * 128) if tokens == 128 else 0
 
 
 def swiglu_wide_expression(tokens: int) -> str:
@@ -480,10 +507,14 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
         return
     w, smem = plan.warpgroups, 0
     if w == 2:
-        if not plan.promote or plan.stages is not None:
-            raise ValueError("plan: the two-warpgroup CTA is promoted and at its shipped depth only")
-        smem = wide_ring_bytes(plan.tokens)
-        fn = _kernel(GEMM_SOURCE, WIDE_EXPRESSIONS, wide_expression(plan.tokens))
+        if not plan.promote:
+            raise ValueError("plan: the two-warpgroup CTA is promoted only")
+        smem = wide_ring_bytes(plan.tokens, plan.stages)
+        if plan.stages is None:
+            fn = _kernel(GEMM_SOURCE, WIDE_EXPRESSIONS, wide_expression(plan.tokens))
+        else:  # a study's depth, compiled in its own module
+            expr = wide_expression(plan.tokens, plan.stages)
+            fn = _kernel(GEMM_SOURCE, (expr,), expr)
         if smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:
             fn.max_dynamic_shared_size_bytes = smem
     elif plan.stages is None:
