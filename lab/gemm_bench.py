@@ -118,7 +118,11 @@ class GemmCase:
     out: object  # (rows, N) float32 device
     x_bf16: np.ndarray = None  # (rows, K) the same activations as bf16 bits (W4A16), host
     d_xb: object = None  # and on the device
-    d_alpha_bf16: object = None  # (E,) the W4A16 alpha: the weight's global alone (w13: 1)
+    d_alpha_bf16: object = None  # (E,) the W4A16 alpha: the weight's global alone (w13: 1); W4A8's too
+    x8: np.ndarray = None  # (rows, K) uint8 e4m3 of the bf16 activations (W4A8, lab/w4a8.py quantize_act), host
+    s_x: np.ndarray = None  # (rows, ceil(K/128)) float32 their 1x128 scales, host
+    d_x8: object = None  # both on the device (GemmBench.fp8_inputs fills the four)
+    d_sx: object = None
 
     @property
     def rows(self) -> int:
@@ -183,6 +187,27 @@ class GemmBench:
                                                                    pair_gate_up=True))
         return self._prep["w13_paired"][1]
 
+    def w4a8_prepared(self, gemm: str):
+        """The GEMM's weights in the W4A8 kernel's layout on the GPU (p chosen per expert), once."""
+        from lab.kernels import w4a8_gemm as wg
+
+        key = f"w4a8_{gemm}"
+        if key not in self._prep:
+            g = self.gemms[gemm]
+            log(self.tag, f"{gemm}: converting to the W4A8 layout (host) and copying it to the GPU")
+            self._prep[key] = (None, wg.prepare_w4a8_weights(g["packed"], g["scales"]).to_device())
+        return self._prep[key][1]
+
+    def fp8_inputs(self, case: GemmCase) -> GemmCase:
+        """Fill `case`'s W4A8 activations (the bf16 activations quantized 1x128 to e4m3), once."""
+        from lab import w4a8
+
+        if case.x8 is None:
+            x = case.x_bf16.view(ml_dtypes.bfloat16).astype(np.float32)
+            case.x8, case.s_x = w4a8.quantize_act(x)
+            case.d_x8, case.d_sx = self.cp.asarray(case.x8), self.cp.asarray(case.s_x)
+        return case
+
     def case(self, gemm: str, mean_tokens: float, skew: float = 0.0) -> GemmCase:
         cp, p, g = self.cp, self.problem, self.gemms[gemm]
         tokens = tokens_for_mean(mean_tokens, p.experts, p.top_k)
@@ -208,6 +233,8 @@ class GemmBench:
         g = self.gemms[case.gemm]
         got = case.out.get()
         rows = np.concatenate([np.arange(case.offsets[e], case.offsets[e + 1]) for e in experts])
+        if act == "fp8":
+            return self.check_fp8(case, experts)["rel_frobenius"]
         if act == "bf16":
             x = case.x_bf16.view(ml_dtypes.bfloat16).astype(np.float64)
             alpha = case.d_alpha_bf16.get()
@@ -218,6 +245,64 @@ class GemmBench:
         ref = reference.grouped_gemm(case.xq.packed, case.xq.scales, case.offsets, g["packed"], g["scales"],
                                      case.alpha, experts=experts)
         return checks.rel_error(got[rows], ref[rows])
+
+    def check_fp8(self, case: GemmCase, experts: np.ndarray) -> dict:
+        """The last W4A8 output on `experts` against the W4A8 contract in float64 (lab/w4a8.py gemm,
+        on e4m3 weights converted with the prepared p): its relative Frobenius error (None where the
+        reference is zero) and c, the largest |got - gemm| / (2^-12 gemm_abs + TINY), which the
+        contract bounds by w4a8.ACCUMULATION_C."""
+        from lab import w4a8
+
+        g, prep = self.gemms[case.gemm], self.w4a8_prepared(case.gemm)
+        p = np.asarray(prep.p.get() if hasattr(prep.p, "get") else prep.p)
+        alpha = case.d_alpha_bf16.get()
+        experts = np.asarray(experts)
+        rows = np.concatenate([np.arange(case.offsets[e], case.offsets[e + 1]) for e in experts])
+        offs = np.concatenate([[0], np.cumsum(case.counts[experts])])
+        w8 = np.stack([w4a8.convert_weights(g["packed"][e], g["scales"][e], p=p[e]).codes for e in experts])
+        args = (case.x8[rows], case.s_x[rows], offs, w8, p[experts], alpha[experts])
+        ref, mag = w4a8.gemm(*args), w4a8.gemm_abs(*args)
+        got = case.out.get()[rows].astype(np.float64)
+        c = np.abs(got - ref) / (2.0**-12 * mag + w4a8.TINY)
+        return {"rel_frobenius": checks.rel_error(got, ref), "bound_c": float(c.max()) if c.size else None}
+
+    def measure_fp8(self, case: GemmCase, roofline_gbps: float, iterations: int) -> dict:
+        """Time the W4A8 GEMM's planned launch on `case` (after one poisoned run whose unwritten
+        elements are counted); bytes: the NVFP4 weights of experts with tokens, e4m3 activations and
+        their scales, fp32 out."""
+        cp = self.cp
+        run, stream, plan = self.fp8_launch(case)
+        with stream:  # poisoned on the launch's stream
+            case.out.fill(cp.nan)
+        run()
+        stream.synchronize()
+        unwritten = int(cp.isnan(case.out).sum())
+        t = time_cuda(run, iterations=iterations, stream=stream)
+        nbytes = self.required_bytes(case, "fp8")
+        t_roof = nbytes / (roofline_gbps * 1e9) * 1e3
+        return {"gemm": case.gemm, "act": "fp8", "mean_tokens": case.mean_tokens, "rows": case.rows,
+                "max_count": int(case.counts.max()),
+                "config": {"kernel": "w4a8", "tokens": plan.tokens, "warpgroups": plan.warpgroups,
+                           "token_blocks": plan.token_blocks},
+                "bytes": nbytes, "ms": t.median_ms, "ms_min": t.min_ms, "ms_max": t.max_ms,
+                "gbps": nbytes / t.median_ms / 1e6, "roof_pct": 100 * t_roof / t.median_ms, "unwritten": unwritten,
+                "read_pattern_ms": None, "pattern_pct": None, "builders": False}
+
+    def fp8_launch(self, case: GemmCase):
+        """(run, stream, plan): the W4A8 GEMM's planned launch on `case` as a no-argument call on
+        its own stream (inputs landed before it returns)."""
+        from lab.kernels import w4a8_gemm as wg
+
+        prep = self.w4a8_prepared(case.gemm)
+        self.fp8_inputs(case)
+        plan = wg.plan_w4a8_gemm(prep, case.d_x8, case.d_sx, case.d_off, case.d_alpha_bf16, case.out)
+        stream = self.cp.cuda.Stream(non_blocking=True)
+        self.cp.cuda.get_current_stream().synchronize()  # the inputs land before the stream reads them
+
+        def run():
+            wg.launch_w4a8_gemm(plan, prep, case.d_x8, case.d_sx, case.d_off, case.d_alpha_bf16, case.out, stream)
+
+        return run, stream, plan
 
     def split_cases(self, skews, gemms, mean_tokens: float):
         """(skew, gemm, case, plan) for each GEMM whose gemm_plan at `mean_tokens` and `skew` is two
@@ -276,7 +361,10 @@ class GemmBench:
 
     @staticmethod
     def activation_bytes(case: GemmCase, act: str = "nvfp4") -> int:
-        """The GEMM's activations as it reads them: NVFP4 codes and scales, or bf16."""
+        """The GEMM's activations as it reads them: NVFP4 codes and scales, bf16, or e4m3 and their
+        1x128 scales (fp8)."""
+        if act == "fp8":
+            return case.rows * case.k + case.rows * (-(-case.k // 128)) * 4
         return case.xq.packed.nbytes + case.xq.scales.nbytes if act == "nvfp4" else case.x_bf16.nbytes
 
     def measure_split(self, case: GemmCase, hot_from, roofline_gbps: float, iterations: int,

@@ -474,6 +474,12 @@ def gemm(x8, s_x, offsets, w8, p, alpha, experts=None, group: int = FP8_GROUP) -
     return _gemm(x8, s_x, offsets, w8, p, alpha, experts, group, absolute=False)
 
 
+# The accumulation bound a W4A8 kernel's output meets against gemm: |got - gemm| <= ACCUMULATION_C
+# 2^-12 gemm_abs + TINY (measured, not a worst case: tests/test_w4a8_gemm.py says how it was set).
+ACCUMULATION_C = 8.0
+TINY = 2.0**-126  # one float32 result's rounding at the bottom of the normal range
+
+
 def gemm_abs(x8, s_x, offsets, w8, p, alpha, experts=None, group: int = FP8_GROUP) -> np.ndarray:
     """gemm with every term's magnitude: 2^p |alpha| sum_g s_x sum_k |x8 w8| (rows, N) float64,
     the scale of the accumulation error a kernel may show (|got - gemm| <= c 2^-12 gemm_abs)."""

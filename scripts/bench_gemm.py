@@ -19,11 +19,16 @@ and each GEMM are also timed after that long of back-to-back runs: held load tri
 The GEMMs a user would run instead (torch's grouped GEMMs on bf16 and fp8 weights) are timed
 stage by stage, beside the lab's, by scripts/token_axis.py.
 "Bytes" are what the GEMM must move: weights of experts with tokens, activations in, fp32 out.
+`--act fp8` adds the W4A8 GEMM (the same NVFP4 weights on the fp8 tensor cores, its own token
+tile and CTA width): its % tensor peak is of the fp8 peak (cuBLASLt, measured in the same run),
+and its check is against the W4A8 contract (lab/w4a8.py gemm), held to the contract's
+accumulation bound.
 
     python scripts/bench_gemm.py --json results/bench_gemm.json
     python scripts/bench_gemm.py --sustain-ms 1000 --json results/bench_gemm_sustained.json
     python scripts/bench_gemm.py --mean-tokens 8 --config 4,4,128,4 --config 8,2,128,4,1 --config 4,4,128,3,0,2
     python scripts/bench_gemm.py --model qwen3-235b-a22b       (--model list: the presets)
+    python scripts/bench_gemm.py --act nvfp4 fp8 --mean-tokens 8 32 128
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import sys
 import numpy as np
 from tabulate import tabulate
 
-from lab.ceilings import measure_tensor_peak
+from lab.ceilings import measure_fp8_peak, measure_tensor_peak
 from lab.checks import format_rel
 from lab.device_info import setup_info
 from lab.gemm_bench import CONFIG_HELP, GemmBench, config_of, log, parse_config, problem_of, study_parser, write_json
@@ -45,6 +50,7 @@ from lab.kernels.stream_read import measure_read_roofline
 from lab.kernels.stream_read import stream_read
 from lab.models import resolve_shape
 from lab.timing import time_cuda, time_sustained
+from lab.w4a8 import ACCUMULATION_C as W4A8_C
 
 TAG = "bench_gemm"
 
@@ -66,8 +72,10 @@ def main(argv=None) -> int:
     ap.add_argument("--check-experts", type=int, default=16, help="experts checked against float64 (0: none)")
     ap.add_argument("--config", type=parse_config, action="append", default=[],
                     help=CONFIG_HELP + "; repeat to time several tiles in one run")
-    ap.add_argument("--act", nargs="+", choices=["nvfp4", "bf16"], default=["nvfp4", "bf16"],
-                    help="activations: nvfp4 (W4A4) and/or bf16 (W4A16, the same weights and kernel); default both")
+    ap.add_argument("--act", nargs="+", choices=["nvfp4", "bf16", "fp8"], default=["nvfp4", "bf16"],
+                    help="activations: nvfp4 (W4A4) and/or bf16 (W4A16, the same weights and kernel), and/or fp8 "
+                         "(W4A8: the same weights on the fp8 tensor cores, lab/kernels/w4a8_gemm.py, checked against "
+                         "its contract and timed against the fp8 peak); default nvfp4 and bf16")
     ap.add_argument("--split", type=parse_bounds, nargs="+", default=[], metavar="B[,B...]",
                     help="also time each GEMM as launches by expert size: experts of at most B tokens on their "
                          "tile, the rest on theirs (several bounds: one class between each two; "
@@ -95,6 +103,10 @@ def main(argv=None) -> int:
     log(TAG, f"read roofline {bw:.0f} GB/s")
     tensor = measure_tensor_peak(iterations=max(3, args.iterations // 2))
     log(TAG, f"tensor peak {tensor['tflops']:.0f} TFLOP/s (dense fp16 cuBLAS)")
+    tensor_fp8 = None
+    if "fp8" in args.act:
+        tensor_fp8 = measure_fp8_peak(iterations=max(3, args.iterations // 2))
+        log(TAG, f"fp8 tensor peak {tensor_fp8['tflops']:.0f} TFLOP/s (dense e4m3 cuBLASLt)")
     bench = GemmBench(problem, args.seed, TAG)
     cp = bench.cp
     if args.sustain_ms:
@@ -108,9 +120,13 @@ def main(argv=None) -> int:
         # one case per GEMM and mean, shared by every config and activation form: measure() poisons
         # the output before each config's first run, so no run can pass on another's output
         cases = {g: bench.case(g, mean, args.skew) for g in ("w13", "w2")}
-        for override in args.config or [None]:
+        for n_override, override in enumerate(args.config or [None]):
             for gemm, act in [(g, a) for g in ("w13", "w2") for a in args.act]:
                 case = cases[gemm]
+                if act == "fp8":  # the W4A8 kernel's own plan: once per GEMM and mean, whatever --config says
+                    if n_override == 0:
+                        rows_out.append(measure_fp8_row(bench, case, bw, tensor_fp8, args, rng, checks))
+                    continue
                 cfg = gc.heuristic(case.n, case.k, case.counts, act=act)
                 if override:
                     try:
@@ -143,7 +159,7 @@ def main(argv=None) -> int:
                          f"{row['read_pattern_ms']:.3f} ms")
 
         for hot_from, wgmma in [(t, w) for t in args.split for w in (True, False)]:
-            for gemm, act in [(g, a) for g in ("w13", "w2") for a in args.act]:
+            for gemm, act in [(g, a) for g in ("w13", "w2") for a in args.act if a != "fp8"]:  # (no W4A8 split)
                 case = cases[gemm]
                 if not wgmma and (gc.split_configs(case.n, case.k, case.counts, hot_from, act=act)
                                   == gc.split_configs(case.n, case.k, case.counts, hot_from, act=act, wgmma=False)):
@@ -170,6 +186,8 @@ def main(argv=None) -> int:
                 rows_out.append(row)
 
     def tile(c: dict) -> str:
+        if c.get("kernel") == "w4a8":
+            return f"w4a8: {c['tokens']}-token tile, {c['warpgroups']} warpgroup{'s' if c['warpgroups'] > 1 else ''}"
         return ("{warps},{row_tiles},{k_step},{stages},{max_frags},{mma},{ctas_per_sm}".format(**c)
                 + (",image" if c.get("image") else "") + (",build_image" if c.get("build_image") else ""))
 
@@ -185,7 +203,9 @@ def main(argv=None) -> int:
               fmt(r.get("image_ms"), ".3f"), fmt(r.get("image_pct_of_gemm"), ".1f"), fmt(r.get("image_roof_pct"), ".1f")]
              + ([fmt(r.get("sustained_ms"), ".3f"), fmt(r.get("sustained_roof_pct"), ".1f")] if args.sustain_ms else [])
              for r in rows_out]
-    print(f"tensor peak: {tensor['tflops']:.0f} TFLOP/s (dense fp16 x fp16 -> fp32, cuBLAS)")
+    print(f"tensor peak: {tensor['tflops']:.0f} TFLOP/s (dense fp16 x fp16 -> fp32, cuBLAS)"
+          + (f"; fp8 {tensor_fp8['tflops']:.0f} TFLOP/s (e4m3, cuBLASLt), the fp8 rows' % tensor peak"
+             if tensor_fp8 else ""))
     print(f"read roofline: {bw:.0f} GB/s (flat streaming read, {roof['bytes'] / 1e9:.3f} GB)"
           + (f"; {roof['sustained']['gbps']:.0f} GB/s after {args.sustain_ms:g} ms of back-to-back reads"
              if args.sustain_ms else ""))
@@ -196,15 +216,44 @@ def main(argv=None) -> int:
                    + (["sustained ms", "sustained % roofline"] if args.sustain_ms else [])))
     for c in checks:
         print(f"check {c['gemm']} ({c['act']}) mean {c['mean']}: rel Frobenius {format_rel(c['rel_frobenius'])} on "
-              f"{len(c['experts'])} experts")
+              f"{len(c['experts'])} experts" + (f" against the W4A8 contract; accumulation c {c['bound_c']:.3g} "
+                                                 f"(bound {W4A8_C:g})" if c["act"] == "fp8" else ""))
     for s in skipped:
         print(f"skipped {s['gemm']} ({s['act']}) mean {s['mean']} --config {s['config']}: {s['why']}")
-    write_json(args.json, "scripts/bench_gemm.py", setup=setup,
-               read_roofline=roof, tensor_peak=tensor, rows=rows_out, checks=checks, skipped=skipped)
-    # an undefined error (a zero reference, which random inputs never give) is a failed check too
-    bad = any(c["rel_frobenius"] is None or c["rel_frobenius"] > 1e-5 for c in checks) or \
+    write_json(args.json, "scripts/bench_gemm.py", setup=setup, read_roofline=roof, tensor_peak=tensor,
+               tensor_peak_fp8=tensor_fp8, rows=rows_out, checks=checks, skipped=skipped)
+    # an undefined error (a zero reference, which random inputs never give) is a failed check too;
+    # W4A8 is held to its contract's accumulation bound instead of 1e-5
+    bad = any(c["rel_frobenius"] is None or (c["bound_c"] is None or c["bound_c"] > W4A8_C if c["act"] == "fp8"
+                                             else c["rel_frobenius"] > 1e-5) for c in checks) or \
         any(r["unwritten"] or r.get("prepass_same_bits") is False for r in rows_out)
     return 1 if bad else 0
+
+
+def measure_fp8_row(bench: GemmBench, case, bw: float, tensor_fp8: dict, args, rng, checks: list) -> dict:
+    """One W4A8 row: the planned launch timed (and after --sustain-ms of back-to-back runs), its
+    TFLOP/s against the fp8 peak, and its output on --check-experts experts against the contract."""
+    row = bench.measure_fp8(case, bw, args.iterations)
+    row["tflops"] = 2.0 * case.rows * case.n * case.k / (row["ms"] * 1e-3) / 1e12
+    row["tensor_pct"] = 100 * row["tflops"] / tensor_fp8["tflops"]
+    log(TAG, f"{case.gemm} mean {case.mean_tokens} (fp8): {case.rows} rows, max count {case.counts.max()}, "
+             f"{row['config']}")
+    if args.sustain_ms:
+        run, stream, _ = bench.fp8_launch(case)
+        t = time_sustained(run, row["ms"], args.sustain_ms, args.iterations, stream=stream)
+        row.update({"sustained_ms": t.median_ms, "sustained_roof_pct": row["roof_pct"] * row["ms"] / t.median_ms})
+    if args.check_experts:
+        pool = np.flatnonzero(case.counts)
+        sample = rng.choice(pool, size=min(args.check_experts, pool.size), replace=False)
+        got = bench.check_fp8(case, sample)
+        checks.append({"gemm": case.gemm, "act": "fp8", "mean": case.mean_tokens, "config": row["config"],
+                       "experts": sample.tolist(), **got})
+        log(TAG, f"  check vs the W4A8 contract on {sample.size} experts: rel Frobenius "
+                 f"{format_rel(got['rel_frobenius'])}, accumulation c {got['bound_c']}")
+    if row["unwritten"]:
+        log(TAG, f"  ERROR: {row['unwritten']} output elements not written")
+    log(TAG, f"  gemm {row['ms']:.3f} ms ({row['roof_pct']:.1f}% of roofline, {row['tensor_pct']:.1f}% of the fp8 peak)")
+    return row
 
 
 def sustained_read(cp, args, nbytes: int = 4_077_000_000) -> dict:

@@ -31,8 +31,8 @@ f32 = np.float32
 # dwarfs the other 31 can lose up to ~31 of that product's last bits, and the bound that follows the
 # hardware is on each step's largest product (not built). Inputs are seeded, so c moves only with
 # the kernel's arithmetic.
-C = 8.0
-TINY = 2.0**-126  # one float32 result's rounding at the bottom of the normal range
+C = w4a8.ACCUMULATION_C  # (lab/w4a8.py, where the benchmarks read it too)
+TINY = w4a8.TINY
 
 
 def random_nvfp4(rng, e, n, k, small_scales_expert=None):
