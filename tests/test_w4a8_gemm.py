@@ -291,7 +291,8 @@ def test_a_deeper_wide_ring_is_dynamic_and_keeps_the_mainloop(tokens, stages):
 
 
 def test_wide_depths_are_checked():
-    assert wg.wide_stages(64) == 2 and wg.wide_stages(32) == 3 and wg.wide_stages(8) == 4
+    assert wg.wide_stages(64) == 2 and wg.wide_stages(32) == 4 and wg.wide_stages(8) == 4
+    assert wg.wide_ring_bytes(32) == 4 * 13440 and wg.wide_ring_bytes(16) == wg.wide_ring_bytes(8) == 0
     assert wg.wide_stage_bytes(64) == 17664 and wg.wide_stage_bytes(128) == 26112
     assert wg.wide_ring_bytes(64, 2) == 0 and wg.wide_ring_bytes(64, 3) == 3 * 17664
     assert wg.wide_expression(64, 3) == "lab_w4a8::w4a8_gemm_wide<64, 3>"

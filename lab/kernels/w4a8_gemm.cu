@@ -392,17 +392,22 @@ __global__ void __launch_bounds__(THREADS, 1)
   gemm_body<T, PROMOTE, STAGES, 1, false>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
 }
 
-// Stages of the two-warpgroup CTA's ring: its stage holds twice the weights (9 KiB). Within 48 KiB of
-// static shared memory at 8-64 tokens; the 128-token tile's stage is 25.5 KiB, so its ring of
-// three is dynamic shared memory (76.5 KiB, two CTAs an SM by shared memory). A deeper ring than
-// these (the depth study's) is dynamic shared memory too.
+// Stages of the two-warpgroup CTA's ring: its stage holds twice the weights (9 KiB). At 8, 16 and 64
+// tokens within 48 KiB of static shared memory; at 32 a ring of four (52.5 KiB: 5-7% faster than
+// three on an H100, results/studies/w4a8_wide_depths_h100.json) and at 128 one of three (76.5 KiB,
+// two CTAs an SM by shared memory) are dynamic shared memory, as is any ring past 46 KiB (the depth
+// study's). The fused kernel's rings stay static (FusedWideStages: its epilogue's arrays beside them).
 template <int T>
 struct WideStages {
-  static constexpr int value = T == 128 ? 3 : T == 64 ? 2 : T == 32 ? 3 : 4;
+  static constexpr int value = T == 128 ? 3 : T == 64 ? 2 : 4;
+};
+template <int T>
+struct FusedWideStages {
+  static constexpr int value = T == 64 ? 2 : T == 32 ? 3 : 4;
 };
 template <int T, int STAGES>
 struct WideRingIsDynamic {
-  static constexpr bool value = T == 128 || STAGES > WideStages<T>::value;
+  static constexpr bool value = T == 128 || STAGES * sizeof(Stage<T, 2>) > 46 * 1024;
 };
 
 // Two warpgroups a CTA (w4a8_gemm_wide): 128 weight rows, 64 a warpgroup, over one activation
@@ -531,7 +536,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1)
 
 // The fused epilogue on the two-warpgroup CTA: a 128-column group of I is two CTAs of 64 columns,
 // each reducing its eight warps' |a| before the cluster's exchange; the same a8 and s_a.
-template <int T, int STAGES = WideStages<T>::value>
+template <int T, int STAGES = FusedWideStages<T>::value>
 __global__ void __cluster_dims__(CLUSTER / 2, 1, 1) __launch_bounds__(2 * THREADS, 1)
     w4a8_gemm_swiglu_wide(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
                           const uint2* __restrict__ tables, const int* __restrict__ table_of,

@@ -111,7 +111,7 @@ def wide_expression(tokens: int, stages: int | None = None) -> str:
 
 def wide_stages(tokens: int) -> int:
     """The two-warpgroup CTA's shipped ring depth (w4a8_gemm.cu WideStages)."""
-    return {128: 3, 64: 2, 32: 3}.get(tokens, 4)
+    return {128: 3, 64: 2}.get(tokens, 4)
 
 
 def wide_stage_bytes(tokens: int) -> int:
@@ -130,10 +130,11 @@ def max_wide_stages(tokens: int) -> int:
 
 def wide_ring_bytes(tokens: int, stages: int | None = None) -> int:
     """The dynamic shared memory a two-warpgroup launch passes: the ring, where it is dynamic (the
-    128-token tile's, and any deeper than the shipped one: w4a8_gemm.cu WideRingIsDynamic), else
-    none (the static rings)."""
+    128-token tile's, and any past 46 KiB: w4a8_gemm.cu WideRingIsDynamic), else none (the static
+    rings)."""
     s = wide_stages(tokens) if stages is None else int(stages)
-    return s * wide_stage_bytes(tokens) if tokens == 128 or s > wide_stages(tokens) else 0
+    ring = s * wide_stage_bytes(tokens)
+    return ring if tokens == 128 or ring > 46 * 1024 else 0
 
 
 # compiled in their own module, only when a plan asks for them
