@@ -251,6 +251,43 @@ def random_weights(problem: MoEProblem | None = None, seed: int = 0) -> MoEWeigh
     )
 
 
+HEAVY_TAILED_STD = 0.02  # the scale of heavy_tailed_weights' t draws (relative errors do not depend on it)
+HEAVY_TAILED_ROW_SPREAD = 0.3  # lognormal sigma of a row's scale there
+
+
+def heavy_tailed_weights(problem: MoEProblem | None = None, df: float = 4.0, seed: int = 0) -> MoEWeights:
+    """NVFP4 weights quantized (nvfp4.quantize, gate, up and down each a matrix with its own
+    global from its amax) from real-valued Student-t matrices with `df` degrees of freedom and a
+    lognormal spread per output row, gate drawn gate_up_ratio larger than up: weights shaped like
+    a trained layer's, unlike random_weights' uniform codes (which the error of fp8 recipes
+    depends on: notes/w4a8.md). About 2 s of CPU per expert at the study's H and I, so meant for
+    a few experts. Input scales 1.0 (no static calibration for this layer's activations)."""
+    from . import nvfp4
+
+    problem = (problem or MoEProblem()).validate()
+    if not (np.isfinite(df) and df > 0):
+        raise ValueError(f"df: expected degrees of freedom > 0, got {df!r}")
+    E, H, I = problem.experts, problem.hidden, problem.intermediate
+    rng = np.random.default_rng([seed, 21])
+
+    def draw(rows, k, scale=1.0):
+        row = np.exp(HEAVY_TAILED_ROW_SPREAD * rng.standard_normal((rows, 1)))
+        return (rng.standard_t(df, (rows, k)) * (HEAVY_TAILED_STD * scale) * row).astype(np.float32)
+
+    w13_packed = np.empty((E, 2 * I, H // 2), np.uint8)
+    w13_scales = np.empty((E, 2 * I, H // BLOCK), np.uint8)
+    w2_packed = np.empty((E, H, I // 2), np.uint8)
+    w2_scales = np.empty((E, H, I // BLOCK), np.uint8)
+    gate_g, up_g, w2_g = (np.empty(E, np.float32) for _ in range(3))
+    for e in range(E):
+        for rows, scale, glob in ((slice(0, I), problem.gate_up_ratio, gate_g), (slice(I, 2 * I), 1.0, up_g)):
+            q = nvfp4.quantize(draw(I, H, scale))
+            w13_packed[e, rows], w13_scales[e, rows], glob[e] = q.packed, q.scales, q.global_scale
+        q = nvfp4.quantize(draw(H, I))
+        w2_packed[e], w2_scales[e], w2_g[e] = q.packed, q.scales, q.global_scale
+    return MoEWeights(w13_packed, w13_scales, gate_g, up_g, w2_packed, w2_scales, w2_g, 1.0, 1.0)
+
+
 OUTLIER_FRACTION = 1e-3  # of activation entries
 OUTLIER_RANGE = (8.0, 24.0)  # |outlier|, a few channels far past the N(0, 1) bulk
 

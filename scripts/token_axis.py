@@ -39,7 +39,8 @@ from lab import checks, memory, models, reference, roofline  # noqa: E402
 from lab.device_info import setup_info  # noqa: E402
 from lab.gemm_bench import log, study_parser, write_json  # noqa: E402
 from lab.gpu import require_gpu, run_script  # noqa: E402
-from lab.problem import make_routing, random_activations, random_weights, tokens_for_mean  # noqa: E402
+from lab.problem import (heavy_tailed_weights, make_routing, random_activations,  # noqa: E402
+                         random_weights, tokens_for_mean)
 from lab.timing import Timing  # noqa: E402
 from lab.variants import NAMES as LAB_NAMES  # noqa: E402
 from lab.variants import make as make_variant  # noqa: E402
@@ -61,6 +62,11 @@ def build_parser():
     ap.add_argument("--warmup", type=int, default=2, help="untimed runs before each timed burst")
     ap.add_argument("--settle-ms", type=float, default=300.0,
                     help="idle pause before each timed burst, so every burst starts below the power cap")
+    ap.add_argument("--weights", choices=("synthetic", "student-t"), default="synthetic",
+                    help="the layer's NVFP4 weights: lab/problem.py random_weights (uniform codes; the default), or "
+                         "heavy_tailed_weights (quantized from Student-t matrices, --df; ~2 s of CPU an expert: "
+                         "pair it with a few --experts), the shape the fp8 recipes' error depends on")
+    ap.add_argument("--df", type=float, default=4.0, help="degrees of freedom of --weights student-t")
     ap.add_argument("--check-experts", type=int, default=4,
                     help="experts (seeded sample) whose rows are compared with the float64 layer")
     return ap
@@ -318,6 +324,8 @@ def main(argv=None) -> int:
     for name in args.variants:
         if name not in LAB_NAMES:
             ap.error(f"--variants: unknown {name!r}; known: {' '.join(LAB_NAMES)}")
+    if not (np.isfinite(args.df) and args.df > 0):
+        ap.error(f"--df: expected degrees of freedom > 0, got {args.df:g}")
     for m in args.mean_tokens:
         if not (m > 0 and np.isfinite(m)):
             ap.error(f"--mean-tokens: each mean must be a positive number, got {m:g}")
@@ -328,7 +336,11 @@ def main(argv=None) -> int:
     from lab.layer import upload_weights
 
     setup = setup_info()
-    weights = random_weights(problem, seed=args.seed)
+    if args.weights == "student-t":
+        log(TAG, f"weights: quantizing Student-t (df {args.df:g}) matrices, {problem.experts} experts")
+        weights = heavy_tailed_weights(problem, df=args.df, seed=args.seed)
+    else:
+        weights = random_weights(problem, seed=args.seed)
     dweights = upload_weights(weights)
     log(TAG, "ceilings: flat streaming read, dense fp16 cuBLAS GEMM")
     ceilings = measure_ceilings(iterations=args.iterations)
@@ -346,6 +358,7 @@ def main(argv=None) -> int:
         cp.get_default_memory_pool().free_all_blocks()
         # rewritten after every mean, "complete" false until the last: a run cut short keeps its means
         write_json(args.json, "scripts/token_axis.py", setup=setup, problem=problem.__dict__, skew=args.skew,
+                   weights={"kind": args.weights, **({"df": args.df} if args.weights == "student-t" else {})},
                    ceilings=ceilings, peers=peer_info, points=points, complete=i + 1 == len(args.mean_tokens))
     return 0
 

@@ -49,35 +49,8 @@ from tabulate import tabulate  # noqa: E402
 from lab import nvfp4, reference, w4a8  # noqa: E402
 from lab.cli import HelpFormatter, output_path  # noqa: E402
 from lab.checks import format_rel, rel_error  # noqa: E402
-from lab.problem import MoEProblem, MoEWeights, make_routing, random_activations, random_weights  # noqa: E402
-
-WEIGHT_STD = 0.02  # the scale of the t draws (relative errors do not depend on it)
-ROW_SPREAD = 0.3  # lognormal sigma of a row's scale
-GATE_UP_RATIO = 1.2308  # gate drawn this much larger than up, as in lab/problem.py
-
-
-def heavy_tailed_weights(problem: MoEProblem, df: float, seed: int) -> MoEWeights:
-    """NVFP4 weights quantized from Student-t real-valued matrices (gate, up, down per expert)."""
-    E, H, I = problem.experts, problem.hidden, problem.intermediate
-    rng = np.random.default_rng([seed, 21])
-
-    def draw(rows, k, scale=1.0):
-        row = np.exp(ROW_SPREAD * rng.standard_normal((rows, 1)))
-        return (rng.standard_t(df, (rows, k)) * (WEIGHT_STD * scale) * row).astype(np.float32)
-
-    w13_packed = np.empty((E, 2 * I, H // 2), np.uint8)
-    w13_scales = np.empty((E, 2 * I, H // nvfp4.BLOCK), np.uint8)
-    w2_packed = np.empty((E, H, I // 2), np.uint8)
-    w2_scales = np.empty((E, H, I // nvfp4.BLOCK), np.uint8)
-    gate_g, up_g, w2_g = (np.empty(E, np.float32) for _ in range(3))
-    for e in range(E):
-        for rows, scale, glob in ((slice(0, I), GATE_UP_RATIO, gate_g), (slice(I, 2 * I), 1.0, up_g)):
-            q = nvfp4.quantize(draw(I, H, scale))
-            w13_packed[e, rows], w13_scales[e, rows], glob[e] = q.packed, q.scales, q.global_scale
-        q = nvfp4.quantize(draw(H, I))
-        w2_packed[e], w2_scales[e], w2_g[e] = q.packed, q.scales, q.global_scale
-    return MoEWeights(w13_packed, w13_scales, gate_g, up_g, w2_packed, w2_scales, w2_g, 1.0, 1.0)
-
+from lab.problem import (HEAVY_TAILED_ROW_SPREAD, HEAVY_TAILED_STD, MoEProblem, MoEWeights,  # noqa: E402
+                         heavy_tailed_weights, make_routing, random_activations, random_weights)
 
 def _silu(g):
     return g / (1.0 + np.exp(-g))
@@ -183,7 +156,7 @@ def study(args) -> dict:
     return dict(
         config=dict(experts=problem.experts, hidden=problem.hidden, intermediate=problem.intermediate,
                     tokens=args.tokens, top_k=problem.top_k, weights=args.weights, df=args.df, seed=args.seed,
-                    weight_std=WEIGHT_STD, row_spread=ROW_SPREAD),
+                    weight_std=HEAVY_TAILED_STD, row_spread=HEAVY_TAILED_ROW_SPREAD),
         errors=errors,
         weights=weight_stats(w, False) + weight_stats(w, True),
     )

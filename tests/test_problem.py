@@ -270,3 +270,22 @@ def test_random_activations_fit_the_static_input_scale():
     block_amax = np.abs(x.reshape(512, 64, 16)).max(axis=-1)
     assert (block_amax / (6 * W13_INPUT_SCALE) <= 448).all()  # no block saturates
     np.testing.assert_array_equal(x, random_activations(512, 1024, seed=0))
+
+
+def test_heavy_tailed_weights_are_seeded_heavy_tailed_nvfp4():
+    from lab.problem import heavy_tailed_weights
+
+    p = MoEProblem(2, 128, 64, 2)
+    a, b = heavy_tailed_weights(p, df=4.0, seed=1), heavy_tailed_weights(p, df=4.0, seed=1)
+    assert a.w13_packed.shape == (2, 128, 64) and a.w13_scales.shape == (2, 128, 8)
+    assert a.w2_packed.shape == (2, 128, 32) and a.w2_scales.shape == (2, 128, 4)
+    assert np.array_equal(a.w13_packed, b.w13_packed) and np.array_equal(a.w2_scales, b.w2_scales)
+    assert not np.array_equal(a.w13_packed, heavy_tailed_weights(p, df=4.0, seed=2).w13_packed)
+    # the dequantized weights keep the t draw's tails: excess kurtosis well above the uniform
+    # codes' (random_weights: negative within a block) and above a normal's 0
+    w = nvfp4.dequantize_blocks(a.w2_packed[0], a.w2_scales[0]).ravel()
+    kurt = np.mean((w - w.mean()) ** 4) / np.var(w) ** 2 - 3
+    assert kurt > 1.0, kurt
+    assert np.all(np.isfinite(a.gate_global)) and np.all(a.gate_global > 0)
+    with pytest.raises(ValueError, match="df: expected degrees of freedom > 0"):
+        heavy_tailed_weights(p, df=0.0)
