@@ -396,11 +396,14 @@ __global__ void __launch_bounds__(THREADS, 1)
 // tokens within 48 KiB of static shared memory; at 32 a ring of four (52.5 KiB: 5-7% faster than
 // three on an H100, results/studies/w4a8_wide_depths_h100.json) and at 128 one of three (76.5 KiB,
 // two CTAs an SM by shared memory) are dynamic shared memory, as is any ring past 46 KiB (the depth
-// study's). The fused kernel takes the same rings (its epilogue's arrays, 1.1 KiB at 32 tokens, stay
-// static beside the table).
+// study's). The fused kernel's rings stay static (FusedWideStages: its epilogue's arrays beside them).
 template <int T>
 struct WideStages {
   static constexpr int value = T == 128 ? 3 : T == 64 ? 2 : 4;
+};
+template <int T>
+struct FusedWideStages {
+  static constexpr int value = T == 64 ? 2 : T == 32 ? 3 : 4;
 };
 template <int T, int STAGES>
 struct WideRingIsDynamic {
@@ -533,7 +536,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1)
 
 // The fused epilogue on the two-warpgroup CTA: a 128-column group of I is two CTAs of 64 columns,
 // each reducing its eight warps' |a| before the cluster's exchange; the same a8 and s_a.
-template <int T, int STAGES = WideStages<T>::value>
+template <int T, int STAGES = FusedWideStages<T>::value>
 __global__ void __cluster_dims__(CLUSTER / 2, 1, 1) __launch_bounds__(2 * THREADS, 1)
     w4a8_gemm_swiglu_wide(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
                           const uint2* __restrict__ tables, const int* __restrict__ table_of,
@@ -544,8 +547,7 @@ __global__ void __cluster_dims__(CLUSTER / 2, 1, 1) __launch_bounds__(2 * THREAD
   __shared__ float part[8][T];
   __shared__ float cta[T];
   SwigluQuant<T, 2> epi{a8, s_a, nonfinite, gate_global, up_global, N / 2, part, cta};
-  gemm_body<T, true, STAGES, 2, WideRingIsDynamic<T, STAGES>::value>(words, scales, tables, table_of, p, alpha, x8,
-                                                                      s_x, offsets, N, K, epi);
+  gemm_body<T, true, STAGES, 2, false>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
 }
 
 }  // namespace lab_w4a8

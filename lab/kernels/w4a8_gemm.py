@@ -736,12 +736,9 @@ def launch_w4a8_gemm_swiglu(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets,
     if plan.token_blocks == 0:
         return
     w = plan.warpgroups
-    smem = 0 if w == 1 else wide_ring_bytes(plan.tokens)  # (the fused CTA's rings are the plain one's)
     fn = (_kernel(GEMM_SOURCE, FUSED_EXPRESSIONS, swiglu_expression(plan.tokens)) if w == 1 else
           _kernel(GEMM_SOURCE, FUSED_WIDE_EXPRESSIONS, swiglu_wide_expression(plan.tokens)))
-    if smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:
-        fn.max_dynamic_shared_size_bytes = smem
     with stream:
         fn((prep.n // (w * ROWS), plan.token_blocks, prep.experts), (w * THREADS,),
            (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, x8, s_x, offsets,
-            np.int32(prep.n), np.int32(prep.k), gate_global, up_global, a8, s_a, nonfinite), shared_mem=smem)
+            np.int32(prep.n), np.int32(prep.k), gate_global, up_global, a8, s_a, nonfinite))
