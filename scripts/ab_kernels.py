@@ -207,7 +207,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", nargs="+", choices=["fp32", "bf16", "swiglu"], default=["fp32"],
                     help="the output: fp32, and/or bf16 bits (image tiles only: past 64 tokens per expert), "
                          "and/or (w13) the SwiGLU epilogue's NVFP4 a")
-    ap.add_argument("--act", choices=["nvfp4", "bf16"], default="nvfp4", help="activations: NVFP4 (W4A4) or bf16 (W4A16)")
+    ap.add_argument("--act", choices=["nvfp4", "bf16"], default="nvfp4",
+                    help="activations: NVFP4 (W4A4) or bf16 (W4A16); the W4A8 GEMM's same-process A/B of kernel "
+                         "trees is w4a8_stage_study.py --baseline DIR")
     ap.add_argument("--config", type=parse_config, help=CONFIG_HELP)
     ap.add_argument("--skew", type=float, default=0.0, help="routing skew: 0 uniform, else p ~ 1/rank**skew")
     ap.add_argument("--plan", action="store_true",

@@ -11,6 +11,12 @@ column is the consumers' issue time for one k16 step of a unit (every consumer w
 it, over the SM's four schedulers), a floor to set against the measured cycles per k16 step
 (notes/gemm-log.md v29: ~214-240 at 32 tokens per expert on the 64-token tile).
 
+`--act fp8` reads the W4A8 GEMM instead (lab/kernels/w4a8_gemm.cu): for each token tile (or
+`--tokens`), its one-warpgroup, two-warpgroup and fused instantiations' group loop (one trip is
+one 128-column group: the loader's copies, the decode of the warpgroup's 64 rows, four fp8 wgmmas,
+the promotion), by class, and the issue time of one group on one scheduler (the trip's
+instructions times the CTA's warpgroups: each scheduler hosts one warp of each).
+
 With several `--tree NAME=DIR` (each laid out as lab/kernels) the same tiles are compiled from
 each tree, side by side: whether an edit moved the hot loop, before a same-process A/B on the GPU
 (scripts/ab_kernels.py) says whether it moved the time. The last example sets the committed
@@ -18,6 +24,7 @@ kernels (unpacked by its first line into /tmp/base) beside the working tree's ed
 
     python scripts/sass_mix.py                                     # the heuristic's tiles at 8-512 tokens
     python scripts/sass_mix.py --config 8,2,128,4,1,0,8,1 --tokens 32 40
+    python scripts/sass_mix.py --act fp8 --tokens 32 64
     mkdir -p /tmp/base && git archive HEAD lab/kernels | tar -x -C /tmp/base
     python scripts/sass_mix.py --tree base=/tmp/base/lab/kernels --tree work=lab/kernels --json mix.json
 """
@@ -94,13 +101,45 @@ def rows_for(cfg: gc.GemmConfig, tree_name: str, tree: Path, tokens: set[int] | 
     return rows
 
 
+def fp8_rows(tree_name: str, tree: Path, tokens) -> list[dict]:
+    """One row per W4A8 instantiation (one and two warpgroups, fused) of each tile in `tokens`:
+    its group loop's instructions by class, and the issue cycles of one group on one scheduler."""
+    from lab.kernels import w4a8_gemm as wg
+
+    rows = []
+    for t in tokens:
+        forms = [("w4a8", wg.gemm_expression(t), 1), ("w4a8 wide", wg.wide_expression(t), 2)]
+        if t in wg.FUSED_WIDE_TILES:
+            forms += [("w4a8-fused", wg.swiglu_expression(t), 1), ("w4a8-fused wide", wg.swiglu_wide_expression(t), 2)]
+        for kernel, expression, warpgroups in forms:
+            code = sass.kernel_sass(wg.GEMM_SOURCE, expression, tree)
+            loops = sass.tensor_loops(code)
+            if len(loops) != 1:
+                raise RuntimeError(f"{expression}: expected one group loop holding the wgmmas, found {len(loops)}")
+            mix = sass.loop_mix(code, loops[0])
+            rows.append({"tree": tree_name, "kernel": kernel, "expression": expression, "tokens": t,
+                         "warpgroups": warpgroups, "loop_at": hex(mix.first), "tensor_ops": list(mix.tensor_ops),
+                         "instructions": mix.instructions, "counts": mix.counts, "opcodes": mix.opcodes,
+                         "issue_cycles_per_group": mix.instructions * warpgroups})
+    return rows
+
+
+def print_fp8(rows: list[dict]) -> None:
+    print(tabulate([[r["kernel"], r["tree"], r["tokens"], r["instructions"],
+                     *(r["counts"].get(c, 0) for c in (*CLASS_COLUMNS, "fp32", "global")), r["issue_cycles_per_group"]]
+                    for r in rows],
+                   headers=["kernel", "tree", "T", "instr / group", *CLASS_COLUMNS, "fp32", "global",
+                            "issue cycles / group / scheduler"], tablefmt="github"))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--mean-tokens", type=float, nargs="+", default=[8, 32, 64, 128, 512],
                     help="the heuristic's w13 tile at each mean tokens per expert (the study's shape)")
     ap.add_argument("--config", type=parse_config, action="append", default=[],
                     help=CONFIG_HELP + "; given, only these tiles")
-    ap.add_argument("--act", choices=gc.ACTS, default="nvfp4", help="the activations of --config tiles")
+    ap.add_argument("--act", choices=(*gc.ACTS, "fp8"), default="nvfp4",
+                    help="the activations of --config tiles; fp8: the W4A8 GEMM's instantiations instead (no --config)")
     ap.add_argument("--tokens", type=int, nargs="+", help="only the loops of these wgmma N (8 x fragments)")
     ap.add_argument("--tree", type=parse_tree, action="append", default=[],
                     help="NAME=DIR: compile from this kernel tree (repeatable; default: lab/kernels)")
@@ -114,12 +153,30 @@ def main(argv=None) -> int:
         print(f"sass_mix needs {' and '.join(missing)} (the CUDA toolkit; nvdisasm also from "
               f"pip install nvidia-cuda-nvdisasm)", file=sys.stderr)
         return 2
+    trees = args.tree or [("main", jit.KERNEL_DIR)]
+    if args.act == "fp8":
+        from lab.kernels import w4a8_gemm as wg
+
+        if args.config:
+            ap.error("--config: the W4A4/W4A16 GEMM's tiles; --act fp8 reads the W4A8 kernel's (--tokens picks them)")
+        bad = [t for t in args.tokens or [] if t not in wg.TOKEN_TILES]
+        if bad:
+            ap.error(f"--tokens: the W4A8 tiles are {wg.TOKEN_TILES}, got {bad}")
+        rows = []
+        for name, tree in trees:
+            try:
+                rows += fp8_rows(name, tree, args.tokens or wg.TOKEN_TILES)
+            except (ValueError, RuntimeError) as e:
+                print(f"W4A8 ({name}): {str(e).splitlines()[0]}", file=sys.stderr)
+                return 1
+        print_fp8(rows)
+        write_rows(args.json, trees, rows)
+        return 0
     if args.config:
         default = gc.GemmConfig(act=args.act)
         tiles = [config_of(v, default) for v in args.config]
     else:
         tiles = heuristic_tiles(args.mean_tokens)
-    trees = args.tree or [("main", jit.KERNEL_DIR)]
     rows = []
     for cfg in tiles:
         for name, tree in trees:
@@ -139,13 +196,17 @@ def main(argv=None) -> int:
     if any(r["tile_steps"] is None for r in rows):
         print("\nmma.sync tiles: one loop holds every fragment count's case (a switch per stage), so its counts are "
               "per trip of all cases together, not per tile-step.")
-    if args.json:
+    write_rows(args.json, trees, rows)
+    return 0
+
+
+def write_rows(path, trees, rows) -> None:
+    if path:
         commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip() or None
-        with open(args.json, "w") as f:
+        with open(path, "w") as f:
             json.dump({"script": "scripts/sass_mix.py", "argv": sys.argv[1:], "commit": commit,
                        "trees": {n: str(t) for n, t in trees}, "rows": rows}, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

@@ -153,6 +153,23 @@ def test_the_script_prints_a_tiles_loops_and_writes_them(tmp_path):
     assert "8x2 k128 s4 64 tok wgmma image" in res.stdout
 
 
+@TOOLS
+def test_the_script_reads_the_w4a8_group_loops(tmp_path):
+    out = tmp_path / "mix.json"
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_mix.py"), "--act", "fp8", "--tokens", "16",
+                          "--json", str(out)], capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["kernel"] for r in rows] == ["w4a8", "w4a8 wide", "w4a8-fused", "w4a8-fused wide"]
+    assert all(r["tensor_ops"] == ["QGMMA.64x16x32.F32.E4M3.E4M3"] and r["counts"]["tensor"] == 4 for r in rows)
+    assert all(r["issue_cycles_per_group"] == r["instructions"] * r["warpgroups"] for r in rows)
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_mix.py"), "--act", "fp8", "--config",
+                          "8,2,128,4,1,0,8,1"], capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 2 and "--config: the W4A4/W4A16 GEMM's tiles" in res.stderr
+
+
 def _same_sass():
     import importlib.util
 
