@@ -229,12 +229,13 @@ class GemmBench:
 
     def check(self, case: GemmCase, experts: np.ndarray, act: str = "nvfp4") -> float | None:
         """Relative Frobenius error of the last output on `experts` against float64 (None:
-        undefined, the reference is zero); `act` says which activations the last run read."""
+        undefined, the reference is zero); `act` says which activations the last run read (fp8: against
+        the W4A8 contract, check_fp8)."""
+        if act == "fp8":
+            return self.check_fp8(case, experts)["rel_frobenius"]
         g = self.gemms[case.gemm]
         got = case.out.get()
         rows = np.concatenate([np.arange(case.offsets[e], case.offsets[e + 1]) for e in experts])
-        if act == "fp8":
-            return self.check_fp8(case, experts)["rel_frobenius"]
         if act == "bf16":
             x = case.x_bf16.view(ml_dtypes.bfloat16).astype(np.float64)
             alpha = case.d_alpha_bf16.get()
