@@ -48,6 +48,7 @@ from lab.variants import make as make_variant  # noqa: E402
 TAG = "token_axis"
 MEANS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
 LAB_DEFAULT = ["separate", "cuda-graph", "fused-swiglu", "fused-layer", "fused-out", "w4a16", "w4a16-fused", "w4a16-layer"]
+W4A8_FORMS = ("w4a8-fused", "w4a8-layer")  # checked bitwise against w4a8 where it ran before them
 VALID = ("baseline", "match")  # a lab variant counts for "best" only if its output is separate's
 
 
@@ -167,6 +168,12 @@ def _prepare_and_check(runner, layer, point, name, is_peer, ref_rows, ref_out, b
         elif v.expect == "match":
             same = bool(runner.cp.array_equal(layer.out_bf16, base["out"]))
             entry["check"] = {"ok": same, "detail": "bitwise equal to separate" if same else "MISMATCH"}
+        elif name == "w4a8":  # the W4A8 forms share their arithmetic: w4a8's bits are theirs
+            base["w4a8"] = layer.out_bf16.copy()
+            entry["check"] = {"ok": None, "detail": "approx (the W4A8 forms' baseline)"}
+        elif name in W4A8_FORMS and "w4a8" in base:
+            same = bool(runner.cp.array_equal(layer.out_bf16, base["w4a8"]))
+            entry["check"] = {"ok": same, "detail": "approx; bitwise equal to w4a8" if same else "MISMATCH with w4a8"}
         else:
             entry["check"] = {"ok": None, "detail": v.expect}
     log(TAG, f"  {name}: {entry['check']['detail'] if entry['check'] else 'peer'}"

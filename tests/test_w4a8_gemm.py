@@ -319,6 +319,16 @@ def test_the_wide_fused_kernel_keeps_the_mainloop_and_reads_a_cluster_of_two(tok
     assert any(o.startswith("LD") and not o.startswith("LDS") and not o.startswith("LDG") for o in ops), sorted(set(ops))
 
 
+def test_a_body_fragment_goes_in_at_each_include_and_a_header_once(tmp_path):
+    (tmp_path / "part.inc").write_text("int fragment_line;\n")
+    (tmp_path / "part.cuh").write_text("#pragma once\nint header_line;\n")
+    (tmp_path / "k.cu").write_text('#include "part.cuh"\n#include "part.inc"\n#include "part.cuh"\n#include "part.inc"\n')
+    text = jit.source("k.cu", tmp_path)
+    assert text.count("fragment_line") == 2 and text.count("header_line") == 1, text
+    # the group loop (w4a8_block.inc) where gemm_body includes it
+    assert jit.source(wg.GEMM_SOURCE).count("groups up to gi have landed (this thread") == 1
+
+
 def test_wide_plans_refuse_what_the_wide_cta_cannot_run():
     offs = np.array([0, 3, 3, 70], np.int32)
     assert wg.gemm_plan(offs, warpgroups=2) == wg.GemmPlan(tokens=64, token_blocks=2, warpgroups=2)

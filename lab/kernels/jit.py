@@ -30,7 +30,8 @@ _INCLUDE = re.compile(r'^#include "([\w./]+)"\s*$', re.M)
 
 def source(name: str, tree: Path | None = None) -> str:
     """The text of `lab/kernels/<name>` (or `<tree>/<name>`) with every `#include "path"` inlined
-    once (paths relative to the including file, as nvcc resolves them): NVRTC gets one string, and
+    once, a fragment of a body (.inc) at each place it is named (paths relative to the including
+    file, as nvcc resolves them): NVRTC gets one string, and
     CuPy's cache key (the string) changes when any header does."""
     root = (Path(tree) if tree is not None else KERNEL_DIR).joinpath(name).resolve()
     seen = {root}
@@ -38,7 +39,7 @@ def source(name: str, tree: Path | None = None) -> str:
     def expand(path: Path) -> str:
         def include(m: re.Match) -> str:
             header = (path.parent / m.group(1)).resolve()
-            if header in seen:
+            if header.suffix != ".inc" and header in seen:  # a fragment (.inc) goes in wherever it is named
                 return ""
             seen.add(header)
             return expand(header).replace("#pragma once", "")

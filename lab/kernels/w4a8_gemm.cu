@@ -322,61 +322,7 @@ __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const
     // is visible) before the prologue refills it
     __syncthreads();
     const GroupLoader<T, W> loader(x8, s_x, wp, sp, row0, valid, K, G, tid);
-    const uint32_t ring0 = lab_gemm::smem_addr(&ring[0]);
-#pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {
-      if (i < G) loader.load(ring0 + i * (uint32_t)sizeof(St), i, K);
-      cp_async_commit();  // possibly empty, so that the wait below counts groups, not loads
-    }
-    int stage = 0, fill = STAGES - 1;  // the stage group gi sits in, and the one group gi + STAGES - 1 goes to
-    for (int gi = 0; gi < G; ++gi) {
-      cp_async_wait<STAGES - 2>();    // groups up to gi have landed (this thread's copies)
-      lab_gemm::fence_proxy_async();  // this thread's shared writes, before wgmma (async proxy) reads them
-      __syncthreads();                // everyone's copies; and everyone is done with group gi - 1's stage
-      if (gi + STAGES - 1 < G) loader.load(ring0 + fill * (uint32_t)sizeof(St), gi + STAGES - 1, K);
-      cp_async_commit();
-
-      // A 64-column last group has two steps; the other two multiply zero codes and zero-filled
-      // activations, so every group issues the same four wgmmas (a wgmma under a branch makes
-      // ptxas pad the group).
-      const St& st = ring[stage];
-      // lane c's words of step s are logical k 32s + 8c .. + 7: 16-block 2s + c / 2 of its rows, whose
-      // scale byte is byte c / 2 of each 16-bit half of the row's scales shifted by 8 (c / 2)
-      const uint32_t cs = 8 * (c >> 1);
-      const uint2 sc0 = st.scs[wg * ROWS + 16 * warp + g], sc1 = st.scs[wg * ROWS + 16 * warp + g + 8];
-      const uint32_t b0[2] = {sc0.x >> cs, sc0.y >> cs}, b1[2] = {sc1.x >> cs, sc1.y >> cs};
-      uint32_t a[STEPS][4];
-#pragma unroll
-      for (int s = 0; s < STEPS; ++s) {
-        const uint2 w = st.ws[(wg * STEPS + s) * THREADS + wt];
-        const uint2 t0 = table[(b0[s >> 1] >> (16 * (s & 1))) & 0x7Fu];
-        const uint2 t1 = table[(b1[s >> 1] >> (16 * (s & 1))) & 0x7Fu];
-        lab_gemm::decode_fp8_word(w.x, t0.x, t0.y, a[s][0], a[s][2]);
-        lab_gemm::decode_fp8_word(w.y, t1.x, t1.y, a[s][1], a[s][3]);
-      }
-      const uint32_t base = lab_gemm::smem_addr(st.xs);
-      lab_gemm::wgmma_fence();
-#pragma unroll
-      for (int s = 0; s < STEPS; ++s)
-        WgmmaE4M3<F>::run(tmp, a[s], lab_gemm::smem_desc(base + s * (T * 32), 128, 256), PROMOTE ? s : gi | s);
-      lab_gemm::wgmma_commit();
-      lab_gemm::wgmma_wait<0>();
-      lab_gemm::fence_acc(tmp);  // the reads below stay after the wait
-#pragma unroll
-      for (int s = 0; s < STEPS; ++s)  // the A registers stay allocated until the wgmmas retire
-        asm volatile("" ::"r"(a[s][0]), "r"(a[s][1]), "r"(a[s][2]), "r"(a[s][3]));
-
-#pragma unroll
-      for (int j = 0; j < (PROMOTE ? F : 0); ++j) {
-        const float s0 = st.sx[8 * j + 2 * c], s1 = st.sx[8 * j + 2 * c + 1];
-        acc[j][0] = fmaf(tmp[j][0], s0, acc[j][0]);
-        acc[j][1] = fmaf(tmp[j][1], s1, acc[j][1]);
-        acc[j][2] = fmaf(tmp[j][2], s0, acc[j][2]);
-        acc[j][3] = fmaf(tmp[j][3], s1, acc[j][3]);
-      }
-      fill = stage;
-      stage = stage + 1 == STAGES ? 0 : stage + 1;
-    }
+#include "w4a8_block.inc"
 
     epi.template store<PROMOTE>(acc, tmp, factor, row0, valid, bw, warp, g, c, e, G, s_x);
   }
