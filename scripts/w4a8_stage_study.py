@@ -121,6 +121,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tiles", type=int, nargs="+", default=[], metavar="T",
                     help="other token tiles to time beside the plan's, each at its shipped depth (labelled T<t>; "
                          "their bits are reported, not required equal: another tile may round differently)")
+    ap.add_argument("--smem-a", action="store_true",
+                    help="with --wide, also time the two-warpgroup CTA with the decoded weights in shared memory "
+                         "(w4a8_gemm_ss; labelled SS, or T<t>SS at a --tiles tile) where the tile is one of "
+                         "w4a8_gemm.SS_TILES; at the plan's tile it must give the same bits")
     ap.add_argument("--baseline", type=Path, metavar="DIR", nargs="+", default=[],
                     help="other versions' lab/kernels directories, their w4a8_gemm<T> timed beside the depths")
     ap.add_argument("--json", type=output_path, metavar="PATH", help="write the results here")
@@ -133,6 +137,8 @@ def main(argv=None) -> int:
     if args.hidden % 64 or args.intermediate % 64:
         ap.error(f"--hidden and --intermediate: the kernel's N and K need multiples of 64, got {args.hidden} and "
                  f"{args.intermediate}")
+    if args.smem_a and not args.wide:
+        ap.error("--smem-a: times a two-warpgroup CTA beside the register-A one, so it needs --wide")
     if args.wide_stages and not args.wide:
         ap.error("--wide-stages: times the two-warpgroup CTA, so it needs --wide")
     for st in args.wide_stages:
@@ -183,6 +189,9 @@ def main(argv=None) -> int:
             if args.wide and base.tokens in wg.WIDE_TILES and prep.n % (2 * wg.ROWS) == 0:
                 runs["W2"] = (lambda out, plan=replace(base, warpgroups=2):
                               wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
+                if args.smem_a and base.tokens in wg.SS_TILES:
+                    runs["SS"] = (lambda out, plan=replace(base, warpgroups=2, smem_a=True):
+                                  wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
                 for st in args.wide_stages:
                     if st != wg.wide_stages(base.tokens) and st <= wg.max_wide_stages(base.tokens):
                         runs[f"W2S{st}"] = (lambda out, plan=replace(base, warpgroups=2, stages=st):
@@ -195,6 +204,9 @@ def main(argv=None) -> int:
                     if args.wide and t in wg.WIDE_TILES and prep.n % (2 * wg.ROWS) == 0:
                         runs[f"T{t}W2"] = (lambda out, plan=replace(tile_plan, warpgroups=2):
                                            wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
+                    if args.smem_a and t in wg.SS_TILES and prep.n % (2 * wg.ROWS) == 0:
+                        runs[f"T{t}SS"] = (lambda out, plan=replace(tile_plan, warpgroups=2, smem_a=True):
+                                           wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
             depths = list(runs)
             outs, times = {}, {s: [] for s in depths}
             with stream:  # poisoned on the launches' stream, so no fill lands after a launch's writes
@@ -204,6 +216,9 @@ def main(argv=None) -> int:
             stream.synchronize()
             ref = outs[wg.max_stages(base.tokens)]
             same = {s: bool(cp.array_equal(outs[s], ref)) for s in depths}
+            for s in depths:  # a --tiles tile's shared-memory-A run against the same tile's register-A one
+                if str(s).startswith("T") and str(s).endswith("SS"):
+                    same[s] = bool(cp.array_equal(outs[s], outs[s[:-2] + "W2"]))
             equal = (all(v for s, v in same.items() if not str(s).startswith(("T", "base")))
                      and bool(cp.isfinite(ref).all()))
             for _ in range(args.rounds):
@@ -217,7 +232,7 @@ def main(argv=None) -> int:
                 ms = float(np.median(times[s]))
                 gbps = nbytes / (ms * 1e-3) / 1e9
                 tflops = 2.0 * x8.shape[0] * prep.n * prep.k / (ms * 1e-3) / 1e12
-                tile = int(s[1:].split("W")[0]) if str(s).startswith("T") else base.tokens
+                tile = int(s[1:].split("W")[0].split("S")[0]) if str(s).startswith("T") else base.tokens
                 rows.append({"mean_tokens": mean, "matrix": name, "tokens": tile, "stages": s,
                              "shipped": s == wg.max_stages(base.tokens) or str(s).startswith("T"), "ms": ms, "gbps": gbps,
                              "of_read": gbps / read["gbps"], "tflops": tflops, "bytes": int(nbytes), "equal_bits": equal,

@@ -16,6 +16,7 @@ from lab import checks, layer as layer_mod
 from lab.problem import MoEProblem, Routing, make_routing, random_activations, random_weights
 from lab.runner import EXPECTS
 from lab.variants import DEFAULT, NAMES, REGISTRY, ON_REQUEST, make
+from lab.variants import w4a8 as w4a8_variants
 from lab.variants.chunked import CHUNKS, Chunked, chunk_bounds
 from oracles import fold_e4m3
 from strategies import routings
@@ -28,7 +29,7 @@ from strategies import routings
 def test_registry_lists_the_study_variants_in_order():
     assert NAMES == ("separate", "cuda-graph", "chunked-2", "chunked-4", "chunked-8", "chunked-16",
                      "fused-swiglu", "fused-layer", "fused-layer-classes", "fused-layer-swiglu", "fused-out", "one-launch-2G", "fold-b", "w4a16",
-                     "w4a16-fused", "w4a16-layer", "w4a8", "w4a8-fused")
+                     "w4a16-fused", "w4a16-layer", "w4a8", "w4a8-fused", "w4a8-layer")
     for name in NAMES:
         v = make(name)
         assert v.name == name and v.expect in EXPECTS
@@ -71,6 +72,26 @@ def test_w4a8_is_on_request_and_compared_with_the_fp8_ceiling():
     check_variant(f)
     assert (f.expect, f.tensor, f.stages) == ("approx", "fp8", ("w13+act", "w2", "out"))
     assert "w4a8-fused" in ON_REQUEST
+    one = make("w4a8-layer")
+    check_variant(one)
+    assert (one.expect, one.tensor, one.stages, one.fp32_out) == ("approx", "fp8", ("layer",), False)
+    assert "w4a8-layer" in ON_REQUEST
+
+
+@pytest.mark.parametrize("hot", [-1, 2.5, True, "32"])
+def test_w4a8_layer_refuses_a_hot_threshold_that_is_not_a_count(hot):
+    with pytest.raises(ValueError, match="hot_tokens"):
+        w4a8_variants.W4A8Layer(hot_tokens=hot)
+
+
+@pytest.mark.parametrize("problem, match", [(MoEProblem(8, 192, 128, 2), r"hidden: H=192 must be a positive multiple of 128"),
+                                            (MoEProblem(1025, 256, 128, 2), r"experts: E=1025; the layer kernel takes at most 1024")])
+def test_w4a8_layer_refuses_what_its_kernel_cannot_run_before_anything_else(problem, match):
+    from types import SimpleNamespace
+
+    layer = SimpleNamespace(problem=problem, weights=_Untouchable(), offsets=_Untouchable(), h=_Untouchable())
+    with pytest.raises(ValueError, match=match):
+        make("w4a8-layer").prepare(_Untouchable(), layer)
 
 
 def test_w4a8_fused_refuses_an_intermediate_size_off_the_cluster_before_anything_else():

@@ -319,14 +319,62 @@ def test_the_wide_fused_kernel_keeps_the_mainloop_and_reads_a_cluster_of_two(tok
     assert any(o.startswith("LD") and not o.startswith("LDS") and not o.startswith("LDG") for o in ops), sorted(set(ops))
 
 
+@needs_nvcc
+@pytest.mark.parametrize("tokens", wg.LAYER_TILES)
+def test_the_layer_kernel_keeps_the_mainloop_three_times_and_fits_two_ctas(tokens):
+    """w4a8_layer: no spills, at most 128 registers (two CTAs an SM), its static shared memory
+    under 48 KiB beside the dynamic ring, and the mainloop's four QGMMA a group in each of its three
+    places (w13's two sub-blocks, w2): the fragment gemm_body runs, included where each runs."""
+    expr = wg.layer_expression(tokens)
+    info = jit.ptxas_report(wg.GEMM_SOURCE, expr)
+    assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
+    assert not info.wgmma_serialized and info.registers <= 128 and info.smem_static <= 48 * 1024, info
+    if sass.nvdisasm_path() is None:
+        pytest.skip("reading SASS needs nvdisasm")
+    code = sass.kernel_sass(wg.GEMM_SOURCE, expr)
+    assert [i.opcode for i in code if "GMMA" in i.opcode] == [f"QGMMA.64x{tokens}x32.F32.E4M3.E4M3"] * 12
+
+
+@needs_nvcc
+@pytest.mark.parametrize("tokens", wg.SS_TILES)
+def test_the_shared_memory_a_kernel_compiles_to_descriptor_wgmmas(tokens):
+    """w4a8_gemm_ss: no spills, wgmma not serialized, the four QGMMA a group twice (group 0 before
+    the loop, group gi + 1 in it) with both operands by descriptor (no A registers), and the
+    decode's 16-byte shared stores (four a place)."""
+    expr = wg.ss_expression(tokens)
+    info = jit.ptxas_report(wg.GEMM_SOURCE, expr)
+    assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
+    assert not info.wgmma_serialized, info
+    assert wg.ss_smem_bytes(tokens) + info.smem_static <= 227 * 1024
+    if sass.nvdisasm_path() is None:
+        pytest.skip("reading SASS needs nvdisasm")
+    code = sass.kernel_sass(wg.GEMM_SOURCE, expr)
+    gmma = [i for i in code if "GMMA" in i.opcode]
+    assert [i.opcode for i in gmma] == [f"QGMMA.64x{tokens}x32.F32.E4M3.E4M3"] * 8
+    # A by descriptor: the operand after the accumulators is the descriptor pair, not A registers
+    assert all(i.operands.split(", ")[1].startswith("gdesc[") for i in gmma), [i.operands for i in gmma]
+    assert sum(i.opcode.startswith("STS.128") for i in code) >= 8
+
+
 def test_a_body_fragment_goes_in_at_each_include_and_a_header_once(tmp_path):
     (tmp_path / "part.inc").write_text("int fragment_line;\n")
     (tmp_path / "part.cuh").write_text("#pragma once\nint header_line;\n")
     (tmp_path / "k.cu").write_text('#include "part.cuh"\n#include "part.inc"\n#include "part.cuh"\n#include "part.inc"\n')
     text = jit.source("k.cu", tmp_path)
     assert text.count("fragment_line") == 2 and text.count("header_line") == 1, text
-    # the group loop (w4a8_block.inc) where gemm_body includes it
-    assert jit.source(wg.GEMM_SOURCE).count("groups up to gi have landed (this thread") == 1
+    # gemm_body, and w4a8_layer twice (w13 in its loop over two sub-blocks, w2)
+    assert jit.source(wg.GEMM_SOURCE).count("groups up to gi have landed (this thread") == 1 + 2
+
+
+def test_layer_plans_count_units_and_pick_tiles():
+    assert [wg.layer_tile(c) for c in (0, 1, 8, 9, 16, 17, 32, 33, 500)] == [8, 8, 8, 16, 16, 32, 32, 32, 32]
+    offs = np.array([0, 3, 3, 40, 41], np.int64)  # blocks of 8 tokens: 1, 0, 5, 1
+    assert wg.layer_units(offs, 8, hidden=512, intermediate=256) == (7 * 2, 7 * 4)
+    assert wg.layer_units(offs, 32, hidden=512, intermediate=256) == (4 * 2, 4 * 4)  # 1, 0, 2, 1
+    assert wg.layer_ring_bytes(32) == 4 * wg.wide_stage_bytes(32)
+    for bad in (4, 64, 128, "8"):
+        with pytest.raises(ValueError, match="tokens: the layer kernel takes a token tile of"):
+            wg.layer_expression(bad)
 
 
 def test_wide_plans_refuse_what_the_wide_cta_cannot_run():
@@ -550,6 +598,31 @@ def test_the_wide_cta_gives_the_plain_kernels_bits(tokens, token_blocks):
     assert np.isnan(guard).all()
     assert_within_bound(wide, ref, mag)
     assert wide.tobytes() == plain.tobytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", wg.SS_TILES)
+@pytest.mark.parametrize("token_blocks", [None, 2])
+def test_the_shared_memory_a_kernel_gives_the_wide_kernels_bits(tokens, token_blocks):
+    """w4a8_gemm_ss (the decoded weights as wgmma's A from shared memory, decoded a group ahead):
+    the register-A two-warpgroup kernel's bits at the same tile on a ragged problem with an empty
+    expert, a 64-column last group, 300 tokens on one expert and CTAs that loop over token tiles;
+    nothing written outside the output."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng(200 + tokens)
+    prep, x8, s_x, offsets, alpha, ref, mag = make_problem(rng, [1, 0, 70, 300, 8], 256, 448)
+    prep_d = prep.to_device()
+    wide, _ = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
+                       warpgroups=2)
+    ss, guard = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
+                         smem_a=True)
+    assert np.isnan(guard).all()
+    assert_within_bound(ss, ref, mag)
+    assert ss.tobytes() == wide.tobytes()
+    with pytest.raises(ValueError, match="tokens: the shared-memory-A kernel takes a token tile of"):
+        wg.w4a8_gemm(prep_d, cp.asarray(x8), cp.asarray(s_x), offsets, alpha, tokens=32, smem_a=True)
 
 
 @pytest.mark.gpu
@@ -1173,3 +1246,54 @@ def test_stages_outside_the_tiles_ring_are_refused():
         with pytest.raises(ValueError, match="stages"):
             wg.gemm_expression(tokens, stages=stages)
     assert wg.gemm_expression(8, stages=3) == "lab_w4a8::w4a8_gemm<8, true, 3>"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("problem, spec", [
+    # E=16, H=384, I=256: 40 tokens top 2, some experts empty, the rest within one 8- or 16-token block
+    (MoEProblem(16, 384, 256, 2), dict(tokens=40, skew=0.0, hot=None)),
+    # E=8, H=256, I=128, 150 tokens top 2, skew 2: one expert past 64 tokens, held in the one launch
+    # (its 32-token blocks: three or more), and the same layer past the hot threshold (three launches)
+    (MoEProblem(8, 256, 128, 2), dict(tokens=150, skew=2.0, hot=10**6)),
+    (MoEProblem(8, 256, 128, 2), dict(tokens=150, skew=2.0, hot=None)),
+])
+def test_w4a8_layer_is_w4a8_bit_for_bit(problem, spec):
+    """w4a8-layer against w4a8 on the same layer: a8, s_a and the bf16 output bit for bit (its
+    outputs poisoned first), again on a second and third launch (the counters left zero by each),
+    its one "layer" stage, and the staged form past the hot threshold."""
+    from lab.layer import load_layer, upload_weights
+    from lab.runner import Runner
+    from lab.variants.w4a8 import LAYER_HOT_TOKENS, W4A8Layer
+    from lab.variants import make
+
+    seed = int(np.random.default_rng().integers(2**31))
+    w = random_weights(problem, seed=seed)
+    routing = make_routing(spec["tokens"], problem.experts, problem.top_k, skew=spec["skew"], seed=seed)
+    x = random_activations(routing.tokens, problem.hidden, seed=seed)
+    runner = Runner()
+    layer = load_layer(runner, upload_weights(w), routing, x)
+    plain = make("w4a8")
+    runner.prepare(plain, layer)
+    runner.checked_run(plain, layer)
+    want = (plain.a8.get(), plain.s_a.get(), layer.out_bf16.get())
+    hot = LAYER_HOT_TOKENS if spec["hot"] is None else spec["hot"]
+    v = W4A8Layer(hot_tokens=hot)
+    runner.prepare(v, layer)
+    label = f"seed {seed} max count {routing.counts.max()}"
+    assert v.one_launch == (routing.counts.max() <= hot), label
+    if v.one_launch:
+        assert v.plan.tokens == wg.layer_tile(int(routing.counts.max())) and v.plan.ctas > 0, v.plan
+    for run in range(3):
+        with runner.stream:
+            v.a8.fill(0x7F)
+            v.s_a.fill(np.nan)
+            layer.out_bf16.fill(0xFFFF)
+        runner.checked_run(v, layer)
+        for name, was, now in zip(("a8", "s_a", "out_bf16"), want, (v.a8.get(), v.s_a.get(), layer.out_bf16.get())):
+            assert_bits_equal(f"{label} run {run} {name}", now, was)
+        if v.one_launch:
+            assert not v.sync.get().any(), f"{label}: the launch left its counters {v.sync.get()[:4]}..."
+    st = runner.time_stages(v, layer, iterations=2, warmup=1)
+    assert list(st) == ["layer"], st
+    runner.checked_run(v, layer)
+    assert_bits_equal(f"{label} after timing out_bf16", layer.out_bf16.get(), want[2])

@@ -68,6 +68,7 @@
 #include "gemm/wgmma.cuh"
 #include "gemm/decode_fp8.cuh"
 #include "w4a8_act.cuh"
+#include "nvfp4_act.cuh"
 
 namespace lab_w4a8 {
 
@@ -75,6 +76,7 @@ using lab_gemm::uint32_t;
 using lab_gemm::uint64_t;
 using lab_gemm::uint8_t;
 using lab_gemm::size_t;
+using lab_w4a8_act::uint16_t;
 
 constexpr int THREADS = 128;   // one warpgroup
 constexpr int ROWS = 64;       // weight rows per CTA: wgmma's M
@@ -494,6 +496,432 @@ __global__ void __cluster_dims__(CLUSTER / 2, 1, 1) __launch_bounds__(2 * THREAD
   __shared__ float cta[T];
   SwigluQuant<T, 2> epi{a8, s_a, nonfinite, gate_global, up_global, N / 2, part, cta};
   gemm_body<T, true, STAGES, 2, false>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
+}
+
+// ------------------------------------------------------------------------------ both operands in shared memory
+//
+// w4a8_gemm_ss: the two-warpgroup CTA with the decoded weights as wgmma's A from shared memory
+// instead of registers (large token tiles: 64 and 128). Why: with A in registers each warpgroup
+// must hold its group's sixteen A registers until its wgmmas retire, so decode and multiply take
+// turns, and the 128-token tile's accumulators leave no room (191 registers); from shared memory
+// the decode of group g + 1 runs while group g's wgmmas do, and A costs no registers.
+// Per group, each warpgroup decodes its own 64 rows (4 steps x 64 rows x 32 bytes = 8 KiB) into one
+// of two buffers, thread (warp w, lane l) the rows 16w + l % 8 and 16w + l % 8 + 8 of step l / 8
+// (four words each, from the ring's words as gemm_body reads them), so that eight lanes store one
+// core matrix's 128 contiguous bytes. Layout of a buffer, wgmma's K-major A without swizzle, as
+// the activations' (LBO 128 along K, SBO 256 along M):
+//   byte s * 2048 + (r / 8) * 256 + h * 128 + (r % 8) * 16 + q   holds row r, tensor-core k = 16h + q
+// of step s; with the header's K permutation a word's low four bytes (logical k 8c .. 8c+3) are
+// half 0's chunk c and its high four (8c+4 .. 8c+7) half 1's, as a0 / a2 hold them in registers.
+// Each output is the same wgmmas over the same k order as gemm_body's on the same tile.
+// Per group gi (the ring as gemm_body's, STAGES >= 3: group gi + 1 must have landed while gi
+// multiplies):
+//   wait for group gi + 1's copies; CTA barrier (everyone is past group gi - 1: its stage refills)
+//   copy group gi + STAGES - 1; decode group gi + 1 into the other buffer    [wgmma(gi) running]
+//   retire wgmma(gi); promote its sums with the tokens' scales (acc += tmp * s_x)
+//   proxy fence; the warpgroup's barrier (its four warps' rows written); issue wgmma(gi + 1)
+
+template <int F> struct WgmmaE4M3SS;
+template <> struct WgmmaE4M3SS<8> {
+  static __device__ __forceinline__ void run(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  }
+};
+template <> struct WgmmaE4M3SS<16> {
+  static __device__ __forceinline__ void run(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  }
+};
+
+template <int T>
+struct SsStages {
+  static constexpr int value = T == 128 ? 3 : 4;
+};
+constexpr int SS_ABUF = 4 * ROWS * 32;  // one warpgroup's decoded group: 8 KiB
+
+// Group gi's 64 rows of this warpgroup, decoded into `abuf` (its buffer): the thread's two rows of
+// step s, four words each.
+template <int T>
+__device__ __forceinline__ void decode_to_smem(const Stage<T, 2>& st, const uint2* table, uint32_t abuf, int wg,
+                                               int warp, int lane) {
+  const int gr = lane & 7, s = lane >> 3;
+  const uint4* src = reinterpret_cast<const uint4*>(&st.ws[(wg * STEPS + s) * THREADS + 32 * warp + 4 * gr]);
+  const uint4 w01 = src[0], w23 = src[1];  // words c = 0 .. 3: .x row 16w + gr, .y row 16w + gr + 8
+  const uint2 sc0 = st.scs[wg * ROWS + 16 * warp + gr], sc1 = st.scs[wg * ROWS + 16 * warp + gr + 8];
+  // step s's 16-blocks are 2s (words 0, 1) and 2s + 1 (words 2, 3): bytes 2 (s & 1) and 2 (s & 1) + 1
+  // of scs.x (s < 2) or scs.y
+  const uint32_t b0 = ((s >> 1) ? sc0.y : sc0.x) >> (16 * (s & 1)), b1 = ((s >> 1) ? sc1.y : sc1.x) >> (16 * (s & 1));
+  const uint2 t00 = table[b0 & 0x7Fu], t01 = table[(b0 >> 8) & 0x7Fu];
+  const uint2 t10 = table[b1 & 0x7Fu], t11 = table[(b1 >> 8) & 0x7Fu];
+  uint32_t lo0[4], hi0[4], lo1[4], hi1[4];
+  lab_gemm::decode_fp8_word(w01.x, t00.x, t00.y, lo0[0], hi0[0]);
+  lab_gemm::decode_fp8_word(w01.y, t10.x, t10.y, lo1[0], hi1[0]);
+  lab_gemm::decode_fp8_word(w01.z, t00.x, t00.y, lo0[1], hi0[1]);
+  lab_gemm::decode_fp8_word(w01.w, t10.x, t10.y, lo1[1], hi1[1]);
+  lab_gemm::decode_fp8_word(w23.x, t01.x, t01.y, lo0[2], hi0[2]);
+  lab_gemm::decode_fp8_word(w23.y, t11.x, t11.y, lo1[2], hi1[2]);
+  lab_gemm::decode_fp8_word(w23.z, t01.x, t01.y, lo0[3], hi0[3]);
+  lab_gemm::decode_fp8_word(w23.w, t11.x, t11.y, lo1[3], hi1[3]);
+  const uint32_t row0 = abuf + s * 2048 + (2 * warp) * 256 + gr * 16;  // row 16w + gr: octet 2w
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(row0), "r"(lo0[0]), "r"(lo0[1]), "r"(lo0[2]), "r"(lo0[3]) : "memory");
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(row0 + 128), "r"(hi0[0]), "r"(hi0[1]), "r"(hi0[2]), "r"(hi0[3]) : "memory");
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(row0 + 256), "r"(lo1[0]), "r"(lo1[1]), "r"(lo1[2]), "r"(lo1[3]) : "memory");
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(row0 + 384), "r"(hi1[0]), "r"(hi1[1]), "r"(hi1[2]), "r"(hi1[3]) : "memory");
+}
+
+__device__ __forceinline__ void warpgroup_sync(int wg) {  // the warpgroup's 128 threads (barriers 1, 2)
+  asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
+}
+
+template <int T, int STAGES = SsStages<T>::value>
+__global__ void __launch_bounds__(2 * THREADS, 1)  // (at 64 tokens a bound of 128 registers spills)
+    w4a8_gemm_ss(const uint2* __restrict__ words, const uint8_t* __restrict__ scales, const uint2* __restrict__ tables,
+                 const int* __restrict__ table_of, const int* __restrict__ p, const float* __restrict__ alpha,
+                 const uint8_t* __restrict__ x8, const float* __restrict__ s_x, const int* __restrict__ offsets,
+                 float* __restrict__ out, int N, int K) {
+  static_assert(T == 64 || T == 128, "the shared-memory-A tiles: 64 and 128 tokens");
+  static_assert(STAGES >= 3, "group gi + 1 lands while gi multiplies");
+  constexpr int F = T / 8, W = 2;
+  using St = Stage<T, W>;
+  extern __shared__ __align__(128) uint8_t ring_dynamic[];  // the ring, then the decoded A: [2][W] x 8 KiB
+  St* const ring = reinterpret_cast<St*>(ring_dynamic);
+  __shared__ uint2 table[128];
+
+  const int e = blockIdx.z, b = blockIdx.x;
+  const int r0 = offsets[e];
+  const int count = offsets[e + 1] - r0;
+  if ((int)blockIdx.y * T >= count) return;
+  const int tid = threadIdx.x, wg = tid / THREADS, wt = tid % THREADS;
+  const int warp = wt >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int bw = W * b + wg;
+  const int G = (K + GROUP_K - 1) / GROUP_K, KS = K / STEP_K, NB = N / ROWS;
+  if (tid < 128) table[tid] = tables[(size_t)table_of[e] * 128 + tid];
+  const float factor = ldexpf(alpha[e], p[e]);
+  const uint2* wp = words + (size_t)(e * NB + bw) * KS * THREADS;
+  const uint8_t* sp = scales + (size_t)(e * NB + bw) * G * (ROWS * 8);
+  const uint32_t ring0 = lab_gemm::smem_addr(&ring[0]);
+  const uint32_t abuf0 = ring0 + STAGES * (uint32_t)sizeof(St) + wg * SS_ABUF;  // buffer i: + i * W * SS_ABUF
+
+  float tmp[F][4];
+#pragma unroll
+  for (int j = 0; j < F; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) tmp[j][i] = 0.0f;
+
+  for (int tb = blockIdx.y; tb * T < count; tb += gridDim.y) {
+    const int t0 = tb * T;
+    const int valid = min(T, count - t0);
+    const size_t row0 = (size_t)r0 + t0;
+    float acc[F][4];
+#pragma unroll
+    for (int j = 0; j < F; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+
+    __syncthreads();  // everyone past the previous block's reads of the ring and the buffers
+    const GroupLoader<T, W> loader(x8, s_x, wp, sp, row0, valid, K, G, tid);
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+      if (i < G) loader.load(ring0 + i * (uint32_t)sizeof(St), i, K);
+      cp_async_commit();
+    }
+    // group 0: decoded and issued before the loop
+    cp_async_wait<STAGES - 2>();
+    lab_gemm::fence_proxy_async();
+    __syncthreads();
+    decode_to_smem<T>(ring[0], table, abuf0, wg, warp, lane);
+    lab_gemm::fence_proxy_async();
+    warpgroup_sync(wg);
+    lab_gemm::wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s)
+      WgmmaE4M3SS<F>::run(tmp, lab_gemm::smem_desc(abuf0 + s * 2048, 128, 256),
+                          lab_gemm::smem_desc(lab_gemm::smem_addr(ring[0].xs) + s * (T * 32), 128, 256), s);
+    lab_gemm::wgmma_commit();
+
+    int stage = 0, fill = STAGES - 1;  // group gi's stage; the one group gi + STAGES - 1 goes to
+    for (int gi = 0; gi < G; ++gi) {
+      const int next = stage + 1 == STAGES ? 0 : stage + 1;  // group gi + 1's stage
+      cp_async_wait<STAGES - 3>();    // groups up to gi + 1 have landed (this thread's copies)
+      lab_gemm::fence_proxy_async();
+      __syncthreads();                // everyone's copies; everyone past group gi - 1 (its stage, its buffer)
+      if (gi + STAGES - 1 < G) loader.load(ring0 + fill * (uint32_t)sizeof(St), gi + STAGES - 1, K);
+      cp_async_commit();
+      const uint32_t abuf_next = abuf0 + ((gi + 1) & 1) * (W * SS_ABUF);
+      if (gi + 1 < G) decode_to_smem<T>(ring[next], table, abuf_next, wg, warp, lane);  // under wgmma(gi)
+
+      lab_gemm::wgmma_wait<0>();
+      lab_gemm::fence_acc(tmp);
+      const St& st = ring[stage];
+#pragma unroll
+      for (int j = 0; j < F; ++j) {
+        const float s0 = st.sx[8 * j + 2 * c], s1 = st.sx[8 * j + 2 * c + 1];
+        acc[j][0] = fmaf(tmp[j][0], s0, acc[j][0]);
+        acc[j][1] = fmaf(tmp[j][1], s1, acc[j][1]);
+        acc[j][2] = fmaf(tmp[j][2], s0, acc[j][2]);
+        acc[j][3] = fmaf(tmp[j][3], s1, acc[j][3]);
+      }
+      if (gi + 1 < G) {
+        lab_gemm::fence_proxy_async();  // this thread's decoded rows, before the async proxy reads them
+        warpgroup_sync(wg);
+        lab_gemm::wgmma_fence();
+        const uint32_t xs = lab_gemm::smem_addr(ring[next].xs);
+#pragma unroll
+        for (int s = 0; s < STEPS; ++s)
+          WgmmaE4M3SS<F>::run(tmp, lab_gemm::smem_desc(abuf_next + s * 2048, 128, 256),
+                              lab_gemm::smem_desc(xs + s * (T * 32), 128, 256), s);
+        lab_gemm::wgmma_commit();
+      }
+      fill = stage;
+      stage = next;
+    }
+    StoreOut<T> epi{out, N};
+    epi.template store<true>(acc, tmp, factor, row0, valid, bw, warp, g, c, e, G, s_x);
+  }
+}
+
+// ------------------------------------------------------------------------------ the layer in one launch
+//
+// w4a8_layer (w4a8-layer): w13 with the SwiGLU + quantize epilogue, then w2 writing the bf16
+// output, as one persistent launch of two-warpgroup CTAs (the grid is what fits on the device at
+// once). Units, claimed in order from one counter, expert-major so that each expert's w13 is done
+// early:
+//   w13 unit (expert e, token block, group ig of I): the 256 paired rows of one 128-column group of
+//       I as two 128-row sub-blocks, 64-row blocks 4 ig + 2 h + wg for h = 0, 1 (the fused wide
+//       kernel's cluster of two, here one CTA in turn). Each sub-block's SwiGLU values stay in
+//       registers until both are done; the group's amax per token then comes from both through
+//       shared memory, and a8, s_a are written as w4a8_gemm_swiglu_wide writes them: the same bits.
+//   w2 unit (e, token block, 128-row block of H): those rows of out, bf16 (nvfp4_act.cuh
+//       bf16x2_bits, the conversion the other variants' to_bf16 applies to the same fp32 values),
+//       once ready[e] counts every w13 unit of e.
+// A token block is T tokens of one expert; expert e's blocks are first_block[e] .. first_block[e+1]
+// - 1 of all (prefix sums of ceil(count / T), which each CTA works out from offsets as it starts),
+// so no unit is empty. sync = [claim counter, CTAs done, ready[0 .. E-1]], zero before the launch.
+// Each w13 unit of e adds one to ready[e] after its a8 / s_a writes (every thread's fence, the
+// CTA's barrier, then a release add). A w2 unit of e copies activations only after its thread 0
+// has seen ready[e] reach blocks(e) x I / 128 with an acquire, and after the CTA's barrier each
+// thread acquires the count again for its own copies.
+// No deadlock: every w13 unit precedes every w2 unit in the claim order, and a w13 unit never
+// waits. A CTA claims its next unit while it works on the current one, so a CTA waiting on
+// ready[e] holds w2 units only, and it waits on w13 units that running CTAs hold and finish.
+// Units nobody has claimed belong to nobody. The last CTA out zeroes sync, so launches and graph
+// replays need no host work.
+
+constexpr int LAYER_MAX_EXPERTS = 1024;  // first_block in static shared memory (4 KiB)
+
+template <int T>
+struct LayerStages {  // the ring, dynamic shared memory: 41.5, 44.5 and 52.5 KiB
+  static constexpr int value = 4;
+};
+
+// first_block[0 .. E] = prefix sums of the experts' token blocks, by the CTA's 256 threads (four
+// experts each, E <= 1024); returns after a barrier.
+template <int T>
+__device__ __forceinline__ void block_prefix(const int* __restrict__ offsets, int E, int* first_block, int* warp_sum) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int n[4], s = 0;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int e = 4 * tid + q;
+    n[q] = e < E ? (offsets[e + 1] - offsets[e] + T - 1) / T : 0;
+    s += n[q];
+  }
+  int incl = s;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += v;
+  }
+  if (lane == 31) warp_sum[warp] = incl;
+  __syncthreads();
+  int before = incl - s;
+  for (int w = 0; w < warp; ++w) before += warp_sum[w];
+  if (tid == 0) first_block[0] = 0;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    before += n[q];
+    if (4 * tid + q < E) first_block[4 * tid + q + 1] = before;
+  }
+  __syncthreads();
+}
+
+// The expert that token block `blk` belongs to: the largest e with first_block[e] <= blk.
+__device__ __forceinline__ int expert_of(const int* first_block, int E, int blk) {
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (first_block[mid] <= blk) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+template <int T, int STAGES = LayerStages<T>::value>
+__global__ void __launch_bounds__(2 * THREADS, 2)  // two CTAs an SM: 128 registers at most
+    w4a8_layer(const uint2* __restrict__ words13, const uint8_t* __restrict__ scales13,
+               const uint2* __restrict__ tables13, const int* __restrict__ table_of13, const int* __restrict__ p13,
+               const float* __restrict__ alpha13, const uint2* __restrict__ words2,
+               const uint8_t* __restrict__ scales2, const uint2* __restrict__ tables2,
+               const int* __restrict__ table_of2, const int* __restrict__ p2, const float* __restrict__ alpha2,
+               const uint8_t* __restrict__ x8, const float* __restrict__ s_x, const int* __restrict__ offsets,
+               int E, int H, int I, const float* __restrict__ gate_global, const float* __restrict__ up_global,
+               uint8_t* __restrict__ a8, float* __restrict__ s_a, uint16_t* __restrict__ out,
+               uint32_t* __restrict__ nonfinite, int* __restrict__ sync) {
+  constexpr int F = T / 8, W = 2;
+  constexpr bool PROMOTE = true;
+  using St = Stage<T, W>;
+  static_assert(T == 8 || T == 16 || T == 32, "the layer's token tiles: 8, 16, 32");
+  static_assert(sizeof(St) % 128 == 0 && St::SX + 4 * T <= sizeof(St), "a stage's layout");
+  extern __shared__ __align__(128) uint8_t ring_dynamic[];
+  St* const ring = reinterpret_cast<St*>(ring_dynamic);
+  __shared__ uint2 table[128];
+  __shared__ int first_block[LAYER_MAX_EXPERTS + 1];
+  __shared__ float part[8][T];
+  __shared__ int warp_sum[8];
+  __shared__ int next_unit[2];
+
+  const int tid = threadIdx.x, wg = tid / THREADS, wt = tid % THREADS;
+  const int warp = wt >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  int* const ready = sync + 2;
+  if (tid == 0) next_unit[0] = atomicAdd(&sync[0], 1);
+  block_prefix<T>(offsets, E, first_block, warp_sum);  // (its barriers publish next_unit[0])
+  const int blocks = first_block[E], NG = I / GROUP_K, NH = H / (2 * ROWS);
+  const int units13 = blocks * NG, units = units13 + blocks * NH;
+  const int G13 = (H + GROUP_K - 1) / GROUP_K;
+  uint32_t bad = 0;
+
+  for (int slot = 0;; slot ^= 1) {
+    const int u = next_unit[slot];  // written before a barrier this thread has passed
+    if (u >= units) break;
+    if (tid == 0) next_unit[slot ^ 1] = atomicAdd(&sync[0], 1);  // the claim's latency under this unit
+    const bool w13 = u < units13;
+    const int blk = w13 ? u / NG : (u - units13) / NH;
+    const int e = expert_of(first_block, E, blk);
+    const int r0 = offsets[e], count = offsets[e + 1] - r0;
+    const int t0 = (blk - first_block[e]) * T, valid = min(T, count - t0);
+    const size_t row0 = (size_t)r0 + t0;
+    float tmp[F][4], acc[F][4];
+#pragma unroll
+    for (int j = 0; j < F; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) tmp[j][i] = 0.0f;
+
+    __syncthreads();  // every thread past the previous unit's reads of the ring, the table and part
+    if (tid < 128) table[tid] = w13 ? tables13[(size_t)table_of13[e] * 128 + tid] : tables2[(size_t)table_of2[e] * 128 + tid];
+
+    if (w13) {
+      const int ig = u % NG;
+      const float factor = ldexpf(alpha13[e], p13[e]);
+      const float gs = gate_global[e], us = up_global[e];
+      float a[2][F][2], m[F][2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int bw = 4 * ig + 2 * h + wg;  // the warpgroup's 64-row block of the paired w13
+        const uint2* wp = words13 + (size_t)(e * (2 * I / ROWS) + bw) * (H / STEP_K) * THREADS;
+        const uint8_t* sp = scales13 + (size_t)(e * (2 * I / ROWS) + bw) * G13 * (ROWS * 8);
+        if (h == 1) __syncthreads();  // every thread past the first sub-block's reads of the ring
+#pragma unroll
+        for (int j = 0; j < F; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+        const GroupLoader<T, W> loader(x8, s_x, wp, sp, row0, valid, H, G13, tid);
+        {
+          const int G = G13, K = H;
+#include "w4a8_block.inc"
+        }
+#pragma unroll
+        for (int j = 0; j < F; ++j)
+#pragma unroll
+          for (int q = 0; q < 2; ++q) {  // SwigluQuant's arithmetic, on the h the plain kernel writes
+            const float hg = acc[j][q] * factor, hu = acc[j][2 + q] * factor;
+            a[h][j][q] = lab_w4a8_act::swiglu_f32(hg, hu, gs, us);
+            const bool live = 8 * j + 2 * c + q < valid;
+            bad += live && !(lab_w4a8_act::finite(hg) && lab_w4a8_act::finite(hu) && lab_w4a8_act::finite(a[h][j][q]));
+            const float v = live ? fabsf(a[h][j][q]) : 0.0f;
+            m[j][q] = h == 0 ? v : fmaxf(m[j][q], v);
+          }
+      }
+      // the group's amax per token: this thread's two columns, the eight g of its warp, the
+      // CTA's eight warps (fmaxf: exact and order-free, so the cluster kernel's value)
+#pragma unroll
+      for (int j = 0; j < F; ++j)
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+#pragma unroll
+          for (int o = 4; o < 32; o <<= 1) m[j][q] = fmaxf(m[j][q], __shfl_xor_sync(0xffffffffu, m[j][q], o));
+          if (g == 0) part[4 * wg + warp][8 * j + 2 * c + q] = m[j][q];
+        }
+      __syncthreads();
+#pragma unroll
+      for (int j = 0; j < F; ++j)
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int t = 8 * j + 2 * c + q;
+          float mt = 0.0f;
+#pragma unroll
+          for (int w = 0; w < 8; ++w) mt = fmaxf(mt, part[w][t]);
+          const float amax = fmaxf(mt, 0x1p-116f);
+          const float inv = __fdiv_rn(448.0f, amax);
+          if (t < valid) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+              a8[(row0 + t) * I + 32 * (4 * ig + 2 * h + wg) + 8 * warp + g] =
+                  (uint8_t)(lab_w4a8_act::e4m3x2(lab_w4a8_act::times_inv(a[h][j][q], inv), 0.0f) & 0xFFu);
+            if (wg == 0 && warp == 0 && g == 0) s_a[(row0 + t) * NG + ig] = __fdiv_rn(amax, 448.0f);
+          }
+        }
+      __threadfence();  // this thread's a8 / s_a, before the release below
+      __syncthreads();
+      if (tid == 0) lab_gemm::red_release_add(ready + e, 1);
+    } else {
+      const int bw = 2 * ((u - units13) % NH) + wg;  // the warpgroup's 64-row block of H
+      const int need = (first_block[e + 1] - first_block[e]) * NG;
+      if (tid == 0)
+        while (lab_gemm::load_acquire(ready + e) < need) __nanosleep(128);
+      __syncthreads();
+      (void)lab_gemm::load_acquire(ready + e);  // this thread's own acquire, before its copies of a8
+      const float factor = ldexpf(alpha2[e], p2[e]);
+      const uint2* wp = words2 + (size_t)(e * (H / ROWS) + bw) * (I / STEP_K) * THREADS;
+      const uint8_t* sp = scales2 + (size_t)(e * (H / ROWS) + bw) * NG * (ROWS * 8);
+#pragma unroll
+      for (int j = 0; j < F; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+      const GroupLoader<T, W> loader(a8, s_a, wp, sp, row0, valid, I, NG, tid);
+      {
+        const int G = NG, K = I;
+#include "w4a8_block.inc"
+      }
+      uint16_t* o = out + row0 * (size_t)H + bw * ROWS + 16 * warp + g;
+#pragma unroll
+      for (int j = 0; j < F; ++j)
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int col = 8 * j + 2 * c + q;
+          if (col < valid) {  // rows g and g + 8 of the warp: the pair's low and high halves
+            const uint32_t bits = lab_act::bf16x2_bits(acc[j][q] * factor, acc[j][2 + q] * factor);
+            bad += lab_act::bf16x2_nonfinite(bits);
+            o[(size_t)col * H] = (uint16_t)(bits & 0xFFFFu);
+            o[(size_t)col * H + 8] = (uint16_t)(bits >> 16);
+          }
+        }
+    }
+  }
+  if (bad) atomicAdd(nonfinite, bad);
+  __syncthreads();
+  if (tid == 0) {  // the last CTA out zeroes the counters for the next launch
+    __threadfence();
+    if (atomicAdd(&sync[1], 1) == (int)gridDim.x - 1) {
+      for (int e = 0; e < E; ++e) ready[e] = 0;
+      sync[0] = 0;
+      sync[1] = 0;
+      __threadfence();
+    }
+  }
 }
 
 }  // namespace lab_w4a8

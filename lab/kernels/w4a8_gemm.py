@@ -140,6 +140,31 @@ def wide_ring_bytes(tokens: int, stages: int | None = None) -> int:
 # compiled in their own module, only when a plan asks for them
 WIDE_EXPRESSIONS = tuple(wide_expression(t) for t in WIDE_TILES)
 
+SS_TILES = (64, 128)  # the shared-memory-A kernel's tiles
+SS_ABUF = 4 * ROWS * 32  # one warpgroup's decoded group (w4a8_gemm.cu SS_ABUF)
+
+
+def ss_expression(tokens: int) -> str:
+    """The two-warpgroup CTA with both wgmma operands in shared memory (w4a8_gemm.cu w4a8_gemm_ss):
+    the weights decoded there, group g + 1's decode under group g's wgmmas (GemmPlan.smem_a)."""
+    if tokens not in SS_TILES:
+        raise ValueError(f"tokens: the shared-memory-A kernel takes a token tile of {SS_TILES}, got {tokens!r}")
+    return f"lab_w4a8::w4a8_gemm_ss<{tokens}>"
+
+
+def ss_stages(tokens: int) -> int:
+    """Its ring's depth (w4a8_gemm.cu SsStages)."""
+    return 3 if tokens == 128 else 4
+
+
+def ss_smem_bytes(tokens: int) -> int:
+    """The dynamic shared memory of a shared-memory-A launch: its ring, then two buffers of decoded
+    weights for each warpgroup."""
+    return ss_stages(tokens) * wide_stage_bytes(tokens) + 2 * 2 * SS_ABUF
+
+
+SS_EXPRESSIONS = tuple(ss_expression(t) for t in SS_TILES)
+
 
 def swiglu_wide_expression(tokens: int) -> str:
     """The fused w13 on the two-warpgroup CTA (w4a8_gemm_swiglu_wide): the same a8 and s_a."""
@@ -453,6 +478,7 @@ class GemmPlan:
     promote: bool = True
     stages: int | None = None  # the ring's depth; None: the shipped one (the depth study sets it)
     warpgroups: int = 1  # 2: the two-warpgroup CTA (128 weight rows a CTA; needs N % 128 == 0)
+    smem_a: bool = False  # the two-warpgroup CTA with the decoded weights in shared memory (w4a8_gemm_ss)
 
 
 def gemm_plan(offsets, tokens: int | None = None, token_blocks: int | None = None, warpgroups: int = 1) -> GemmPlan:
@@ -507,7 +533,14 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
     if plan.token_blocks == 0:
         return
     w, smem = plan.warpgroups, 0
-    if w == 2:
+    if plan.smem_a and (w != 2 or plan.stages is not None or not plan.promote):
+        raise ValueError("plan: the shared-memory-A kernel is the two-warpgroup CTA at its shipped depth, promoted")
+    if plan.smem_a:
+        smem = ss_smem_bytes(plan.tokens)
+        fn = _kernel(GEMM_SOURCE, SS_EXPRESSIONS, ss_expression(plan.tokens))
+        if fn.max_dynamic_shared_size_bytes < smem:
+            fn.max_dynamic_shared_size_bytes = smem
+    elif w == 2:
         if not plan.promote:
             raise ValueError("plan: the two-warpgroup CTA is promoted only")
         smem = wide_ring_bytes(plan.tokens, plan.stages)
@@ -531,7 +564,8 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
 
 
 def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None, tokens: int | None = None,
-              token_blocks: int | None = None, promote: bool = True, warpgroups: int | None = None):
+              token_blocks: int | None = None, promote: bool = True, warpgroups: int | None = None,
+              smem_a: bool = False):
     """Launch the W4A8 grouped GEMM on `stream` (a CuPy stream, None for the current one) and
     return `out` (allocated on that stream when None). `tokens` forces the token tile (one of
     TOKEN_TILES); by default the smallest tile that holds the largest expert (token_tile).
@@ -541,7 +575,8 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
     row's scale applied at the end), for the accuracy study: it takes one scale per row, every
     column of s_x equal (checked on the host). warpgroups 2 runs the two-warpgroup CTA, 1 the
     one-warpgroup one (the same bits; 2 needs N a multiple of 128 and a token tile of WIDE_TILES);
-    None picks by wide_warpgroups (1 without promotion)."""
+    None picks by wide_warpgroups (1 without promotion). smem_a runs the two-warpgroup CTA with the
+    decoded weights in shared memory (w4a8_gemm_ss; a tile of SS_TILES, promoted; warpgroups 2)."""
     offs, al = check_gemm_args(prep, x8, s_x, offsets, alpha, out)
     if warpgroups == 2 and not promote:
         raise ValueError("warpgroups: the two-warpgroup CTA is promoted only (promote=False takes 1)")
@@ -553,7 +588,12 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
             bad = int(np.argmax((sx != sx[:, :1]).any(axis=1)))
             raise ValueError(f"s_x: promote=False takes one scale per row (every column equal); row {bad} "
                              f"has {sx[bad, :4].tolist()}...")
-    plan = replace(_plan(prep, offs, tokens, token_blocks, warpgroups), promote=bool(promote))
+    if smem_a and (not promote or warpgroups == 1):
+        raise ValueError("smem_a: the shared-memory-A kernel is the two-warpgroup CTA, promoted")
+    plan = replace(_plan(prep, offs, tokens, token_blocks, 2 if smem_a else warpgroups), promote=bool(promote))
+    if smem_a:
+        ss_expression(plan.tokens)  # names the tile it lacks
+        plan = replace(plan, smem_a=True)
     import cupy as cp
 
     stream = stream if stream is not None else cp.cuda.get_current_stream()
@@ -742,3 +782,122 @@ def launch_w4a8_gemm_swiglu(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets,
         fn((prep.n // (w * ROWS), plan.token_blocks, prep.experts), (w * THREADS,),
            (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, x8, s_x, offsets,
             np.int32(prep.n), np.int32(prep.k), gate_global, up_global, a8, s_a, nonfinite))
+
+
+# ---------------------------------------------------------------------------------------------
+# the layer in one launch (w4a8-layer)
+# ---------------------------------------------------------------------------------------------
+
+LAYER_TILES = (8, 16, 32)  # w4a8_layer's token tiles
+LAYER_STAGES = 4  # its ring (w4a8_gemm.cu LayerStages), in dynamic shared memory
+LAYER_MAX_EXPERTS = 1024  # its prefix of token blocks sits in 4 KiB of static shared memory
+LAYER_CTAS_PER_SM = 2  # __launch_bounds__(256, 2): 128 registers at most
+
+
+def layer_expression(tokens: int) -> str:
+    """The whole layer as one persistent launch (w4a8_gemm.cu w4a8_layer) for a token tile."""
+    if tokens not in LAYER_TILES:
+        raise ValueError(f"tokens: the layer kernel takes a token tile of {LAYER_TILES}, got {tokens!r}")
+    return f"lab_w4a8::w4a8_layer<{tokens}>"
+
+
+LAYER_EXPRESSIONS = tuple(layer_expression(t) for t in LAYER_TILES)
+
+
+def layer_tile(max_count: int) -> int:
+    """The layer kernel's token tile for the largest expert's count: the smallest of LAYER_TILES
+    holding it, else the largest (such an expert takes several token blocks)."""
+    return next((t for t in LAYER_TILES if t >= max_count), LAYER_TILES[-1])
+
+
+def layer_ring_bytes(tokens: int) -> int:
+    """The dynamic shared memory a layer launch passes: its ring of LAYER_STAGES two-warpgroup stages."""
+    return LAYER_STAGES * wide_stage_bytes(tokens)
+
+
+def layer_units(offsets, tokens: int, hidden: int, intermediate: int) -> tuple[int, int]:
+    """(w13 units, w2 units) of a layer launch for host offsets: each expert's token blocks times
+    I / 128 groups of I (w13: 256 paired rows each), and times H / 128 row blocks (w2)."""
+    counts = np.diff(np.asarray(offsets, np.int64))
+    blocks = int((-(-counts // tokens)).sum())
+    return blocks * (intermediate // GROUP_K), blocks * (hidden // (2 * ROWS))
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One layer launch's shape: the token tile and the persistent grid (0: no expert has rows)."""
+
+    tokens: int
+    ctas: int
+
+
+def plan_w4a8_layer(w13: W4A8Weights, w2: W4A8Weights, x8, s_x, offsets, alpha13, alpha2, gate_global, up_global,
+                    a8, s_a, out, nonfinite, sync, tokens: int | None = None) -> LayerPlan:
+    """Every check of a layer launch (w13 prepared from paired_rows, w2 as plan_w4a8_gemm takes
+    it; both GEMMs' arguments, the act stage's, the bf16 output (rows, H) uint16 and sync (E + 2,)
+    int32, which must be zero before the first launch: each launch leaves it zero), before any
+    work on the device: ValueError naming the first bad argument. `tokens` forces the tile (one of
+    LAYER_TILES; default layer_tile of the largest expert). The grid is every CTA that fits on the
+    device at once, at most one a unit."""
+    offs, _ = check_gemm_args(w13, x8, s_x, offsets, alpha13)
+    i, h, e = w13.n // 2, w13.k, w13.experts
+    if w13.n % (2 * GROUP_K) or h % (2 * ROWS):
+        raise ValueError(f"w13: N=2I={w13.n}, K=H={h}; the layer kernel needs I and H multiples of {GROUP_K}")
+    if (w2.n, w2.k, w2.experts) != (h, i, e):
+        raise ValueError(f"w2: expected N=H={h}, K=I={i} over {e} experts (w13's), got N={w2.n}, K={w2.k} "
+                         f"over {w2.experts}")
+    if e > LAYER_MAX_EXPERTS:
+        raise ValueError(f"w13: {e} experts; the layer kernel takes at most {LAYER_MAX_EXPERTS}")
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("the W4A8 layer")
+    rows = x8.shape[0]
+    _check_device_array(cp, "a8", a8, (rows, i), np.uint8)
+    if a8.data.ptr % 16:
+        raise ValueError("a8: must start on a 16-byte boundary (w2 copies 16-byte pieces)")
+    _check_device_array(cp, "s_a", s_a, (rows, i // GROUP_K), np.float32)
+    check_gemm_args(w2, a8, s_a, offs, alpha2)
+    _check_device_array(cp, "gate_global", gate_global, (e,), np.float32)
+    _check_device_array(cp, "up_global", up_global, (e,), np.float32)
+    _check_device_array(cp, "out", out, (rows, h), np.uint16)
+    _check_device_array(cp, "nonfinite", nonfinite, (1,), np.uint32)
+    _check_device_array(cp, "sync", sync, (e + 2,), np.int32)
+    max_count = int(np.diff(offs).max(initial=0))
+    t = layer_tile(max_count) if tokens is None else tokens
+    layer_expression(t)  # names the argument when it is not a tile
+    if max_count == 0:
+        return LayerPlan(t, 0)
+    from lab.kernels.gemm_config import SM_REGS, SM_SMEM, SM_THREADS, SMEM_PER_CTA_RESERVED
+
+    fn = _layer_kernel(t)
+    smem = fn.shared_size_bytes + layer_ring_bytes(t)
+    by_regs = SM_REGS // (256 * -(-fn.num_regs * 32 // 256) * (2 * THREADS // 32))
+    fit = max(1, min(by_regs, SM_SMEM // (smem + SMEM_PER_CTA_RESERVED), SM_THREADS // (2 * THREADS),
+                     LAYER_CTAS_PER_SM))
+    return LayerPlan(t, min(jit.sm_count() * fit, sum(layer_units(offs, t, h, i))))
+
+
+def _layer_kernel(tokens: int):
+    fn = _kernel(GEMM_SOURCE, LAYER_EXPRESSIONS, layer_expression(tokens))
+    smem = layer_ring_bytes(tokens)
+    if fn.max_dynamic_shared_size_bytes < smem:
+        fn.max_dynamic_shared_size_bytes = smem
+    return fn
+
+
+def launch_w4a8_layer(plan: LayerPlan, w13: W4A8Weights, w2: W4A8Weights, x8, s_x, offsets, alpha13, alpha2,
+                      gate_global, up_global, a8, s_a, out, nonfinite, sync, stream) -> None:
+    """One layer launch on `stream`, no host reads or allocation, for arguments plan_w4a8_layer
+    accepted (offsets and the alphas on the device): a8 and s_a as w4a8-fused writes them, out the
+    bf16 bits of the fp32 output w4a8_gemm would write on them; non-finite h, a or output counted
+    into `nonfinite`; sync left zero."""
+    if plan.ctas == 0:
+        return
+    fn = _layer_kernel(plan.tokens)
+    e = w13.experts
+    with stream:
+        fn((plan.ctas,), (2 * THREADS,),
+           (w13.words, w13.scales, w13.tables, w13.table_of, w13.p, alpha13,
+            w2.words, w2.scales, w2.tables, w2.table_of, w2.p, alpha2,
+            x8, s_x, offsets, np.int32(e), np.int32(w13.k), np.int32(w13.n // 2), gate_global, up_global,
+            a8, s_a, out, nonfinite, sync), shared_mem=layer_ring_bytes(plan.tokens))

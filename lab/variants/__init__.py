@@ -12,9 +12,10 @@ Each variant has a ``name``, an ``expect`` saying what its output should be, ``p
     approx    fold-b                       option (b): gate/up ratio folded into e4m3 scales
               w4a16, w4a16-fused, w4a16-layer   NVFP4 weights, bf16 activations, on the same kernels:
                                            as a graph, with the SwiGLU epilogue, as one launch
-              w4a8, w4a8-fused             NVFP4 weights as e4m3 on the fp8 tensor cores, 1x128 fp8
-                                           activations (lab/w4a8.py): one launch per stage, and
-                                           with the SwiGLU + quantize in w13's epilogue
+              w4a8, w4a8-fused, w4a8-layer NVFP4 weights as e4m3 on the fp8 tensor cores, 1x128 fp8
+                                           activations (lab/w4a8.py): one launch per stage, with
+                                           the SwiGLU + quantize in w13's epilogue, and as one
+                                           persistent launch (the three give the same bits)
 
 What a user would run instead (PyTorch's grouped GEMMs) lives beside the lab, in `peers/`, on
 the same runner contract.
@@ -41,6 +42,7 @@ REGISTRY = {
     w4a16.W4A16Layer.name: w4a16.W4A16Layer,
     w4a8.name: w4a8.W4A8,
     w4a8.W4A8Fused.name: w4a8.W4A8Fused,
+    w4a8.W4A8Layer.name: w4a8.W4A8Layer,
 }
 NAMES = tuple(REGISTRY)
 # Variants scripts take only when asked by name: ones built and checked on the CPU but not yet run
@@ -51,9 +53,9 @@ NAMES = tuple(REGISTRY)
 # no expert passes HOT_TOKENS, 48).
 # fused-layer-swiglu runs the large class with the SwiGLU in w13's epilogue (fused-layer's form of
 # ea736dd-d1bc039), kept for the A/B against fused-out's stages (notes/gemm-log.md v28).
-# w4a8 and w4a8-fused give up exactness (fp8 activations and accumulation: notes/w4a8.md) and
+# w4a8, w4a8-fused and w4a8-layer give up exactness (fp8 activations and accumulation: notes/w4a8.md) and
 # trail compiled torch-fp8 from 128 tokens per expert: on request until they lead every band.
-ON_REQUEST: tuple[str, ...] = ("fused-layer-classes", "fused-layer-swiglu", "w4a8", "w4a8-fused")
+ON_REQUEST: tuple[str, ...] = ("fused-layer-classes", "fused-layer-swiglu", "w4a8", "w4a8-fused", "w4a8-layer")
 DEFAULT = tuple(n for n in NAMES if n not in ON_REQUEST)
 
 

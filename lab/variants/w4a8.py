@@ -170,3 +170,62 @@ class W4A8Fused(W4A8):
             wg.launch_w4a8_gemm(self.plan2, self.w2, self.a8, self.s_a, layer.offsets, self.w2_global, layer.out, s)
         with runner.stage("out", s):
             sq.to_bf16(layer.out, layer.out_bf16, runner.counter, stream=s)
+
+
+# Past this many tokens on the largest expert, w4a8-layer runs w4a8-fused's launches instead of
+# its one launch (whose largest token tile is 32: an expert past it is decoded once a 32-token
+# block, where w4a8-fused's 64-token tile decodes it once).
+LAYER_HOT_TOKENS = 32
+
+
+class W4A8Layer(W4A8Fused):
+    """w4a8-layer: the layer as one persistent launch (w4a8_gemm.cu w4a8_layer): w13 with the
+    SwiGLU + quantize epilogue then w2 with the bf16 output, an expert's w2 starting once its w13
+    is done, so no launch boundary drains the device between the GEMMs. Its a8, s_a and bf16
+    output are w4a8-fused's bits (the same sums, SwiGLU, quantize and rounding). Where the largest
+    expert has more than `hot_tokens` tokens it runs w4a8-fused's three launches (in the one
+    "layer" stage). In the one launch the fp32 output is not written (fp32_out False)."""
+
+    name = "w4a8-layer"
+    stages = ("layer",)
+
+    def __init__(self, hot_tokens: int = LAYER_HOT_TOKENS):
+        if isinstance(hot_tokens, bool) or not isinstance(hot_tokens, (int, np.integer)) or hot_tokens < 0:
+            raise ValueError(f"hot_tokens: expected an int >= 0 (tokens on the largest expert), got {hot_tokens!r}")
+        self.hot_tokens = int(hot_tokens)
+        self.fp32_out = False
+
+    def prepare(self, runner, layer) -> None:
+        h, e = int(layer.problem.hidden), int(layer.problem.experts)
+        if h % (2 * wg.ROWS):
+            raise ValueError(f"hidden: H={h} must be a positive multiple of {2 * wg.ROWS} for the layer kernel "
+                             f"(w2's 128-row blocks)")
+        if e > wg.LAYER_MAX_EXPERTS:
+            raise ValueError(f"experts: E={e}; the layer kernel takes at most {wg.LAYER_MAX_EXPERTS}")
+        super().prepare(runner, layer)  # w4a8-fused's checks, weights, buffers, input and plans
+        self.one_launch = int(layer.counts.max(initial=0)) <= self.hot_tokens
+        self.fp32_out = not self.one_launch
+        if not self.one_launch:
+            return
+        E = layer.problem.experts
+        self.sync = runner.buffer("w4a8/layer_sync", (E + 2,), np.int32)
+        with runner.stream:
+            self.sync.fill(0)  # each launch leaves it zero again
+        w = layer.weights
+        self.plan = wg.plan_w4a8_layer(self.w13, self.w2, self.x8, self.s_x, layer.offsets_host,
+                                       np.ones(E, np.float32), np.asarray(w.host.w2_global, np.float32),
+                                       w.gate_global, w.up_global, self.a8, self.s_a, layer.out_bf16,
+                                       runner.counter, self.sync)
+
+    def run(self, runner, layer) -> None:
+        w, s = layer.weights, runner.stream
+        with runner.stage("layer", s):
+            if self.one_launch:
+                wg.launch_w4a8_layer(self.plan, self.w13, self.w2, self.x8, self.s_x, layer.offsets, self.ones,
+                                     self.w2_global, w.gate_global, w.up_global, self.a8, self.s_a, layer.out_bf16,
+                                     runner.counter, self.sync, s)
+                return
+            wg.launch_w4a8_gemm_swiglu(self.plan13, self.w13, self.x8, self.s_x, layer.offsets, self.ones,
+                                       w.gate_global, w.up_global, self.a8, self.s_a, runner.counter, s)
+            wg.launch_w4a8_gemm(self.plan2, self.w2, self.a8, self.s_a, layer.offsets, self.w2_global, layer.out, s)
+            sq.to_bf16(layer.out, layer.out_bf16, runner.counter, stream=s)
