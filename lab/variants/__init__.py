@@ -54,7 +54,8 @@ NAMES = tuple(REGISTRY)
 # fused-layer-swiglu runs the large class with the SwiGLU in w13's epilogue (fused-layer's form of
 # ea736dd-d1bc039), kept for the A/B against fused-out's stages (notes/gemm-log.md v28).
 # w4a8, w4a8-fused and w4a8-layer give up exactness (fp8 activations and accumulation: notes/w4a8.md) and
-# trail compiled torch-fp8 from 128 tokens per expert: on request until they lead every band.
+# trail compiled torch-fp8 from 128 tokens per expert (from 32 on the H200): on request until they
+# lead every band.
 ON_REQUEST: tuple[str, ...] = ("fused-layer-classes", "fused-layer-swiglu", "w4a8", "w4a8-fused", "w4a8-layer")
 DEFAULT = tuple(n for n in NAMES if n not in ON_REQUEST)
 
