@@ -1190,16 +1190,13 @@ def test_w4a8_variant_stage_by_stage_and_end_to_end(problem, spec, x_dtype):
     assert layer.out_bf16.get().tobytes() == bf16.tobytes(), label
 
 
-@pytest.mark.gpu
-def test_w4a8_fused_variant_is_w4a8_bit_for_bit():
-    """w4a8-fused against w4a8 on the same layer (I = 128: one cluster per row of CTAs; an expert
-    past two 64-token tiles): a8, s_a and the bf16 output bit for bit, its stages' events, and a
-    shape it cannot run refused in prepare."""
+def w4a8_baseline(problem, spec):
+    """Fresh weights, routing and activations for `problem` (spec: tokens, skew) on a new runner,
+    and the w4a8 variant's bits there: (seed, routing, x, runner, layer, (a8, s_a, out_bf16))."""
     from lab.layer import load_layer, upload_weights
     from lab.runner import Runner
     from lab.variants import make
 
-    problem, spec, _ = W4A8_CASES[1]
     seed = int(np.random.default_rng().integers(2**31))
     w = random_weights(problem, seed=seed)
     routing = make_routing(spec["tokens"], problem.experts, problem.top_k, skew=spec["skew"], seed=seed)
@@ -1209,7 +1206,19 @@ def test_w4a8_fused_variant_is_w4a8_bit_for_bit():
     plain = make("w4a8")
     runner.prepare(plain, layer)
     runner.checked_run(plain, layer)
-    want = (plain.a8.get(), plain.s_a.get(), layer.out_bf16.get())
+    return seed, routing, x, runner, layer, (plain.a8.get(), plain.s_a.get(), layer.out_bf16.get())
+
+
+@pytest.mark.gpu
+def test_w4a8_fused_variant_is_w4a8_bit_for_bit():
+    """w4a8-fused against w4a8 on the same layer (I = 128: one cluster per row of CTAs; an expert
+    past two 64-token tiles): a8, s_a and the bf16 output bit for bit, its stages' events, and a
+    shape it cannot run refused in prepare."""
+    from lab.layer import load_layer, upload_weights
+    from lab.variants import make
+
+    problem, spec, _ = W4A8_CASES[1]
+    seed, routing, x, runner, layer, want = w4a8_baseline(problem, spec)
     fused = make("w4a8-fused")
     runner.prepare(fused, layer)
     with runner.stream:
@@ -1261,21 +1270,9 @@ def test_w4a8_layer_is_w4a8_bit_for_bit(problem, spec):
     """w4a8-layer against w4a8 on the same layer: a8, s_a and the bf16 output bit for bit (its
     outputs poisoned first), again on a second and third launch (the counters left zero by each),
     its one "layer" stage, and the staged form past the hot threshold."""
-    from lab.layer import load_layer, upload_weights
-    from lab.runner import Runner
     from lab.variants.w4a8 import LAYER_HOT_TOKENS, W4A8Layer
-    from lab.variants import make
 
-    seed = int(np.random.default_rng().integers(2**31))
-    w = random_weights(problem, seed=seed)
-    routing = make_routing(spec["tokens"], problem.experts, problem.top_k, skew=spec["skew"], seed=seed)
-    x = random_activations(routing.tokens, problem.hidden, seed=seed)
-    runner = Runner()
-    layer = load_layer(runner, upload_weights(w), routing, x)
-    plain = make("w4a8")
-    runner.prepare(plain, layer)
-    runner.checked_run(plain, layer)
-    want = (plain.a8.get(), plain.s_a.get(), layer.out_bf16.get())
+    seed, routing, _, runner, layer, want = w4a8_baseline(problem, spec)
     hot = LAYER_HOT_TOKENS if spec["hot"] is None else spec["hot"]
     v = W4A8Layer(hot_tokens=hot)
     runner.prepare(v, layer)

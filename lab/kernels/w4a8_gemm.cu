@@ -254,6 +254,88 @@ struct DefaultStages {
   static constexpr int value = T == 128 ? 2 : T == 64 ? 3 : 4;
 };
 
+// ------------------------------------------------------------------------------ both operands in shared memory
+//
+// w4a8_gemm_ss: the two-warpgroup CTA with the decoded weights as wgmma's A from shared memory
+// instead of registers (large token tiles: 64 and 128). Why: with A in registers each warpgroup
+// must hold its group's sixteen A registers until its wgmmas retire, so decode and multiply take
+// turns, and the 128-token tile's accumulators leave no room (191 registers); from shared memory
+// the decode of group g + 1 runs while group g's wgmmas do, and A costs no registers.
+// Per group, each warpgroup decodes its own 64 rows (4 steps x 64 rows x 32 bytes = 8 KiB) into one
+// of two buffers, thread (warp w, lane l) the rows 16w + l % 8 and 16w + l % 8 + 8 of step l / 8
+// (four words each, from the ring's words as gemm_body reads them), so that eight lanes store one
+// core matrix's 128 contiguous bytes. Layout of a buffer, wgmma's K-major A without swizzle, as
+// the activations' (LBO 128 along K, SBO 256 along M):
+//   byte s * 2048 + (r / 8) * 256 + h * 128 + (r % 8) * 16 + q   holds row r, tensor-core k = 16h + q
+// of step s; with the header's K permutation a word's low four bytes (logical k 8c .. 8c+3) are
+// half 0's chunk c and its high four (8c+4 .. 8c+7) half 1's, as a0 / a2 hold them in registers.
+// Each output is the same wgmmas over the same k order as gemm_body's on the same tile.
+// Per group gi (the ring as gemm_body's, STAGES >= 3: group gi + 1 must have landed while gi
+// multiplies):
+//   wait for group gi + 1's copies; CTA barrier (everyone is past group gi - 1: its stage refills)
+//   copy group gi + STAGES - 1; decode group gi + 1 into the other buffer    [wgmma(gi) running]
+//   retire wgmma(gi); promote its sums with the tokens' scales (acc += tmp * s_x)
+//   proxy fence; the warpgroup's barrier (its four warps' rows written); issue wgmma(gi + 1)
+// Measured slower than the register-A kernel (H200, mean 512: +14-15% at 128 tokens, +37% at 64;
+// results/studies/w4a8_layer_and_smem_a_h200.json), one CTA of eight warps an SM against two: it
+// runs on request (GemmPlan.smem_a), the base of a warp-specialized form (notes/w4a8.md).
+
+template <int F> struct WgmmaE4M3SS;
+template <> struct WgmmaE4M3SS<8> {
+  static __device__ __forceinline__ void run(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  }
+};
+template <> struct WgmmaE4M3SS<16> {
+  static __device__ __forceinline__ void run(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  }
+};
+
+template <int T>
+struct SsStages {
+  static constexpr int value = T == 128 ? 3 : 4;
+};
+constexpr int SS_ABUF = 4 * ROWS * 32;  // one warpgroup's decoded group: 8 KiB
+
+// Group gi's 64 rows of this warpgroup, decoded into `abuf` (its buffer): the thread's two rows of
+// step s, four words each.
+template <int T>
+__device__ __forceinline__ void decode_to_smem(const Stage<T, 2>& st, const uint2* table, uint32_t abuf, int wg,
+                                               int warp, int lane) {
+  const int gr = lane & 7, s = lane >> 3;
+  const uint4* src = reinterpret_cast<const uint4*>(&st.ws[(wg * STEPS + s) * THREADS + 32 * warp + 4 * gr]);
+  const uint4 w01 = src[0], w23 = src[1];  // words c = 0 .. 3: .x row 16w + gr, .y row 16w + gr + 8
+  const uint2 sc0 = st.scs[wg * ROWS + 16 * warp + gr], sc1 = st.scs[wg * ROWS + 16 * warp + gr + 8];
+  // step s's 16-blocks are 2s (words 0, 1) and 2s + 1 (words 2, 3): bytes 2 (s & 1) and 2 (s & 1) + 1
+  // of scs.x (s < 2) or scs.y
+  const uint32_t b0 = ((s >> 1) ? sc0.y : sc0.x) >> (16 * (s & 1)), b1 = ((s >> 1) ? sc1.y : sc1.x) >> (16 * (s & 1));
+  const uint2 t00 = table[b0 & 0x7Fu], t01 = table[(b0 >> 8) & 0x7Fu];
+  const uint2 t10 = table[b1 & 0x7Fu], t11 = table[(b1 >> 8) & 0x7Fu];
+  uint32_t lo0[4], hi0[4], lo1[4], hi1[4];
+  lab_gemm::decode_fp8_word(w01.x, t00.x, t00.y, lo0[0], hi0[0]);
+  lab_gemm::decode_fp8_word(w01.y, t10.x, t10.y, lo1[0], hi1[0]);
+  lab_gemm::decode_fp8_word(w01.z, t00.x, t00.y, lo0[1], hi0[1]);
+  lab_gemm::decode_fp8_word(w01.w, t10.x, t10.y, lo1[1], hi1[1]);
+  lab_gemm::decode_fp8_word(w23.x, t01.x, t01.y, lo0[2], hi0[2]);
+  lab_gemm::decode_fp8_word(w23.y, t11.x, t11.y, lo1[2], hi1[2]);
+  lab_gemm::decode_fp8_word(w23.z, t01.x, t01.y, lo0[3], hi0[3]);
+  lab_gemm::decode_fp8_word(w23.w, t11.x, t11.y, lo1[3], hi1[3]);
+  const uint32_t row0 = abuf + s * 2048 + (2 * warp) * 256 + gr * 16;  // row 16w + gr: octet 2w
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(row0), "r"(lo0[0]), "r"(lo0[1]), "r"(lo0[2]), "r"(lo0[3]) : "memory");
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(row0 + 128), "r"(hi0[0]), "r"(hi0[1]), "r"(hi0[2]), "r"(hi0[3]) : "memory");
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(row0 + 256), "r"(lo1[0]), "r"(lo1[1]), "r"(lo1[2]), "r"(lo1[3]) : "memory");
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(row0 + 384), "r"(hi1[0]), "r"(hi1[1]), "r"(hi1[2]), "r"(hi1[3]) : "memory");
+}
+
+__device__ __forceinline__ void warpgroup_sync(int wg) {  // the warpgroup's 128 threads (barriers 1, 2)
+  asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
+}
+
 // The mainloop of every instantiation, one token block at a time, handing each block's sums to
 // `epi` (the shared memory it declares is the kernel's). Each 128-column group's weights and
 // activations come through a ring of STAGES shared buffers filled by cp.async: while group gi
@@ -271,7 +353,7 @@ struct RingStorage<St, STAGES, true> {
   uint32_t unused;
 };
 
-template <int T, bool PROMOTE, int STAGES, int W, bool DYN, class Epilogue>
+template <int T, bool PROMOTE, int STAGES, int W, bool DYN, class Epilogue, bool SMEM_A = false>
 __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
                                           const uint2* __restrict__ tables, const int* __restrict__ table_of,
                                           const int* __restrict__ p, const float* __restrict__ alpha,
@@ -324,7 +406,11 @@ __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const
     // is visible) before the prologue refills it
     __syncthreads();
     const GroupLoader<T, W> loader(x8, s_x, wp, sp, row0, valid, K, G, tid);
+    if constexpr (SMEM_A) {  // (w4a8_gemm_ss: W = 2, DYN, promoted)
+#include "w4a8_ss_block.inc"
+    } else {
 #include "w4a8_block.inc"
+    }
 
     epi.template store<PROMOTE>(acc, tmp, factor, row0, valid, bw, warp, g, c, e, G, s_x);
   }
@@ -498,88 +584,7 @@ __global__ void __cluster_dims__(CLUSTER / 2, 1, 1) __launch_bounds__(2 * THREAD
   gemm_body<T, true, STAGES, 2, false>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets, N, K, epi);
 }
 
-// ------------------------------------------------------------------------------ both operands in shared memory
-//
-// w4a8_gemm_ss: the two-warpgroup CTA with the decoded weights as wgmma's A from shared memory
-// instead of registers (large token tiles: 64 and 128). Why: with A in registers each warpgroup
-// must hold its group's sixteen A registers until its wgmmas retire, so decode and multiply take
-// turns, and the 128-token tile's accumulators leave no room (191 registers); from shared memory
-// the decode of group g + 1 runs while group g's wgmmas do, and A costs no registers.
-// Per group, each warpgroup decodes its own 64 rows (4 steps x 64 rows x 32 bytes = 8 KiB) into one
-// of two buffers, thread (warp w, lane l) the rows 16w + l % 8 and 16w + l % 8 + 8 of step l / 8
-// (four words each, from the ring's words as gemm_body reads them), so that eight lanes store one
-// core matrix's 128 contiguous bytes. Layout of a buffer, wgmma's K-major A without swizzle, as
-// the activations' (LBO 128 along K, SBO 256 along M):
-//   byte s * 2048 + (r / 8) * 256 + h * 128 + (r % 8) * 16 + q   holds row r, tensor-core k = 16h + q
-// of step s; with the header's K permutation a word's low four bytes (logical k 8c .. 8c+3) are
-// half 0's chunk c and its high four (8c+4 .. 8c+7) half 1's, as a0 / a2 hold them in registers.
-// Each output is the same wgmmas over the same k order as gemm_body's on the same tile.
-// Per group gi (the ring as gemm_body's, STAGES >= 3: group gi + 1 must have landed while gi
-// multiplies):
-//   wait for group gi + 1's copies; CTA barrier (everyone is past group gi - 1: its stage refills)
-//   copy group gi + STAGES - 1; decode group gi + 1 into the other buffer    [wgmma(gi) running]
-//   retire wgmma(gi); promote its sums with the tokens' scales (acc += tmp * s_x)
-//   proxy fence; the warpgroup's barrier (its four warps' rows written); issue wgmma(gi + 1)
-// Measured slower than the register-A kernel (H200, mean 512: +14-15% at 128 tokens, +37% at 64;
-// results/studies/w4a8_layer_and_smem_a_h200.json), one CTA of eight warps an SM against two: it
-// runs on request (GemmPlan.smem_a), the base of a warp-specialized form (notes/w4a8.md).
-
-template <int F> struct WgmmaE4M3SS;
-template <> struct WgmmaE4M3SS<8> {
-  static __device__ __forceinline__ void run(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-  }
-};
-template <> struct WgmmaE4M3SS<16> {
-  static __device__ __forceinline__ void run(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-  }
-};
-
-template <int T>
-struct SsStages {
-  static constexpr int value = T == 128 ? 3 : 4;
-};
-constexpr int SS_ABUF = 4 * ROWS * 32;  // one warpgroup's decoded group: 8 KiB
-
-// Group gi's 64 rows of this warpgroup, decoded into `abuf` (its buffer): the thread's two rows of
-// step s, four words each.
-template <int T>
-__device__ __forceinline__ void decode_to_smem(const Stage<T, 2>& st, const uint2* table, uint32_t abuf, int wg,
-                                               int warp, int lane) {
-  const int gr = lane & 7, s = lane >> 3;
-  const uint4* src = reinterpret_cast<const uint4*>(&st.ws[(wg * STEPS + s) * THREADS + 32 * warp + 4 * gr]);
-  const uint4 w01 = src[0], w23 = src[1];  // words c = 0 .. 3: .x row 16w + gr, .y row 16w + gr + 8
-  const uint2 sc0 = st.scs[wg * ROWS + 16 * warp + gr], sc1 = st.scs[wg * ROWS + 16 * warp + gr + 8];
-  // step s's 16-blocks are 2s (words 0, 1) and 2s + 1 (words 2, 3): bytes 2 (s & 1) and 2 (s & 1) + 1
-  // of scs.x (s < 2) or scs.y
-  const uint32_t b0 = ((s >> 1) ? sc0.y : sc0.x) >> (16 * (s & 1)), b1 = ((s >> 1) ? sc1.y : sc1.x) >> (16 * (s & 1));
-  const uint2 t00 = table[b0 & 0x7Fu], t01 = table[(b0 >> 8) & 0x7Fu];
-  const uint2 t10 = table[b1 & 0x7Fu], t11 = table[(b1 >> 8) & 0x7Fu];
-  uint32_t lo0[4], hi0[4], lo1[4], hi1[4];
-  lab_gemm::decode_fp8_word(w01.x, t00.x, t00.y, lo0[0], hi0[0]);
-  lab_gemm::decode_fp8_word(w01.y, t10.x, t10.y, lo1[0], hi1[0]);
-  lab_gemm::decode_fp8_word(w01.z, t00.x, t00.y, lo0[1], hi0[1]);
-  lab_gemm::decode_fp8_word(w01.w, t10.x, t10.y, lo1[1], hi1[1]);
-  lab_gemm::decode_fp8_word(w23.x, t01.x, t01.y, lo0[2], hi0[2]);
-  lab_gemm::decode_fp8_word(w23.y, t11.x, t11.y, lo1[2], hi1[2]);
-  lab_gemm::decode_fp8_word(w23.z, t01.x, t01.y, lo0[3], hi0[3]);
-  lab_gemm::decode_fp8_word(w23.w, t11.x, t11.y, lo1[3], hi1[3]);
-  const uint32_t row0 = abuf + s * 2048 + (2 * warp) * 256 + gr * 16;  // row 16w + gr: octet 2w
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(row0), "r"(lo0[0]), "r"(lo0[1]), "r"(lo0[2]), "r"(lo0[3]) : "memory");
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(row0 + 128), "r"(hi0[0]), "r"(hi0[1]), "r"(hi0[2]), "r"(hi0[3]) : "memory");
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(row0 + 256), "r"(lo1[0]), "r"(lo1[1]), "r"(lo1[2]), "r"(lo1[3]) : "memory");
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(row0 + 384), "r"(hi1[0]), "r"(hi1[1]), "r"(hi1[2]), "r"(hi1[3]) : "memory");
-}
-
-__device__ __forceinline__ void warpgroup_sync(int wg) {  // the warpgroup's 128 threads (barriers 1, 2)
-  asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
-}
-
+// The shared-memory-A kernel (its loop: w4a8_ss_block.inc; what it is: above gemm_body).
 template <int T, int STAGES = SsStages<T>::value>
 __global__ void __launch_bounds__(2 * THREADS, 1)  // (at 64 tokens a bound of 128 registers spills)
     w4a8_gemm_ss(const uint2* __restrict__ words, const uint8_t* __restrict__ scales, const uint2* __restrict__ tables,
@@ -588,103 +593,9 @@ __global__ void __launch_bounds__(2 * THREADS, 1)  // (at 64 tokens a bound of 1
                  float* __restrict__ out, int N, int K) {
   static_assert(T == 64 || T == 128, "the shared-memory-A tiles: 64 and 128 tokens");
   static_assert(STAGES >= 3, "group gi + 1 lands while gi multiplies");
-  constexpr int F = T / 8, W = 2;
-  using St = Stage<T, W>;
-  extern __shared__ __align__(128) uint8_t ring_dynamic[];  // the ring, then the decoded A: [2][W] x 8 KiB
-  St* const ring = reinterpret_cast<St*>(ring_dynamic);
-  __shared__ uint2 table[128];
-
-  const int e = blockIdx.z, b = blockIdx.x;
-  const int r0 = offsets[e];
-  const int count = offsets[e + 1] - r0;
-  if ((int)blockIdx.y * T >= count) return;
-  const int tid = threadIdx.x, wg = tid / THREADS, wt = tid % THREADS;
-  const int warp = wt >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
-  const int bw = W * b + wg;
-  const int G = (K + GROUP_K - 1) / GROUP_K, KS = K / STEP_K, NB = N / ROWS;
-  if (tid < 128) table[tid] = tables[(size_t)table_of[e] * 128 + tid];
-  const float factor = ldexpf(alpha[e], p[e]);
-  const uint2* wp = words + (size_t)(e * NB + bw) * KS * THREADS;
-  const uint8_t* sp = scales + (size_t)(e * NB + bw) * G * (ROWS * 8);
-  const uint32_t ring0 = lab_gemm::smem_addr(&ring[0]);
-  const uint32_t abuf0 = ring0 + STAGES * (uint32_t)sizeof(St) + wg * SS_ABUF;  // buffer i: + i * W * SS_ABUF
-
-  float tmp[F][4];
-#pragma unroll
-  for (int j = 0; j < F; ++j)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) tmp[j][i] = 0.0f;
-
-  for (int tb = blockIdx.y; tb * T < count; tb += gridDim.y) {
-    const int t0 = tb * T;
-    const int valid = min(T, count - t0);
-    const size_t row0 = (size_t)r0 + t0;
-    float acc[F][4];
-#pragma unroll
-    for (int j = 0; j < F; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
-
-    __syncthreads();  // everyone past the previous block's reads of the ring and the buffers
-    const GroupLoader<T, W> loader(x8, s_x, wp, sp, row0, valid, K, G, tid);
-#pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {
-      if (i < G) loader.load(ring0 + i * (uint32_t)sizeof(St), i, K);
-      cp_async_commit();
-    }
-    // group 0: decoded and issued before the loop
-    cp_async_wait<STAGES - 2>();
-    lab_gemm::fence_proxy_async();
-    __syncthreads();
-    decode_to_smem<T>(ring[0], table, abuf0, wg, warp, lane);
-    lab_gemm::fence_proxy_async();
-    warpgroup_sync(wg);
-    lab_gemm::wgmma_fence();
-#pragma unroll
-    for (int s = 0; s < STEPS; ++s)
-      WgmmaE4M3SS<F>::run(tmp, lab_gemm::smem_desc(abuf0 + s * 2048, 128, 256),
-                          lab_gemm::smem_desc(lab_gemm::smem_addr(ring[0].xs) + s * (T * 32), 128, 256), s);
-    lab_gemm::wgmma_commit();
-
-    int stage = 0, fill = STAGES - 1;  // group gi's stage; the one group gi + STAGES - 1 goes to
-    for (int gi = 0; gi < G; ++gi) {
-      const int next = stage + 1 == STAGES ? 0 : stage + 1;  // group gi + 1's stage
-      cp_async_wait<STAGES - 3>();    // groups up to gi + 1 have landed (this thread's copies)
-      lab_gemm::fence_proxy_async();
-      __syncthreads();                // everyone's copies; everyone past group gi - 1 (its stage, its buffer)
-      if (gi + STAGES - 1 < G) loader.load(ring0 + fill * (uint32_t)sizeof(St), gi + STAGES - 1, K);
-      cp_async_commit();
-      const uint32_t abuf_next = abuf0 + ((gi + 1) & 1) * (W * SS_ABUF);
-      if (gi + 1 < G) decode_to_smem<T>(ring[next], table, abuf_next, wg, warp, lane);  // under wgmma(gi)
-
-      lab_gemm::wgmma_wait<0>();
-      lab_gemm::fence_acc(tmp);
-      const St& st = ring[stage];
-#pragma unroll
-      for (int j = 0; j < F; ++j) {
-        const float s0 = st.sx[8 * j + 2 * c], s1 = st.sx[8 * j + 2 * c + 1];
-        acc[j][0] = fmaf(tmp[j][0], s0, acc[j][0]);
-        acc[j][1] = fmaf(tmp[j][1], s1, acc[j][1]);
-        acc[j][2] = fmaf(tmp[j][2], s0, acc[j][2]);
-        acc[j][3] = fmaf(tmp[j][3], s1, acc[j][3]);
-      }
-      if (gi + 1 < G) {
-        lab_gemm::fence_proxy_async();  // this thread's decoded rows, before the async proxy reads them
-        warpgroup_sync(wg);
-        lab_gemm::wgmma_fence();
-        const uint32_t xs = lab_gemm::smem_addr(ring[next].xs);
-#pragma unroll
-        for (int s = 0; s < STEPS; ++s)
-          WgmmaE4M3SS<F>::run(tmp, lab_gemm::smem_desc(abuf_next + s * 2048, 128, 256),
-                              lab_gemm::smem_desc(xs + s * (T * 32), 128, 256), s);
-        lab_gemm::wgmma_commit();
-      }
-      fill = stage;
-      stage = next;
-    }
-    StoreOut<T> epi{out, N};
-    epi.template store<true>(acc, tmp, factor, row0, valid, bw, warp, g, c, e, G, s_x);
-  }
+  StoreOut<T> epi{out, N};
+  gemm_body<T, true, STAGES, 2, true, StoreOut<T>, true>(words, scales, tables, table_of, p, alpha, x8, s_x, offsets,
+                                                         N, K, epi);
 }
 
 // ------------------------------------------------------------------------------ the layer in one launch
