@@ -254,6 +254,15 @@ def test_the_group_loop_stays_lean(tokens):
         assert mix.n_tensor == 4 and mix.instructions <= GROUP_LOOP_MAX[tokens], (expr, mix.instructions, mix.counts)
 
 
+def compiled_clean(expr: str, max_registers: int = 255):
+    """ptxas's report on a W4A8 GEMM instantiation, after the checks every one of them takes: no
+    spills and no stack, wgmma not serialized, at most `max_registers` registers a thread."""
+    info = jit.ptxas_report(wg.GEMM_SOURCE, expr)
+    assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
+    assert not info.wgmma_serialized and info.registers <= max_registers, info
+    return info
+
+
 @needs_nvcc
 @pytest.mark.parametrize("tokens", wg.WIDE_TILES)
 def test_the_wide_cta_compiles_to_the_same_four_wgmmas_a_warpgroup(tokens):
@@ -262,9 +271,7 @@ def test_the_wide_cta_compiles_to_the_same_four_wgmmas_a_warpgroup(tokens):
     plain kernel's four QGMMA (RZ first). The 128-token tile's ring is dynamic: its static shared
     memory is the table alone."""
     expr = wg.wide_expression(tokens)
-    info = jit.ptxas_report(wg.GEMM_SOURCE, expr)
-    assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
-    assert not info.wgmma_serialized and info.registers <= (255 if tokens == 128 else 128), info
+    info = compiled_clean(expr, 255 if tokens == 128 else 128)
     assert info.smem_static <= 48 * 1024 and (tokens != 128 or info.smem_static == 1024), info
     if sass.nvdisasm_path() is None:
         pytest.skip("reading SASS needs nvdisasm")
@@ -281,9 +288,8 @@ def test_a_deeper_wide_ring_is_dynamic_and_keeps_the_mainloop(tokens, stages):
     expr = wg.wide_expression(tokens, stages)
     assert expr == f"lab_w4a8::w4a8_gemm_wide<{tokens}, {stages}>"
     assert wg.wide_ring_bytes(tokens, stages) == stages * wg.wide_stage_bytes(tokens) > 48 * 1024 - 4096
-    info = jit.ptxas_report(wg.GEMM_SOURCE, expr)
-    assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
-    assert not info.wgmma_serialized and info.registers <= 128 and info.smem_static == 1024, info
+    info = compiled_clean(expr, 128)
+    assert info.smem_static == 1024, info
     if sass.nvdisasm_path() is None:
         pytest.skip("reading SASS needs nvdisasm")
     mma = [i.opcode for i in sass.kernel_sass(wg.GEMM_SOURCE, expr) if "GMMA" in i.opcode]
@@ -307,9 +313,7 @@ def test_the_wide_fused_kernel_keeps_the_mainloop_and_reads_a_cluster_of_two(tok
     """w4a8_gemm_swiglu_wide: no spills, at most 128 registers, the four QGMMA a group, two
     cluster barriers a token block and the partials read from the cluster's shared memory."""
     expr = wg.swiglu_wide_expression(tokens)
-    info = jit.ptxas_report(wg.GEMM_SOURCE, expr)
-    assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
-    assert not info.wgmma_serialized and info.registers <= 128 and info.smem_static <= 48 * 1024, info
+    assert compiled_clean(expr, 128).smem_static <= 48 * 1024
     if sass.nvdisasm_path() is None:
         pytest.skip("reading SASS needs nvdisasm")
     code = sass.kernel_sass(wg.GEMM_SOURCE, expr)
@@ -326,9 +330,7 @@ def test_the_layer_kernel_keeps_the_mainloop_three_times_and_fits_two_ctas(token
     under 48 KiB beside the dynamic ring, and the mainloop's four QGMMA a group in each of its three
     places (w13's two sub-blocks, w2): the fragment gemm_body runs, included where each runs."""
     expr = wg.layer_expression(tokens)
-    info = jit.ptxas_report(wg.GEMM_SOURCE, expr)
-    assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
-    assert not info.wgmma_serialized and info.registers <= 128 and info.smem_static <= 48 * 1024, info
+    assert compiled_clean(expr, 128).smem_static <= 48 * 1024
     if sass.nvdisasm_path() is None:
         pytest.skip("reading SASS needs nvdisasm")
     code = sass.kernel_sass(wg.GEMM_SOURCE, expr)
@@ -342,10 +344,7 @@ def test_the_shared_memory_a_kernel_compiles_to_descriptor_wgmmas(tokens):
     the loop, group gi + 1 in it) with both operands by descriptor (no A registers), and the
     decode's 16-byte shared stores (four a place)."""
     expr = wg.ss_expression(tokens)
-    info = jit.ptxas_report(wg.GEMM_SOURCE, expr)
-    assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
-    assert not info.wgmma_serialized, info
-    assert wg.ss_smem_bytes(tokens) + info.smem_static <= 227 * 1024
+    assert wg.ss_smem_bytes(tokens) + compiled_clean(expr).smem_static <= 227 * 1024
     if sass.nvdisasm_path() is None:
         pytest.skip("reading SASS needs nvdisasm")
     code = sass.kernel_sass(wg.GEMM_SOURCE, expr)

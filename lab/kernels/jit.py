@@ -31,8 +31,8 @@ _INCLUDE = re.compile(r'^#include "([\w./]+)"\s*$', re.M)
 def source(name: str, tree: Path | None = None) -> str:
     """The text of `lab/kernels/<name>` (or `<tree>/<name>`) with every `#include "path"` inlined
     once, a fragment of a body (.inc) at each place it is named (paths relative to the including
-    file, as nvcc resolves them): NVRTC gets one string, and
-    CuPy's cache key (the string) changes when any header does."""
+    file, as nvcc resolves them): NVRTC gets one string, and CuPy's cache key (the string)
+    changes when any header does."""
     root = (Path(tree) if tree is not None else KERNEL_DIR).joinpath(name).resolve()
     seen = {root}
 

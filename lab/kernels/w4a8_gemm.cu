@@ -277,8 +277,8 @@ struct DefaultStages {
 //   retire wgmma(gi); promote its sums with the tokens' scales (acc += tmp * s_x)
 //   proxy fence; the warpgroup's barrier (its four warps' rows written); issue wgmma(gi + 1)
 // Measured slower than the register-A kernel (H200, mean 512: +14-15% at 128 tokens, +37% at 64;
-// results/studies/w4a8_layer_and_smem_a_h200.json), one CTA of eight warps an SM against two: it
-// runs on request (GemmPlan.smem_a), the base of a warp-specialized form (notes/w4a8.md).
+// results/studies/w4a8_layer_and_smem_a_h200.json; not profiled: one CTA of eight warps an SM
+// against two is what differs by construction): it runs on request (GemmPlan.smem_a), the base of a warp-specialized form (notes/w4a8.md).
 
 template <int F> struct WgmmaE4M3SS;
 template <> struct WgmmaE4M3SS<8> {
@@ -625,8 +625,8 @@ __global__ void __launch_bounds__(2 * THREADS, 1)  // (at 64 tokens a bound of 1
 // Units nobody has claimed belong to nobody. The last CTA out zeroes sync, so launches and graph
 // replays need no host work.
 // Measured slower than w4a8's separate launches (H200: +13% at 1 token per expert, +5% at 8;
-// results/studies/w4a8_layer_and_smem_a_h200.json): each unit's ring starts empty, where the
-// separate launches overlap many CTAs' starts (notes/w4a8.md).
+// results/studies/w4a8_layer_and_smem_a_h200.json). Not profiled; likely each unit's ring
+// starting empty, where the separate launches overlap many CTAs' starts (notes/w4a8.md).
 
 constexpr int LAYER_MAX_EXPERTS = 1024;  // first_block in static shared memory (4 KiB)
 

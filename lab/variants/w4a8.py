@@ -186,7 +186,8 @@ class W4A8Layer(W4A8Fused):
     expert has more than `hot_tokens` tokens it runs w4a8-fused's three launches (in the one
     "layer" stage). In the one launch the fp32 output is not written (fp32_out False).
     On an H200 it is slower than w4a8 (0.903 against 0.796 ms at 1 token per expert, 1.678 against
-    1.598 at 8; results/studies/w4a8_layer_and_smem_a_h200.json): each unit's ring starts empty."""
+    1.598 at 8; results/studies/w4a8_layer_and_smem_a_h200.json); not profiled: likely each
+    unit's ring starting empty."""
 
     name = "w4a8-layer"
     stages = ("layer",)
