@@ -15,6 +15,15 @@ launches follows (the small experts' class, then the large one: one kernel each,
 `--w4a16` the two GEMMs are the W4A16 ones (bf16 activations, the w4a16 and w4a16-fused
 variants' w13 launches), after the NVFP4 ones, so one profile compares the two forms; each
 `--config` (as bench_gemm takes it) is one more plain w13 launch with that tile.
+
+`--w4a8` launches the W4A8 layer's kernels instead, each once, as its variants launch them: w13
+(w4a8), the act stage, w2, the fused w13 (w4a8-fused), the one-launch layer (w4a8-layer, where
+the largest expert fits its tiles), then the flat read of w13's weight bytes. Their weights are
+drawn at random in the kernel's layout (w4a8_gemm.random_prepared), so no layer is converted:
+
+    ncu --clock-control none -k regex:"w4a8|swiglu_quant|stream_read" --section SpeedOfLight \
+        --section WarpStateStats --section SchedulerStats --section InstructionStats \
+        python scripts/profile_kernels.py --w4a8 --mean-tokens 1
 """
 
 from __future__ import annotations
@@ -46,6 +55,9 @@ def main(argv=None) -> int:
                     help=CONFIG_HELP + "; each a plain w13 launch after the others (repeat for several)")
     ap.add_argument("--w4a16", action="store_true",
                     help="then the W4A16 w13 kernels (bf16 activations): plain and with the SwiGLU epilogue")
+    ap.add_argument("--w4a8", action="store_true",
+                    help="the W4A8 kernels instead (w13, act, w2, fused w13, the one-launch layer; random "
+                         "prepared weights), then the flat read")
     ap.add_argument("--skew", type=float, default=0.0, help="routing skew: 0 uniform, else p ~ 1/rank**skew")
     ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights, routing and activations")
     args = ap.parse_args(argv)
@@ -56,6 +68,8 @@ def main(argv=None) -> int:
     problem = resolve_shape(args, ap)
 
     cp = require_gpu("profile_kernels.py")
+    if args.w4a8:
+        return profile_w4a8(cp, problem, args)
     log(TAG, "weights")
     weights = upload_weights(random_weights(problem, seed=args.seed))
     routing = make_routing(tokens_for_mean(args.mean_tokens, problem.experts, problem.top_k), problem.experts,
@@ -95,6 +109,54 @@ def main(argv=None) -> int:
     flat = cp.empty(part.w13.data.nbytes // 16 * 16, dtype=cp.uint8)
     stream_read(flat, cp.zeros(1, dtype=cp.uint32))
     cp.cuda.Device().synchronize()
+    log(TAG, "done")
+    return 0
+
+
+def profile_w4a8(cp, problem, args) -> int:
+    """The W4A8 kernels once each, on random prepared weights and activations (module docstring)."""
+    import numpy as np
+
+    from lab.kernels import w4a8_gemm as wg
+
+    e, h, i = problem.experts, problem.hidden, problem.intermediate
+    if h % (2 * wg.ROWS) or i % wg.GROUP_K:
+        raise ValueError(f"--w4a8: H and I must be multiples of {wg.GROUP_K} (the fused and layer kernels), "
+                         f"got H={h}, I={i}")
+    routing = make_routing(tokens_for_mean(args.mean_tokens, e, problem.top_k), e, problem.top_k,
+                           skew=args.skew, seed=args.seed)
+    offs = routing.offsets.astype(np.int32)
+    rows = int(offs[-1])
+    rng = np.random.default_rng(args.seed)
+    log(TAG, "W4A8 weights (random, in the kernel's layout)")
+    w13, w2 = wg.random_prepared(cp, rng, e, 2 * i, h), wg.random_prepared(cp, rng, e, h, i)
+    x8, s_x = wg.random_act(cp, rng, rows, h)
+    d_offs = cp.asarray(offs)
+    ones = cp.ones(e, cp.float32)
+    glob = cp.asarray(rng.uniform(0.5, 2.0, e).astype(np.float32))
+    h32, out = cp.empty((rows, 2 * i), cp.float32), cp.empty((rows, h), cp.float32)
+    a8, s_a = cp.empty((rows, i), cp.uint8), cp.empty((rows, i // wg.GROUP_K), cp.float32)
+    out16, count = cp.empty((rows, h), cp.uint16), cp.zeros(1, cp.uint32)
+    sync = cp.zeros(e + 2, cp.int32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    plan13 = wg.plan_w4a8_gemm(w13, x8, s_x, offs, ones, h32)
+    plan2 = wg.plan_w4a8_gemm(w2, a8, s_a, offs, glob, out)
+    fused = wg.plan_w4a8_gemm_swiglu(w13, x8, s_x, offs, ones, glob, glob, a8, s_a, count)
+    log(TAG, f"largest expert {int(np.diff(offs).max(initial=0))} tokens; w13 {plan13}; w2 {plan2}; fused {fused}")
+    wg.launch_w4a8_gemm(plan13, w13, x8, s_x, d_offs, ones, h32, stream)
+    wg.launch_swiglu_quant(h32, d_offs, glob, glob, a8, s_a, count, stream)
+    wg.launch_w4a8_gemm(plan2, w2, a8, s_a, d_offs, glob, out, stream)
+    wg.launch_w4a8_gemm_swiglu(fused, w13, x8, s_x, d_offs, ones, glob, glob, a8, s_a, count, stream)
+    if int(np.diff(offs).max(initial=0)) <= wg.LAYER_TILES[-1]:
+        layer = wg.plan_w4a8_layer(w13, w2, x8, s_x, offs, np.ones(e, np.float32),
+                                   cp.asnumpy(glob), glob, glob, a8, s_a, out16, count, sync)
+        log(TAG, f"layer {layer}")
+        wg.launch_w4a8_layer(layer, w13, w2, x8, s_x, d_offs, ones, glob, glob, glob, a8, s_a, out16, count,
+                             sync, stream)
+    flat = cp.empty(w13.words.nbytes // 16 * 16, dtype=cp.uint8)
+    stream_read(flat, cp.zeros(1, dtype=cp.uint32), stream=stream)
+    stream.synchronize()
     log(TAG, "done")
     return 0
 

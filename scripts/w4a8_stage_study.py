@@ -7,9 +7,9 @@ rounds, against the flat read measured in the same process. Every depth computes
 in the same order, so the outputs must be equal bit for bit (checked on outputs poisoned with
 NaN before each first run).
 
-The prepared weights are drawn at random in the kernel's layout (random codes and signs, block
-scale codes 0x28..0x48, p = 0) rather than converted from NVFP4: the time does not depend on the
-values, and the conversion would cost minutes of CPU here.
+The prepared weights are drawn at random in the kernel's layout (w4a8_gemm.random_prepared:
+random codes and signs, block scale codes 0x28..0x48, p = 0) rather than converted from NVFP4:
+the time does not depend on the values, and the conversion would cost minutes of CPU here.
 
 --baseline DIR [DIR ...] times other versions of the kernel beside the depths, on the same data
 and in the same rounds (each DIR laid out as lab/kernels, e.g. `git archive <commit> lab/kernels |
@@ -46,27 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tabulate import tabulate  # noqa: E402
 
-from lab import w4a8  # noqa: E402
 from lab.cli import HelpFormatter, output_path  # noqa: E402
 from lab.kernels import w4a8_gemm as wg  # noqa: E402
 from lab.problem import make_routing, tokens_for_mean  # noqa: E402
-
-
-def random_prepared(cp, rng, experts: int, n: int, k: int) -> wg.W4A8Weights:
-    """Prepared weights of the kernel's layout with random codes (see the module's docstring)."""
-    groups = -(-k // wg.GROUP_K)
-    words = cp.asarray(rng.integers(0, 2**32, (experts, n // wg.ROWS, k // wg.STEP_K, wg.THREADS, 2), np.uint32))
-    scales = cp.asarray(rng.integers(0x28, 0x49, (experts, n // wg.ROWS, groups, wg.ROWS, 8), np.uint8))
-    tables = cp.asarray(w4a8.magnitude_table(0)[None])
-    zeros = cp.zeros(experts, cp.int32)
-    return wg.W4A8Weights(words, scales, tables, zeros, zeros, experts, n, k)
-
-
-def random_act(cp, rng, rows: int, k: int):
-    """x8 of finite e4m3 codes (0x7F and 0xFF, the NaNs, left out) and positive scales."""
-    x8 = rng.integers(0, 0x7F, (rows, k), np.uint8) | (rng.integers(0, 2, (rows, k), np.uint8) << 7)
-    s_x = rng.uniform(0.5, 2.0, (rows, -(-k // wg.GROUP_K))).astype(np.float32)
-    return cp.asarray(x8), cp.asarray(s_x)
 
 
 def tree_ring_bytes(tree: Path, tokens: int) -> int:
@@ -167,7 +149,7 @@ def main(argv=None) -> int:
     print(f"{setup.get('gpu')}: flat read {read['gbps']:.0f} GB/s")
     rng = np.random.default_rng(args.seed)
     e, h, i = args.experts, args.hidden, args.intermediate
-    mats = {"w13": random_prepared(cp, rng, e, 2 * i, h), "w2": random_prepared(cp, rng, e, h, i)}
+    mats = {"w13": wg.random_prepared(cp, rng, e, 2 * i, h), "w2": wg.random_prepared(cp, rng, e, h, i)}
     alpha = cp.asarray(rng.uniform(0.5, 2.0, e).astype(np.float32))
     stream = cp.cuda.Stream(non_blocking=True)
     rows = []
@@ -176,7 +158,7 @@ def main(argv=None) -> int:
         offs = routing.offsets.astype(np.int32)
         d_offs = cp.asarray(offs)
         for name, prep in mats.items():
-            x8, s_x = random_act(cp, rng, int(offs[-1]), prep.k)
+            x8, s_x = wg.random_act(cp, rng, int(offs[-1]), prep.k)
             cp.cuda.Device().synchronize()  # the uploads (current stream) land before the study's stream reads them
             base = wg.gemm_plan(offs)
             runs = {s: (lambda out, plan=replace(base, stages=s):

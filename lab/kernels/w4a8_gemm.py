@@ -340,6 +340,32 @@ def prepare_w4a8_weights(packed, scales, p=None, rows=None) -> W4A8Weights:
     return W4A8Weights(words, prepared_scales, tables, table_of.astype(np.int32).reshape(e), p, e, n, k)
 
 
+def random_prepared(cp, rng, experts: int, n: int, k: int) -> W4A8Weights:
+    """Prepared weights of the kernel's layout drawn at random, on the device, for studies and
+    profiles that time the kernels: random codes and signs, block scale codes 0x28..0x48, p = 0.
+    A kernel's time does not depend on the values, and converting a real layer costs minutes of
+    CPU. Not a layer: the words and scales are nobody's NVFP4 weights."""
+    for label, v in (("experts", experts), ("n", n), ("k", k)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{label}: expected a positive int, got {v!r}")
+    if n % ROWS or k % ROWS:
+        raise ValueError(f"n, k: expected multiples of {ROWS}, got n={n}, k={k}")
+    groups = -(-k // GROUP_K)
+    words = cp.asarray(rng.integers(0, 2**32, (experts, n // ROWS, k // STEP_K, THREADS, 2), np.uint32))
+    scales = cp.asarray(rng.integers(0x28, 0x49, (experts, n // ROWS, groups, ROWS, 8), np.uint8))
+    tables = cp.asarray(w4a8.magnitude_table(0)[None])
+    zeros = cp.zeros(experts, cp.int32)
+    return W4A8Weights(words, scales, tables, zeros, zeros, experts, n, k)
+
+
+def random_act(cp, rng, rows: int, k: int):
+    """(x8, s_x) on the device for random_prepared's studies: finite e4m3 codes (0x7F and 0xFF,
+    the NaNs, left out) and scales in [0.5, 2)."""
+    x8 = rng.integers(0, 0x7F, (rows, k), np.uint8) | (rng.integers(0, 2, (rows, k), np.uint8) << 7)
+    s_x = rng.uniform(0.5, 2.0, (rows, -(-k // GROUP_K))).astype(np.float32)
+    return cp.asarray(x8), cp.asarray(s_x)
+
+
 def paired_rows(intermediate: int) -> np.ndarray:
     """(2I,) row order of w13 for the fused epilogue: prepared row 64b + 16w + 8h + g is original
     row h I + 32b + 8w + g (gate i = 32b + 8w + g for h = 0, its up row for h = 1), so each thread
