@@ -169,27 +169,36 @@ struct GroupLoader {
   static constexpr int NW = CTA_THREADS / 32;     // warps: 4 or 8
   static constexpr int XP = T / NW;  // core matrices a warp copies per group (a group has T)
   static_assert(T % NW == 0 && (NW == 4 || NW == 8), "whole core matrices a warp");
-  const uint8_t* x8;      // any readable byte: the source of a zero-filled chunk
-  const uint8_t* x_src;   // group 0's chunk of copy r = 0
-  size_t x_row;           // one row of x8, in bytes (K)
+  static constexpr int OCT = T / 8;     // token octets of a tile
+  static constexpr bool KEEP = OCT <= 4;  // the octets' row offsets kept in registers (else worked out a copy)
+  const uint8_t* x_blk;   // the block's first row of x8, at the thread's column of step 0 (group 0)
+  uint32_t x_off[KEEP ? OCT : 1];  // octet o's offset from x_blk: its token's row, or row 0 for a token
+                                   // past `valid` (a readable byte: the copy reads nothing then)
+  uint32_t x_jk, x_k8;    // (!KEEP) its token's row in octet 0, and 8 rows
+  uint32_t x_in;          // bit o: octet o's token is below `valid`
   uint32_t x_dst;         // copy 0's offset in a stage
-  int x_j, x_col;         // copy 0's token and column within its group
-  int valid;
+  int x_col;              // copy 0's column within its group
   const float* sx_src;    // group 0's scale of token tid (any scale when !sx_ok)
   bool sx_ok;
   const uint8_t* w_src;   // the CTA's words and scales, this thread's piece, group 0
   const uint8_t* sc_src;
   int tid;
 
-  __device__ __forceinline__ GroupLoader(const uint8_t* x8_, const float* s_x, const uint2* wp, const uint8_t* sp,
-                                         size_t row0, int valid_, int K, int G, int tid_)
-      : x8(x8_), valid(valid_), tid(tid_) {
+  __device__ __forceinline__ GroupLoader(const uint8_t* x8, const float* s_x, const uint2* wp, const uint8_t* sp,
+                                         size_t row0, int valid, int K, int G, int tid_)
+      : tid(tid_) {
     const int cm = tid >> 5, l = tid & 31;  // copy 0's core matrix (h = cm % 2, s = cm / 2 % 4, o = 0)
     const int h = cm & 1, s = (cm >> 1) & 3, jj = l >> 2, q = l & 3;
-    x_j = jj;
     x_col = s * STEP_K + (2 * q + h) * 4;
-    x_src = x8 + (row0 + x_j) * (size_t)K + x_col;
-    x_row = (size_t)K;
+    x_blk = x8 + row0 * (size_t)K + x_col;
+    x_jk = (uint32_t)(jj * K);
+    x_k8 = (uint32_t)(8 * K);
+    x_in = 0;
+#pragma unroll
+    for (int o = 0; o < OCT; ++o) {
+      x_in |= (jj + 8 * o < valid ? 1u : 0u) << o;
+      if constexpr (KEEP) x_off[o] = jj + 8 * o < valid ? x_jk + o * x_k8 : 0u;
+    }
     x_dst = Stage<T, W>::XS + s * (T * 32) + h * 128 + jj * 16 + q * 4;
     sx_ok = tid < valid;
     sx_src = s_x + (sx_ok ? (row0 + tid) * (size_t)G : 0);
@@ -202,23 +211,29 @@ struct GroupLoader {
   __device__ __forceinline__ int wt() const { return W == 1 ? tid : tid % THREADS; }
 
   __device__ __forceinline__ void load(uint32_t stage, int gi, int K) const {
+    // Every group has 128 columns of K but a last one of 64 (K % 128 == 64), whose copies past
+    // them read nothing (from 64 columns back, a readable byte) and leave zeros: activation
+    // chunks at column 64 and up, and weight steps 2, 3. With four warps a copy's column is
+    // below 64 at even r and 64 up at odd r; with eight, x_col's for all its copies.
+    const bool full = K - gi * GROUP_K > GROUP_K / 2;
+    const uint8_t* xg = x_blk + gi * GROUP_K;
+    const bool lo_in = NW == 4 || full || x_col < GROUP_K / 2;  // the copies at ds = 0
+    const uint8_t* x_lo = lo_in ? xg : xg - GROUP_K / 2;
+    const uint8_t* x_hi = xg + (full ? GROUP_K / 2 : 0);           // (NW = 4) those at ds = 2
 #pragma unroll
     for (int r = 0; r < XP; ++r) {
       // copy r: core matrix tid / 32 + NW r; with NW = 4 its step advances by 2 (r odd) and its
       // octet by r / 2, with NW = 8 its octet by r
       const int ds = NW == 4 ? 2 * (r & 1) : 0, o = NW == 4 ? r >> 1 : r;
-      const bool ok = x_col + ds * STEP_K < K - gi * GROUP_K && x_j + 8 * o < valid;
-      cp_async4(stage + x_dst + ds * (T * 32) + o * 256,
-                ok ? x_src + 8 * o * x_row + ds * STEP_K + gi * GROUP_K : x8, ok);
+      const bool in_t = (x_in >> o) & 1u;
+      const uint32_t off = KEEP ? x_off[KEEP ? o : 0] : in_t ? x_jk + o * x_k8 : 0u;
+      cp_async4(stage + x_dst + ds * (T * 32) + o * 256, (ds ? x_hi : x_lo) + off, (ds ? full : lo_in) && in_t);
     }
     if (tid < T) cp_async4(stage + Stage<T, W>::SX + tid * 4, sx_src + (sx_ok ? gi : 0), sx_ok);
-    const int wbytes = min(STEPS, K / STEP_K - gi * STEPS) * (THREADS * 8);  // the group's bytes of words
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {  // 4 KiB of words a warpgroup: 256 pieces, two per thread
-      const bool ok = wt() * 16 + r * 2048 < wbytes;
-      cp_async16(stage + Stage<T, W>::WS + wg() * (STEPS * THREADS * 8) + wt() * 16 + r * 2048,
-                 w_src + (ok ? (size_t)gi * (STEPS * THREADS * 8) + r * 2048 : 0), ok);
-    }
+    const uint8_t* wg_src = w_src + (size_t)gi * (STEPS * THREADS * 8);
+    const uint32_t wdst = stage + Stage<T, W>::WS + wg() * (STEPS * THREADS * 8) + wt() * 16;
+    cp_async16(wdst, wg_src, true);
+    cp_async16(wdst + 2048, wg_src + (full ? 2048 : 0), full);
     if (wt() < ROWS * 8 / 16)
       cp_async16(stage + Stage<T, W>::SCS + wg() * (ROWS * 8) + wt() * 16, sc_src + (size_t)gi * (ROWS * 8), true);
   }
@@ -570,8 +585,10 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1)
 
 // The fused epilogue on the two-warpgroup CTA: a 128-column group of I is two CTAs of 64 columns,
 // each reducing its eight warps' |a| before the cluster's exchange; the same a8 and s_a.
+// (At 64 tokens the loader's eight octets would take 136 registers unbounded: the bound keeps two
+// CTAs an SM.)
 template <int T, int STAGES = FusedWideStages<T>::value>
-__global__ void __cluster_dims__(CLUSTER / 2, 1, 1) __launch_bounds__(2 * THREADS, 1)
+__global__ void __cluster_dims__(CLUSTER / 2, 1, 1) __launch_bounds__(2 * THREADS, T == 64 ? 2 : 1)
     w4a8_gemm_swiglu_wide(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
                           const uint2* __restrict__ tables, const int* __restrict__ table_of,
                           const int* __restrict__ p, const float* __restrict__ alpha, const uint8_t* __restrict__ x8,
