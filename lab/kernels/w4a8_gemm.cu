@@ -210,7 +210,7 @@ struct GroupLoader {
   __device__ __forceinline__ int wg() const { return W == 1 ? 0 : tid / THREADS; }
   __device__ __forceinline__ int wt() const { return W == 1 ? tid : tid % THREADS; }
 
-  __device__ __forceinline__ void load(uint32_t stage, int gi, int K, uint32_t bar) const {
+  __device__ __forceinline__ void load(uint32_t stage, int gi, int K) const {
     // Every group has 128 columns of K but a last one of 64 (K % 128 == 64), whose copies past
     // them read nothing (from 64 columns back, a readable byte) and leave zeros: activation
     // chunks at column 64 and up, and weight steps 2, 3. With four warps a copy's column is
@@ -230,23 +230,12 @@ struct GroupLoader {
       cp_async4(stage + x_dst + ds * (T * 32) + o * 256, (ds ? x_hi : x_lo) + off, (ds ? full : lo_in) && in_t);
     }
     if (tid < T) cp_async4(stage + Stage<T, W>::SX + tid * 4, sx_src + (sx_ok ? gi : 0), sx_ok);
-    if (full) {  // the warpgroup's 4 KiB of words and 512 bytes of scales: two bulk copies by its thread 0
-      if (wt() == 0) {
-        lab_gemm::mbar_arrive_expect_tx(bar, STEPS * THREADS * 8 + ROWS * 8);
-        lab_gemm::bulk_copy(stage + Stage<T, W>::WS + wg() * (STEPS * THREADS * 8),
-                            w_src + (size_t)gi * (STEPS * THREADS * 8), STEPS * THREADS * 8, bar);
-        lab_gemm::bulk_copy(stage + Stage<T, W>::SCS + wg() * (ROWS * 8), sc_src + (size_t)gi * (ROWS * 8),
-                            ROWS * 8, bar);
-      }
-    } else {  // a 64-column last group: cp.async, steps 2, 3 zero-filled; the barrier's arrival without bytes
-      const uint8_t* wg_src = w_src + (size_t)gi * (STEPS * THREADS * 8);
-      const uint32_t wdst = stage + Stage<T, W>::WS + wg() * (STEPS * THREADS * 8) + wt() * 16;
-      cp_async16(wdst, wg_src, true);
-      cp_async16(wdst + 2048, wg_src, false);
-      if (wt() < ROWS * 8 / 16)
-        cp_async16(stage + Stage<T, W>::SCS + wg() * (ROWS * 8) + wt() * 16, sc_src + (size_t)gi * (ROWS * 8), true);
-      if (wt() == 0) lab_gemm::mbar_arrive(bar);
-    }
+    const uint8_t* wg_src = w_src + (size_t)gi * (STEPS * THREADS * 8);
+    const uint32_t wdst = stage + Stage<T, W>::WS + wg() * (STEPS * THREADS * 8) + wt() * 16;
+    cp_async16(wdst, wg_src, true);
+    cp_async16(wdst + 2048, wg_src + (full ? 2048 : 0), full);
+    if (wt() < ROWS * 8 / 16)
+      cp_async16(stage + Stage<T, W>::SCS + wg() * (ROWS * 8) + wt() * 16, sc_src + (size_t)gi * (ROWS * 8), true);
   }
 };
 
@@ -395,7 +384,6 @@ __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const
   extern __shared__ __align__(128) uint8_t ring_dynamic[];
   St* const ring = DYN ? reinterpret_cast<St*>(ring_dynamic) : reinterpret_cast<St*>(&ring_static);
   __shared__ uint2 table[128];
-  __shared__ __align__(8) uint64_t full_bar[STAGES];  // stage s's words and scales landed (W arrivals)
 
   const int e = blockIdx.z, b = blockIdx.x;
   const int r0 = offsets[e];
@@ -409,12 +397,6 @@ __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const
   const int bw = W == 1 ? b : W * b + wg;
   const int G = (K + GROUP_K - 1) / GROUP_K, KS = K / STEP_K, NB = N / ROWS;
   if (W == 1 || tid < 128) table[tid] = tables[(size_t)table_of[e] * 128 + tid];
-  if (tid == 0) {
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) lab_gemm::mbar_init(lab_gemm::smem_addr(&full_bar[s]), W);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  uint32_t phase = 0;  // bit s: the parity stage s's barrier completes next
   const float factor = ldexpf(alpha[e], p[e]);
   const uint2* wp = words + (size_t)(e * NB + bw) * KS * THREADS;         // the warpgroup's words, step 0
   const uint8_t* sp = scales + (size_t)(e * NB + bw) * G * (ROWS * 8);    // its block scales, group 0
