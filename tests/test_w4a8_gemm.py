@@ -185,7 +185,33 @@ def test_prepare_errors_name_the_argument():
 
 
 def test_token_tile():
-    assert [wg.token_tile(c) for c in (1, 8, 9, 16, 17, 33, 64, 65, 1000)] == [8, 8, 16, 16, 32, 64, 64, 64, 64]
+    """One expert alone: the smallest tile holding it up to 64 (more blocks cost more than the
+    larger tile's wider loop); many experts of 9-16 tokens and one of 20: 16, splitting that one,
+    as on the study layer's routing at mean 8 (w13 and w2 5% faster than 32 there on an H100), and
+    32 at mean 32; none: the smallest tile."""
+    from lab.problem import make_routing, tokens_for_mean
+
+    assert [wg.token_tile([c]) for c in (1, 8, 9, 16, 17, 33, 64, 65, 1000)] == [8, 8, 16, 16, 32, 64, 64, 64, 64]
+    assert wg.token_tile([12] * 287 + [20]) == 16 and wg.token_tile([20] * 288) == 32
+    assert wg.token_tile([8] * 287 + [20]) == 8  # 290 blocks x 196 under 289 x 209
+    tiles = [wg.token_tile(np.diff(make_routing(tokens_for_mean(m, 288, 8), 288, 8, seed=0).offsets))
+             for m in (1, 8, 32, 128)]
+    assert tiles == [8, 16, 64, 64], tiles
+    assert wg.token_tile([0, 0]) == 8 and wg.token_tile([]) == 8
+    # ties go to the larger tile: 2 blocks of 8 cost 392, one of 16 costs 209
+    assert wg.token_tile([16]) == 16
+
+
+@needs_nvcc
+def test_the_tile_models_issue_is_the_group_loops():
+    """token_tile's GROUP_ISSUE is each default tile's group loop as ptxas compiles it, in the CTA
+    a plan takes there (one warpgroup at 8, two from WIDE_FROM)."""
+    if sass.nvdisasm_path() is None:
+        pytest.skip("reading SASS needs nvdisasm")
+    for t, want in wg.GROUP_ISSUE.items():
+        expr = wg.wide_expression(t) if wg.wide_warpgroups(t, 4096) == 2 else wg.gemm_expression(t)
+        code = sass.kernel_sass(wg.GEMM_SOURCE, expr)
+        assert sass.loop_mix(code, sass.tensor_loops(code)[0]).instructions == want, (expr, want)
     assert wg.DEFAULT_MAX_TILE in wg.TOKEN_TILES and 128 in wg.TOKEN_TILES  # 128 only when asked for
     with pytest.raises(ValueError, match="tokens: the token tile must be one of"):
         wg.gemm_expression(24)
@@ -379,9 +405,10 @@ def test_layer_plans_count_units_and_pick_tiles():
 
 
 def test_wide_plans_refuse_what_the_wide_cta_cannot_run():
-    offs = np.array([0, 3, 3, 70], np.int32)
-    assert wg.gemm_plan(offs, warpgroups=2) == wg.GemmPlan(tokens=64, token_blocks=2, warpgroups=2)
-    assert wg.gemm_plan(offs) == wg.GemmPlan(tokens=64, token_blocks=2)
+    offs = np.array([0, 3, 3, 70], np.int32)  # token_tile: 32 (4 blocks x 225) over 64 (3 x 320)
+    assert wg.gemm_plan(offs, warpgroups=2) == wg.GemmPlan(tokens=32, token_blocks=3, warpgroups=2)
+    assert wg.gemm_plan(offs) == wg.GemmPlan(tokens=32, token_blocks=3)
+    assert wg.gemm_plan(offs, tokens=64, warpgroups=2) == wg.GemmPlan(tokens=64, token_blocks=2, warpgroups=2)
     assert wg.gemm_plan(offs, tokens=128, warpgroups=2) == wg.GemmPlan(tokens=128, token_blocks=1, warpgroups=2)
     with pytest.raises(ValueError, match="tokens: the fused two-warpgroup CTA takes a token tile of"):
         wg.swiglu_wide_expression(128)
