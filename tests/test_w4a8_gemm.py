@@ -1063,7 +1063,8 @@ def test_the_planned_launch_is_the_checked_one():
     want = wg.w4a8_gemm(prep_d, x8_d, s_d, offsets, alpha).get()
     out = cp.full((x8.shape[0], 128), np.nan, cp.float32)
     plan = wg.plan_w4a8_gemm(prep_d, x8_d, s_d, offsets, alpha, out)
-    assert plan == wg.GemmPlan(64, 2, warpgroups=2)  # N = 128: the two-warpgroup CTA from 16 tokens
+    # token_tile: 32 (5 blocks x 225 issue) over 64 (4 x 320); N = 128: the two-warpgroup CTA from 16 tokens
+    assert plan == wg.GemmPlan(32, 3, warpgroups=2)
     stream = cp.cuda.Stream(non_blocking=True)
     wg.launch_w4a8_gemm(plan, prep_d, x8_d, s_d, cp.asarray(offsets), cp.asarray(alpha), out, stream)
     stream.synchronize()
