@@ -25,11 +25,17 @@ equal the depths' too (with --tiles, each tile also on it: T<t>W2). --wide-stage
 other ring depths as well (labelled W2S<s>; a ring deeper than the shipped one is dynamic shared
 memory), and those bits must equal too.
 
-Needs a GPU. --json writes the table, the configuration and the setup (GPU, commit).
+Needs a GPU. --layer also times the whole layer as one launch (w4a8_gemm.w4a8_layer, what w4a8-layer runs at
+these sizes) at each of its token tiles, on the same random w13 and w2 (rows labelled "layer",
+L<t>; the shipped one is layer_tile's), where the largest expert fits its largest tile; every tile
+sums in the same order, so their bf16 outputs must be equal bit for bit.
+
+--json writes the table, the configuration and the setup (GPU, commit).
 
     python scripts/w4a8_stage_study.py
     python scripts/w4a8_stage_study.py --mean-tokens 1 8 --json stages.json
     python scripts/w4a8_stage_study.py --baseline /tmp/base/lab/kernels
+    python scripts/w4a8_stage_study.py --mean-tokens 1 8 16 --layer
 """
 
 from __future__ import annotations
@@ -83,6 +89,73 @@ def baseline_launcher(cp, tree: Path, tokens: int):
     return launch
 
 
+def write_rows(args, setup, read, rows) -> None:
+    config = {**vars(args), "baseline": [str(t) for t in args.baseline]}
+    Path(args.json).write_text(json.dumps({"setup": setup, "read_roofline": read, "config": config, "rows": rows},
+                                          indent=1) + "\n")
+
+
+def time_layer(cp, rng, mats, routing, mean, read, stream, args) -> list[dict]:
+    """The one-launch layer at each of LAYER_TILES on mats' w13 and w2 (module docstring, --layer):
+    rows of the stage table, matrix "layer", with whether its bf16 output equals the others'."""
+    from lab.timing import time_cuda
+
+    w13, w2 = mats["w13"], mats["w2"]
+    e, i = w13.experts, w13.n // 2
+    largest = int(routing.counts.max(initial=0))
+    if w13.n % (2 * wg.GROUP_K) or w13.k % (2 * wg.ROWS) or not 0 < largest <= wg.LAYER_TILES[-1]:
+        print(f"layer: not timed (largest expert {largest} tokens; the one launch takes up to "
+              f"{wg.LAYER_TILES[-1]}, with H and I multiples of {wg.GROUP_K})")
+        return []
+    offs = routing.offsets.astype(np.int32)
+    rows_in = int(offs[-1])
+    x8, s_x = wg.random_act(cp, rng, rows_in, w13.k)
+    d_offs, ones = cp.asarray(offs), cp.ones(e, cp.float32)
+    glob_host = rng.uniform(0.5, 2.0, e).astype(np.float32)
+    glob = cp.asarray(glob_host)
+    a8, s_a = cp.empty((rows_in, i), cp.uint8), cp.empty((rows_in, i // wg.GROUP_K), cp.float32)
+    count, sync = cp.zeros(1, cp.uint32), cp.zeros(e + 2, cp.int32)
+    cp.cuda.Device().synchronize()
+    runs, outs = {}, {}
+    for t in wg.LAYER_TILES:
+        outs[t] = cp.full((rows_in, w13.k), 0xFFFF, cp.uint16)  # poison: a bf16 NaN
+        plan = wg.plan_w4a8_layer(w13, w2, x8, s_x, offs, np.ones(e, np.float32), glob_host, glob, glob, a8, s_a,
+                                  outs[t], count, sync, tokens=t)
+        runs[t] = (lambda plan=plan, out=outs[t]:
+                   wg.launch_w4a8_layer(plan, w13, w2, x8, s_x, d_offs, ones, glob, glob, glob, a8, s_a, out,
+                                        count, sync, stream))
+    cp.cuda.Device().synchronize()  # the poison (current stream) lands before the study's stream writes
+    for t in runs:
+        runs[t]()
+    stream.synchronize()
+    shipped = wg.layer_tile(largest)
+    ref = outs[shipped]
+    bf16_nan = ((ref & 0x7F80) == 0x7F80) & ((ref & 0x7F) != 0)
+    same = {t: bool(cp.array_equal(outs[t], ref)) for t in runs}
+    finite = not bool(bf16_nan.any()) and int(count.get()[0]) == 0
+    times = {t: [] for t in runs}
+    for _ in range(args.rounds):
+        for t in runs:
+            times[t].append(time_cuda(runs[t], iterations=args.iterations, warmup=2, stream=stream).median_ms)
+    touched = np.count_nonzero(routing.counts)
+    nbytes = sum((m.words.nbytes + m.scales.nbytes) * touched // e for m in (w13, w2)) + x8.nbytes + s_x.nbytes
+    nbytes += rows_in * w13.k * 2  # the bf16 output
+    rows = []
+    for t in runs:
+        ms = float(np.median(times[t]))
+        gbps = nbytes / (ms * 1e-3) / 1e9
+        tflops = 2.0 * rows_in * (w13.n + w2.n) * w13.k / (ms * 1e-3) / 1e12
+        rows.append({"mean_tokens": mean, "matrix": "layer", "tokens": t,
+                     "stages": f"L{t}", "shipped": t == shipped, "ms": ms, "gbps": gbps, "of_read": gbps / read["gbps"],
+                     "tflops": tflops, "bytes": int(nbytes), "equal_bits": all(same.values()),
+                     "same_bits_as_shipped": same[t], "finite": finite})
+    print(tabulate([[f"{r['mean_tokens']:g}", "layer", r["tokens"], r["stages"] + ("*" if r["shipped"] else ""),
+                     f"{1e3 * r['ms']:.1f}", f"{r['gbps']:.0f}", f"{100 * r['of_read']:.1f}%", f"{r['tflops']:.0f}",
+                     r["same_bits_as_shipped"]] for r in rows],
+                   headers=["mean", "matrix", "T", "tile", "us", "GB/s", "of read", "TFLOP/s", "same bits"]), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--mean-tokens", type=float, nargs="+", default=[1, 8, 32, 128],
@@ -107,6 +180,9 @@ def main(argv=None) -> int:
                     help="with --wide, also time the two-warpgroup CTA with the decoded weights in shared memory "
                          "(w4a8_gemm_ss; labelled SS, or T<t>SS at a --tiles tile) where the tile is one of "
                          "w4a8_gemm.SS_TILES; at the plan's tile it must give the same bits")
+    ap.add_argument("--layer", action="store_true",
+                    help="also time the one-launch layer (w4a8_layer) at each of its token tiles (labelled L<t>); "
+                         "their bf16 outputs must be equal bit for bit")
     ap.add_argument("--baseline", type=Path, metavar="DIR", nargs="+", default=[],
                     help="other versions' lab/kernels directories, their w4a8_gemm<T> timed beside the depths")
     ap.add_argument("--json", type=output_path, metavar="PATH", help="write the results here")
@@ -225,8 +301,11 @@ def main(argv=None) -> int:
                            headers=["mean", "matrix", "T", "stages", "us", "GB/s", "of read", "TFLOP/s", "same bits"]),
                   flush=True)
             if args.json:
-                Path(args.json).write_text(json.dumps({"setup": setup, "read_roofline": read, "config": {**vars(args), "baseline": [str(t) for t in args.baseline]},
-                                                       "rows": rows}, indent=1) + "\n")
+                write_rows(args, setup, read, rows)
+        if args.layer:
+            rows += time_layer(cp, rng, mats, routing, mean, read, stream, args)
+            if args.json:
+                write_rows(args, setup, read, rows)
     bad = [r for r in rows if not (r["equal_bits"] and r["finite"])]
     if bad:
         print(f"depths disagree (or an output is not finite) at {sorted({(r['mean_tokens'], r['matrix']) for r in bad})}",
