@@ -84,6 +84,13 @@ def test_w4a8_layer_refuses_a_hot_threshold_that_is_not_a_count(hot):
         w4a8_variants.W4A8Layer(hot_tokens=hot)
 
 
+@pytest.mark.parametrize("tokens", [4, 64, 16.0, "16"])
+def test_w4a8_layer_refuses_a_tile_it_has_not(tokens):
+    with pytest.raises(ValueError, match="tokens: the layer kernel takes a token tile of"):
+        w4a8_variants.W4A8Layer(tokens=tokens)
+    assert w4a8_variants.W4A8Layer(tokens=16).tokens == 16 and w4a8_variants.W4A8Layer().tokens is None
+
+
 @pytest.mark.parametrize("problem, match", [(MoEProblem(8, 192, 128, 2), r"hidden: H=192 must be a positive multiple of 128"),
                                             (MoEProblem(1025, 256, 128, 2), r"experts: E=1025; the layer kernel takes at most 1024")])
 def test_w4a8_layer_refuses_what_its_kernel_cannot_run_before_anything_else(problem, match):

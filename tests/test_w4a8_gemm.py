@@ -394,7 +394,16 @@ def test_a_body_fragment_goes_in_at_each_include_and_a_header_once(tmp_path):
 
 
 def test_layer_plans_count_units_and_pick_tiles():
-    assert [wg.layer_tile(c) for c in (0, 1, 8, 9, 16, 17, 32, 33, 500)] == [8, 8, 8, 16, 16, 32, 32, 32, 32]
+    # one expert alone: the smallest tile holding it (one block either way; ties to the larger)
+    assert [wg.layer_tile([c]) for c in (1, 8, 9, 16, 17, 32, 33, 500)] == [8, 8, 16, 16, 32, 32, 32, 32]
+    assert wg.layer_tile([0, 0]) == 8 and wg.layer_tile([]) == 8
+    # the study layer's routing: every expert one 8-token block at mean 1; at mean 8 (largest expert
+    # 18 tokens) 16, splitting the largest experts rather than taking 32 for them; 32 at mean 32
+    from lab.problem import make_routing, tokens_for_mean
+
+    tiles = [wg.layer_tile(np.diff(make_routing(tokens_for_mean(m, 288, 8), 288, 8, seed=0).offsets))
+             for m in (1, 8, 32)]
+    assert tiles == [8, 16, 32], tiles
     offs = np.array([0, 3, 3, 40, 41], np.int64)  # blocks of 8 tokens: 1, 0, 5, 1
     assert wg.layer_units(offs, 8, hidden=512, intermediate=256) == (7 * 2, 7 * 4)
     assert wg.layer_units(offs, 32, hidden=512, intermediate=256) == (4 * 2, 4 * 4)  # 1, 0, 2, 1
@@ -1294,6 +1303,8 @@ def test_stages_outside_the_tiles_ring_are_refused():
     # (its 32-token blocks: three or more), and the same layer past the hot threshold (three launches)
     (MoEProblem(8, 256, 128, 2), dict(tokens=150, skew=2.0, hot=10**6)),
     (MoEProblem(8, 256, 128, 2), dict(tokens=150, skew=2.0, hot=None)),
+    # the first layer at every tile of the one launch (layer_tile's choice is one of them)
+    *[(MoEProblem(16, 384, 256, 2), dict(tokens=40, skew=0.0, hot=None, tile=t)) for t in wg.LAYER_TILES],
 ])
 def test_w4a8_layer_is_w4a8_bit_for_bit(problem, spec):
     """w4a8-layer against w4a8 on the same layer: a8, s_a and the bf16 output bit for bit (its
@@ -1303,12 +1314,12 @@ def test_w4a8_layer_is_w4a8_bit_for_bit(problem, spec):
 
     seed, routing, _, runner, layer, want = w4a8_baseline(problem, spec)
     hot = LAYER_HOT_TOKENS if spec["hot"] is None else spec["hot"]
-    v = W4A8Layer(hot_tokens=hot)
+    v = W4A8Layer(hot_tokens=hot, tokens=spec.get("tile"))
     runner.prepare(v, layer)
     label = f"seed {seed} max count {routing.counts.max()}"
     assert v.one_launch == (routing.counts.max() <= hot), label
     if v.one_launch:
-        assert v.plan.tokens == wg.layer_tile(int(routing.counts.max())) and v.plan.ctas > 0, v.plan
+        assert v.plan.tokens == (spec.get("tile") or wg.layer_tile(routing.counts)) and v.plan.ctas > 0, v.plan
     for run in range(3):
         with runner.stream:
             v.a8.fill(0x7F)

@@ -836,7 +836,7 @@ LAYER_CTAS_PER_SM = 2  # __launch_bounds__(256, 2): 128 registers at most
 
 def layer_expression(tokens: int) -> str:
     """The whole layer as one persistent launch (w4a8_gemm.cu w4a8_layer) for a token tile."""
-    if tokens not in LAYER_TILES:
+    if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens not in LAYER_TILES:
         raise ValueError(f"tokens: the layer kernel takes a token tile of {LAYER_TILES}, got {tokens!r}")
     return f"lab_w4a8::w4a8_layer<{tokens}>"
 
@@ -844,10 +844,19 @@ def layer_expression(tokens: int) -> str:
 LAYER_EXPRESSIONS = tuple(layer_expression(t) for t in LAYER_TILES)
 
 
-def layer_tile(max_count: int) -> int:
-    """The layer kernel's token tile for the largest expert's count: the smallest of LAYER_TILES
-    holding it, else the largest (such an expert takes several token blocks)."""
-    return next((t for t in LAYER_TILES if t >= max_count), LAYER_TILES[-1])
+def layer_tile(counts) -> int:
+    """The layer kernel's token tile for the experts' token `counts`: token_tile's choice among
+    LAYER_TILES, the tile whose token blocks issue the fewest group-loop instructions by
+    GROUP_ISSUE (ties to the larger tile); LAYER_TILES[0] when every count is zero.
+    GROUP_ISSUE is the separate kernels' loop, not the layer kernel's own (214 / 206 / 228
+    instructions a warp a group at 8 / 16 / 32 tokens), because it ranks the layer's tiles as they
+    measure: on an H100 (results/studies/w4a8_layer_tiles_h100.json) at mean 1 (every expert one
+    block) 8 tokens are 3% faster than 16, which the layer loop's counts would take, and at mean 8
+    (largest expert 18 tokens) 16 tokens are 10% faster than 32, the smallest tile holding it, and
+    20% faster than 8."""
+    counts = np.asarray(counts, np.int64)
+    cost = {t: int((-(-counts // t)).sum()) * GROUP_ISSUE[t] for t in LAYER_TILES}
+    return min(cost, key=lambda t: (cost[t], -t)) if counts.any() else LAYER_TILES[0]
 
 
 def layer_ring_bytes(tokens: int) -> int:
@@ -877,7 +886,7 @@ def plan_w4a8_layer(w13: W4A8Weights, w2: W4A8Weights, x8, s_x, offsets, alpha13
     it; both GEMMs' arguments, the act stage's, the bf16 output (rows, H) uint16 and sync (E + 2,)
     int32, which must be zero before the first launch: each launch leaves it zero), before any
     work on the device: ValueError naming the first bad argument. `tokens` forces the tile (one of
-    LAYER_TILES; default layer_tile of the largest expert). The grid is every CTA that fits on the
+    LAYER_TILES; default layer_tile of the experts' counts). The grid is every CTA that fits on the
     device at once, at most one a unit."""
     offs, _ = check_gemm_args(w13, x8, s_x, offsets, alpha13)
     i, h, e = w13.n // 2, w13.k, w13.experts
@@ -903,7 +912,7 @@ def plan_w4a8_layer(w13: W4A8Weights, w2: W4A8Weights, x8, s_x, offsets, alpha13
     _check_device_array(cp, "nonfinite", nonfinite, (1,), np.uint32)
     _check_device_array(cp, "sync", sync, (e + 2,), np.int32)
     max_count = int(np.diff(offs).max(initial=0))
-    t = layer_tile(max_count) if tokens is None else tokens
+    t = layer_tile(np.diff(offs)) if tokens is None else tokens
     layer_expression(t)  # names the argument when it is not a tile
     if max_count == 0:
         return LayerPlan(t, 0)

@@ -184,7 +184,8 @@ class W4A8Layer(W4A8Fused):
     is done, so no launch boundary drains the device between the GEMMs. Its a8, s_a and bf16
     output are w4a8-fused's bits (the same sums, SwiGLU, quantize and rounding). Where the largest
     expert has more than `hot_tokens` tokens it runs w4a8-fused's three launches (in the one
-    "layer" stage). In the one launch the fp32 output is not written (fp32_out False).
+    "layer" stage). In the one launch the fp32 output is not written (fp32_out False). Its token
+    tile is `tokens` (one of w4a8_gemm.LAYER_TILES) or, by default, w4a8_gemm.layer_tile's.
     On an H200 it is slower than w4a8 (0.903 against 0.796 ms at 1 token per expert, 1.678 against
     1.598 at 8; results/studies/w4a8_layer_and_smem_a_h200.json); not profiled: likely each
     unit's ring starting empty."""
@@ -192,10 +193,13 @@ class W4A8Layer(W4A8Fused):
     name = "w4a8-layer"
     stages = ("layer",)
 
-    def __init__(self, hot_tokens: int = LAYER_HOT_TOKENS):
+    def __init__(self, hot_tokens: int = LAYER_HOT_TOKENS, tokens: int | None = None):
         if isinstance(hot_tokens, bool) or not isinstance(hot_tokens, (int, np.integer)) or hot_tokens < 0:
             raise ValueError(f"hot_tokens: expected an int >= 0 (tokens on the largest expert), got {hot_tokens!r}")
+        if tokens is not None:
+            wg.layer_expression(tokens)  # names the argument when it is not one of the layer's tiles
         self.hot_tokens = int(hot_tokens)
+        self.tokens = tokens  # the one launch's token tile; None: wg.layer_tile of the experts' counts
         self.fp32_out = False
 
     def prepare(self, runner, layer) -> None:
@@ -218,7 +222,7 @@ class W4A8Layer(W4A8Fused):
         self.plan = wg.plan_w4a8_layer(self.w13, self.w2, self.x8, self.s_x, layer.offsets_host,
                                        np.ones(E, np.float32), np.asarray(w.host.w2_global, np.float32),
                                        w.gate_global, w.up_global, self.a8, self.s_a, layer.out_bf16,
-                                       runner.counter, self.sync)
+                                       runner.counter, self.sync, tokens=self.tokens)
 
     def run(self, runner, layer) -> None:
         w, s = layer.weights, runner.stream
