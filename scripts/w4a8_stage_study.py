@@ -25,7 +25,12 @@ equal the depths' too (with --tiles, each tile also on it: T<t>W2). --wide-stage
 other ring depths as well (labelled W2S<s>; a ring deeper than the shipped one is dynamic shared
 memory), and those bits must equal too.
 
-Needs a GPU. --layer also times the whole layer as one launch (w4a8_gemm.w4a8_layer, what w4a8-layer runs at
+Needs a GPU. --resident also times the one-warpgroup CTA with its token block's activations resident in shared
+memory and the weights' ring filled by bulk copies (w4a8_gemm_res; labelled R at the plan's tile,
+T<t>R at a --tiles tile) where the tile is one of w4a8_gemm.RES_TILES and K a multiple of 128;
+at the plan's tile its bits must equal the depths', at a --tiles tile the same tile's ring kernel's.
+
+--layer also times the whole layer as one launch (w4a8_gemm.w4a8_layer, what w4a8-layer runs at
 these sizes) at each of its token tiles, on the same random w13 and w2 (rows labelled "layer",
 L<t>; the shipped one is layer_tile's), where the largest expert fits its largest tile; every tile
 sums in the same order, so their bf16 outputs must be equal bit for bit.
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -180,6 +186,9 @@ def main(argv=None) -> int:
                     help="with --wide, also time the two-warpgroup CTA with the decoded weights in shared memory "
                          "(w4a8_gemm_ss; labelled SS, or T<t>SS at a --tiles tile) where the tile is one of "
                          "w4a8_gemm.SS_TILES; at the plan's tile it must give the same bits")
+    ap.add_argument("--resident", action="store_true",
+                    help="also time the resident-activation kernel (w4a8_gemm_res; labelled R, or T<t>R at a --tiles "
+                         "tile) where the tile is one of w4a8_gemm.RES_TILES; it must give the same bits")
     ap.add_argument("--layer", action="store_true",
                     help="also time the one-launch layer (w4a8_layer) at each of its token tiles (labelled L<t>); "
                          "their bf16 outputs must be equal bit for bit")
@@ -244,6 +253,9 @@ def main(argv=None) -> int:
                 old = baseline_launcher(cp, tree, base.tokens)
                 runs[f"base{n_base}"] = (lambda out, old=old:
                                          old(prep, x8, s_x, d_offs, alpha, out, base.token_blocks, stream))
+            if args.resident and base.tokens in wg.RES_TILES and prep.k % wg.GROUP_K == 0:
+                runs["R"] = (lambda out, plan=replace(base, warpgroups=1, resident=True):
+                             wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
             if args.wide and base.tokens in wg.WIDE_TILES and prep.n % (2 * wg.ROWS) == 0:
                 runs["W2"] = (lambda out, plan=replace(base, warpgroups=2):
                               wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
@@ -262,6 +274,9 @@ def main(argv=None) -> int:
                     if args.wide and t in wg.WIDE_TILES and prep.n % (2 * wg.ROWS) == 0:
                         runs[f"T{t}W2"] = (lambda out, plan=replace(tile_plan, warpgroups=2):
                                            wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
+                    if args.resident and t in wg.RES_TILES and prep.k % wg.GROUP_K == 0:
+                        runs[f"T{t}R"] = (lambda out, plan=replace(tile_plan, resident=True):
+                                          wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
                     if args.smem_a and t in wg.SS_TILES and prep.n % (2 * wg.ROWS) == 0:
                         runs[f"T{t}SS"] = (lambda out, plan=replace(tile_plan, warpgroups=2, smem_a=True):
                                            wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
@@ -277,7 +292,9 @@ def main(argv=None) -> int:
             for s in depths:  # a --tiles tile's shared-memory-A run against the same tile's register-A one
                 if str(s).startswith("T") and str(s).endswith("SS"):
                     same[s] = bool(cp.array_equal(outs[s], outs[s[:-2] + "W2"]))
-            equal = (all(v for s, v in same.items() if not str(s).startswith(("T", "base")))
+                if str(s).startswith("T") and str(s).endswith("R"):  # and a resident run against its tile's
+                    same[s] = bool(cp.array_equal(outs[s], outs[s[:-1]]))
+            equal = (all(v for s, v in same.items() if not str(s).startswith(("T", "base")) or re.fullmatch(r"T\d+R", s))
                      and bool(cp.isfinite(ref).all()))
             for _ in range(args.rounds):
                 for s in depths:
@@ -290,7 +307,7 @@ def main(argv=None) -> int:
                 ms = float(np.median(times[s]))
                 gbps = nbytes / (ms * 1e-3) / 1e9
                 tflops = 2.0 * x8.shape[0] * prep.n * prep.k / (ms * 1e-3) / 1e12
-                tile = int(s[1:].split("W")[0].split("S")[0]) if str(s).startswith("T") else base.tokens
+                tile = int(re.match(r"T(\d+)", s).group(1)) if str(s).startswith("T") else base.tokens
                 rows.append({"mean_tokens": mean, "matrix": name, "tokens": tile, "stages": s,
                              "shipped": s == wg.max_stages(base.tokens) or str(s).startswith("T"), "ms": ms, "gbps": gbps,
                              "of_read": gbps / read["gbps"], "tflops": tflops, "bytes": int(nbytes), "equal_bits": equal,

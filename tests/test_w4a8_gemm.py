@@ -231,7 +231,7 @@ def test_launch_refuses_host_weights_before_touching_a_device():
 
 @needs_nvcc
 @pytest.mark.parametrize("expr", wg.GEMM_EXPRESSIONS + wg.UNPROMOTED_EXPRESSIONS + wg.FUSED_EXPRESSIONS +
-                         wg.ACT_EXPRESSIONS)
+                         wg.RES_EXPRESSIONS + wg.ACT_EXPRESSIONS)
 def test_instantiations_compile_without_spills(expr):
     source = wg.ACT_SOURCE if expr in wg.ACT_EXPRESSIONS else wg.GEMM_SOURCE
     info = jit.ptxas_report(source, expr)
@@ -660,6 +660,36 @@ def test_the_shared_memory_a_kernel_gives_the_wide_kernels_bits(tokens, token_bl
     assert ss.tobytes() == wide.tobytes()
     with pytest.raises(ValueError, match="tokens: the shared-memory-A kernel takes a token tile of"):
         wg.w4a8_gemm(prep_d, cp.asarray(x8), cp.asarray(s_x), offsets, alpha, tokens=32, smem_a=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", wg.RES_TILES)
+@pytest.mark.parametrize("token_blocks", [None, 2])
+def test_the_resident_activation_kernel_gives_the_plain_kernels_bits(tokens, token_blocks):
+    """w4a8_gemm_res (the block's activations resident for all of K, the weights by bulk copies):
+    the plain kernel's bits at the same tile on a ragged problem with an empty expert, 150 tokens
+    on one expert, a partial last block and CTAs that loop over token tiles (the ring's barriers
+    carried from block to block); nothing written outside the output. K = 384: three groups, fewer
+    than the ring's depth; K = 2048 (16 groups) wraps the ring four times."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    for k in (384, 2048):
+        rng = np.random.default_rng(300 + tokens + k)
+        prep, x8, s_x, offsets, alpha, ref, mag = make_problem(rng, [1, 0, 23, 150, 8], 128, k)
+        prep_d = prep.to_device()
+        plain, _ = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
+                            warpgroups=1)
+        res, guard = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
+                              resident=True)
+        assert np.isnan(guard).all()
+        assert_within_bound(res, ref, mag)
+        assert res.tobytes() == plain.tobytes(), k
+    with pytest.raises(ValueError, match="tokens: the resident-activation kernel takes a token tile of"):
+        wg.w4a8_gemm(prep_d, cp.asarray(x8), cp.asarray(s_x), offsets, alpha, tokens=32, resident=True)
+    prep, x8, s_x, offsets, alpha, _, _ = make_problem(rng, [4, 9], 128, 320)
+    with pytest.raises(ValueError, match="resident: the resident-activation kernel takes K a multiple of 128"):
+        wg.w4a8_gemm(prep.to_device(), cp.asarray(x8), cp.asarray(s_x), offsets, alpha, resident=True)
 
 
 @pytest.mark.gpu

@@ -615,6 +615,195 @@ __global__ void __launch_bounds__(2 * THREADS, 1)  // (at 64 tokens a bound of 1
                                                          N, K, epi);
 }
 
+// ------------------------------------------------------------------------------ activations resident
+//
+// w4a8_gemm_res: the one-warpgroup CTA with its token block's activations resident in shared
+// memory for the whole of K, so that the group loop copies nothing per thread. Why: at decode
+// sizes the ring kernel issues ~200 instructions a warp a group at 8 tokens, about 100 of them
+// the decode and most of the rest the copies (six cp.async a thread a group, their addresses,
+// the placeholders ptxas puts before them, their waits); on the H200 that issue, not the read,
+// binds (notes/w4a8.md). Here, per token block:
+//   prologue: the ring's first STAGES - 1 groups of weights and scales by bulk copies (one thread,
+//       one mbarrier a stage); the block's T x K activation bytes, K-permuted as gemm_body's stages
+//       hold them (two 16-byte loads and two 16-byte stores a token's k32 step: logical chunks
+//       0, 2, 4, 6 are half 0's row of the core matrix, 1, 3, 5, 7 half 1's), and its T x G scales;
+//       zeros for tokens past the count. A proxy fence and the CTA's barrier.
+//   group gi: wait on its stage's mbarrier; the CTA's barrier (everyone is done with gi - 1's
+//       stage); thread 0 refills that stage with group gi + STAGES - 1; decode and the four wgmmas
+//       (B: group gi's resident activations); retire; promote.
+// The same wgmmas in the same order on the same values as w4a8_gemm<T>: the same bits. K must be a
+// multiple of 128 (no 64-column last group; the launcher refuses others). Dynamic shared memory:
+// the ring, then G x T x 128 bytes of activations, then G x T scales (res_smem_bytes in
+// w4a8_gemm.py): 51 KiB at 8 tokens and K = 4096.
+struct __align__(128) WeightStage {  // one group of one warpgroup: 4 KiB of words, 512 bytes of scales
+  uint2 ws[STEPS * THREADS];
+  uint2 scs[ROWS];
+};
+
+template <int T>
+struct ResStages {
+  static constexpr int value = 4;
+};
+
+// The block's activations, group-major in gemm_body's stage layout (group gi at gi x T x 128),
+// and its scales sx[gi][j]. Thread i of the CTA handles token steps i, i + THREADS, ... of the
+// block's T x (K / 32): each a 32-byte piece of one token's row, two 16-byte loads, stored as
+// two 16-byte rows of core matrices. Tokens at `valid` and past: zeros.
+template <int T>
+__device__ __forceinline__ void load_resident_x(const uint8_t* __restrict__ x8, const float* __restrict__ s_x,
+                                                size_t row0, int valid, int K, int G, uint32_t xres, float* sxres,
+                                                int tid) {
+  const int KS = K / STEP_K, pieces = T * KS;
+  constexpr int BATCH = 4;  // pieces in flight a thread (8 registers each)
+  for (int i0 = tid; i0 < pieces; i0 += BATCH * THREADS) {
+    uint4 lo[BATCH], hi[BATCH];
+#pragma unroll
+    for (int u = 0; u < BATCH; ++u) {
+      const int i = i0 + u * THREADS, j = i % T, ks = i / T;  // token j, step ks: consecutive threads, tokens
+      lo[u] = hi[u] = make_uint4(0u, 0u, 0u, 0u);
+      if (i < pieces && j < valid) {
+        const uint4* src = reinterpret_cast<const uint4*>(x8 + (row0 + j) * (size_t)K + ks * STEP_K);
+        lo[u] = __ldg(src);
+        hi[u] = __ldg(src + 1);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < BATCH; ++u) {
+      const int i = i0 + u * THREADS, j = i % T, ks = i / T;
+      if (i < pieces) {
+        // group ks / 4, step ks % 4: byte (s T 32) + (j / 8) 256 + h 128 + (j % 8) 16 in its group
+        const uint32_t row = xres + (ks >> 2) * (T * 128) + (ks & 3) * (T * 32) + (j >> 3) * 256 + (j & 7) * 16;
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(row), "r"(lo[u].x), "r"(lo[u].z), "r"(hi[u].x),
+                     "r"(hi[u].z) : "memory");
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(row + 128), "r"(lo[u].y), "r"(lo[u].w),
+                     "r"(hi[u].y), "r"(hi[u].w) : "memory");
+      }
+    }
+  }
+  for (int i = tid; i < G * T; i += THREADS) {
+    const int gi = i / T, j = i % T;
+    sxres[i] = j < valid ? s_x[(row0 + j) * (size_t)G + gi] : 0.0f;
+  }
+}
+
+template <int T, int STAGES = ResStages<T>::value>
+__global__ void __launch_bounds__(THREADS, 1)
+    w4a8_gemm_res(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
+                  const uint2* __restrict__ tables, const int* __restrict__ table_of, const int* __restrict__ p,
+                  const float* __restrict__ alpha, const uint8_t* __restrict__ x8, const float* __restrict__ s_x,
+                  const int* __restrict__ offsets, float* __restrict__ out, int N, int K) {
+  static_assert(T == 8 || T == 16, "the resident tiles: 8 and 16 tokens");
+  constexpr int F = T / 8;
+  extern __shared__ __align__(128) uint8_t res_smem[];
+  WeightStage* const ring = reinterpret_cast<WeightStage*>(res_smem);
+  __shared__ uint2 table[128];
+  __shared__ __align__(8) uint64_t full[STAGES];  // stage s's words and scales have landed
+
+  const int e = blockIdx.z, b = blockIdx.x;
+  const int r0 = offsets[e];
+  const int count = offsets[e + 1] - r0;
+  if ((int)blockIdx.y * T >= count) return;  // the whole CTA: no barrier is left waiting
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int G = K / GROUP_K, KS = K / STEP_K, NB = N / ROWS;
+  table[tid] = tables[(size_t)table_of[e] * 128 + tid];
+  const uint32_t ring0 = lab_gemm::smem_addr(ring), bar0 = lab_gemm::smem_addr(&full[0]);
+  const uint32_t xres = ring0 + STAGES * (uint32_t)sizeof(WeightStage);
+  float* const sxres = reinterpret_cast<float*>(res_smem + STAGES * sizeof(WeightStage) + (size_t)G * T * 128);
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) lab_gemm::mbar_init(bar0 + 8 * s, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  const float factor = ldexpf(alpha[e], p[e]);
+  const uint8_t* wsrc = reinterpret_cast<const uint8_t*>(words + (size_t)(e * NB + b) * KS * THREADS);
+  const uint8_t* ssrc = scales + (size_t)(e * NB + b) * G * (ROWS * 8);
+  constexpr uint32_t WBYTES = STEPS * THREADS * 8, SBYTES = ROWS * 8;
+  // thread 0: group gi's words and scales into stage s, completing on its barrier
+  auto fill_stage = [&](int s, int gi) {
+    const uint32_t dst = ring0 + s * (uint32_t)sizeof(WeightStage), bar = bar0 + 8 * s;
+    lab_gemm::mbar_arrive_expect_tx(bar, WBYTES + SBYTES);
+    lab_gemm::bulk_copy(dst, wsrc + (size_t)gi * WBYTES, WBYTES, bar);
+    lab_gemm::bulk_copy(dst + WBYTES, ssrc + (size_t)gi * SBYTES, SBYTES, bar);
+  };
+  uint32_t phase = 0;  // bit s: the parity stage s's barrier completes next
+
+  float tmp[F][4];
+#pragma unroll
+  for (int j = 0; j < F; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) tmp[j][i] = 0.0f;
+
+  for (int tb = blockIdx.y; tb * T < count; tb += gridDim.y) {
+    const int t0 = tb * T;
+    const int valid = min(T, count - t0);
+    const size_t row0 = (size_t)r0 + t0;
+    float acc[F][4];
+#pragma unroll
+    for (int j = 0; j < F; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+
+    // everyone is past the previous block's reads of the ring and the activations (and the
+    // barriers' initialization and the table are visible) before they are refilled
+    __syncthreads();
+    if (tid == 0) {
+#pragma unroll
+      for (int i = 0; i < STAGES - 1; ++i)
+        if (i < G) fill_stage(i, i);
+    }
+    load_resident_x<T>(x8, s_x, row0, valid, K, G, xres, sxres, tid);
+    lab_gemm::fence_proxy_async();  // the activations' generic stores, before wgmma reads them
+    __syncthreads();
+
+    const uint32_t desc_lo = (uint32_t)lab_gemm::smem_desc(xres, 128, 256);
+    int stage = 0, fill = STAGES - 1;
+    for (int gi = 0; gi < G; ++gi) {
+      lab_gemm::mbar_wait(bar0 + 8 * stage, (phase >> stage) & 1u);
+      phase ^= 1u << stage;
+      __syncthreads();  // everyone is done with group gi - 1's stage, which refills now
+      if (tid == 0 && gi + STAGES - 1 < G) fill_stage(fill, gi + STAGES - 1);
+
+      const WeightStage& st = ring[stage];
+      const uint32_t cs = 8 * (c >> 1);
+      const uint2 sc0 = st.scs[16 * warp + g], sc1 = st.scs[16 * warp + g + 8];
+      const uint32_t b0[2] = {sc0.x >> cs, sc0.y >> cs}, b1[2] = {sc1.x >> cs, sc1.y >> cs};
+      uint32_t a[STEPS][4];
+#pragma unroll
+      for (int s = 0; s < STEPS; ++s) {
+        const uint2 w = st.ws[s * THREADS + tid];
+        const uint2 t0w = table[(b0[s >> 1] >> (16 * (s & 1))) & 0x7Fu];
+        const uint2 t1w = table[(b1[s >> 1] >> (16 * (s & 1))) & 0x7Fu];
+        lab_gemm::decode_fp8_word(w.x, t0w.x, t0w.y, a[s][0], a[s][2]);
+        lab_gemm::decode_fp8_word(w.y, t1w.x, t1w.y, a[s][1], a[s][3]);
+      }
+      const uint32_t dlo = desc_lo + gi * (uint32_t)(T * 128 / 16);
+      lab_gemm::wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < STEPS; ++s)
+        WgmmaE4M3<F>::run(tmp, a[s], (uint64_t)(256 >> 4) << 32 | (dlo + s * (T * 2)), s);
+      lab_gemm::wgmma_commit();
+      lab_gemm::wgmma_wait<0>();
+      lab_gemm::fence_acc(tmp);
+#pragma unroll
+      for (int s = 0; s < STEPS; ++s)  // the A registers stay allocated until the wgmmas retire
+        asm volatile("" ::"r"(a[s][0]), "r"(a[s][1]), "r"(a[s][2]), "r"(a[s][3]));
+#pragma unroll
+      for (int j = 0; j < F; ++j) {
+        const float s0 = sxres[gi * T + 8 * j + 2 * c], s1 = sxres[gi * T + 8 * j + 2 * c + 1];
+        acc[j][0] = fmaf(tmp[j][0], s0, acc[j][0]);
+        acc[j][1] = fmaf(tmp[j][1], s1, acc[j][1]);
+        acc[j][2] = fmaf(tmp[j][2], s0, acc[j][2]);
+        acc[j][3] = fmaf(tmp[j][3], s1, acc[j][3]);
+      }
+      fill = stage;
+      stage = stage + 1 == STAGES ? 0 : stage + 1;
+    }
+    StoreOut<T> epi{out, N};
+    epi.template store<true>(acc, tmp, factor, row0, valid, b, warp, g, c, e, G, s_x);
+  }
+}
+
 // ------------------------------------------------------------------------------ the layer in one launch
 //
 // w4a8_layer (w4a8-layer): w13 with the SwiGLU + quantize epilogue, then w2 writing the bf16

@@ -165,6 +165,28 @@ def ss_smem_bytes(tokens: int) -> int:
 
 SS_EXPRESSIONS = tuple(ss_expression(t) for t in SS_TILES)
 
+RES_TILES = (8, 16)  # the resident-activation kernel's tiles
+RES_STAGES = 4  # its ring of weights (w4a8_gemm.cu ResStages)
+WEIGHT_STAGE_BYTES = (GROUP_K // STEP_K * THREADS + ROWS) * 8  # one group's words and scales (WeightStage)
+
+
+def res_expression(tokens: int) -> str:
+    """The one-warpgroup CTA with its token block's activations resident in shared memory for the
+    whole of K and the weights' ring filled by bulk copies (w4a8_gemm.cu w4a8_gemm_res;
+    GemmPlan.resident): no copies a thread in the group loop."""
+    if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens not in RES_TILES:
+        raise ValueError(f"tokens: the resident-activation kernel takes a token tile of {RES_TILES}, got {tokens!r}")
+    return f"lab_w4a8::w4a8_gemm_res<{tokens}>"
+
+
+def res_smem_bytes(tokens: int, k: int) -> int:
+    """The dynamic shared memory of a resident-activation launch: the ring, then the block's
+    T x K activation bytes and its T x K / 128 scales."""
+    return RES_STAGES * WEIGHT_STAGE_BYTES + tokens * k + 4 * tokens * (k // GROUP_K)
+
+
+RES_EXPRESSIONS = tuple(res_expression(t) for t in RES_TILES)
+
 
 def swiglu_wide_expression(tokens: int) -> str:
     """The fused w13 on the two-warpgroup CTA (w4a8_gemm_swiglu_wide): the same a8 and s_a."""
@@ -518,6 +540,7 @@ class GemmPlan:
     stages: int | None = None  # the ring's depth; None: the shipped one (the depth study sets it)
     warpgroups: int = 1  # 2: the two-warpgroup CTA (128 weight rows a CTA; needs N % 128 == 0)
     smem_a: bool = False  # the two-warpgroup CTA with the decoded weights in shared memory (w4a8_gemm_ss)
+    resident: bool = False  # the one-warpgroup CTA with the activations resident (w4a8_gemm_res)
 
 
 def gemm_plan(offsets, tokens: int | None = None, token_blocks: int | None = None, warpgroups: int = 1) -> GemmPlan:
@@ -575,7 +598,16 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
     w, smem = plan.warpgroups, 0
     if plan.smem_a and (w != 2 or plan.stages is not None or not plan.promote):
         raise ValueError("plan: the shared-memory-A kernel is the two-warpgroup CTA at its shipped depth, promoted")
-    if plan.smem_a:
+    if plan.resident and (w != 1 or plan.stages is not None or not plan.promote or plan.smem_a):
+        raise ValueError("plan: the resident-activation kernel is the one-warpgroup CTA at its shipped depth, promoted")
+    if plan.resident:
+        if prep.k % GROUP_K:
+            raise ValueError(f"plan: the resident-activation kernel takes K a multiple of {GROUP_K}, got K={prep.k}")
+        smem = res_smem_bytes(plan.tokens, prep.k)
+        fn = _kernel(GEMM_SOURCE, RES_EXPRESSIONS, res_expression(plan.tokens))
+        if fn.max_dynamic_shared_size_bytes < smem:
+            fn.max_dynamic_shared_size_bytes = smem
+    elif plan.smem_a:
         smem = ss_smem_bytes(plan.tokens)
         fn = _kernel(GEMM_SOURCE, SS_EXPRESSIONS, ss_expression(plan.tokens))
         if fn.max_dynamic_shared_size_bytes < smem:
@@ -605,7 +637,7 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
 
 def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None, tokens: int | None = None,
               token_blocks: int | None = None, promote: bool = True, warpgroups: int | None = None,
-              smem_a: bool = False):
+              smem_a: bool = False, resident: bool = False):
     """Launch the W4A8 grouped GEMM on `stream` (a CuPy stream, None for the current one) and
     return `out` (allocated on that stream when None). `tokens` forces the token tile (one of
     TOKEN_TILES); by default token_tile's (the one that issues least over the experts' blocks).
@@ -616,7 +648,9 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
     column of s_x equal (checked on the host). warpgroups 2 runs the two-warpgroup CTA, 1 the
     one-warpgroup one (the same bits; 2 needs N a multiple of 128 and a token tile of WIDE_TILES);
     None picks by wide_warpgroups (1 without promotion). smem_a runs the two-warpgroup CTA with the
-    decoded weights in shared memory (w4a8_gemm_ss; a tile of SS_TILES, promoted; warpgroups 2)."""
+    decoded weights in shared memory (w4a8_gemm_ss; a tile of SS_TILES, promoted; warpgroups 2).
+    resident runs the one-warpgroup CTA with the activations resident in shared memory
+    (w4a8_gemm_res; a tile of RES_TILES, promoted, K a multiple of 128; the same bits)."""
     offs, al = check_gemm_args(prep, x8, s_x, offsets, alpha, out)
     if warpgroups == 2 and not promote:
         raise ValueError("warpgroups: the two-warpgroup CTA is promoted only (promote=False takes 1)")
@@ -630,10 +664,18 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
                              f"has {sx[bad, :4].tolist()}...")
     if smem_a and (not promote or warpgroups == 1):
         raise ValueError("smem_a: the shared-memory-A kernel is the two-warpgroup CTA, promoted")
-    plan = replace(_plan(prep, offs, tokens, token_blocks, 2 if smem_a else warpgroups), promote=bool(promote))
+    if resident and (not promote or smem_a or warpgroups == 2):
+        raise ValueError("resident: the resident-activation kernel is the one-warpgroup CTA, promoted")
+    if resident and prep.k % GROUP_K:
+        raise ValueError(f"resident: the resident-activation kernel takes K a multiple of {GROUP_K}, got K={prep.k}")
+    plan = replace(_plan(prep, offs, tokens, token_blocks, 2 if smem_a else 1 if resident else warpgroups),
+                   promote=bool(promote))
     if smem_a:
         ss_expression(plan.tokens)  # names the tile it lacks
         plan = replace(plan, smem_a=True)
+    if resident:
+        res_expression(plan.tokens)
+        plan = replace(plan, resident=True)
     import cupy as cp
 
     stream = stream if stream is not None else cp.cuda.get_current_stream()
