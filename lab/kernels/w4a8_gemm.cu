@@ -757,12 +757,12 @@ __global__ void __launch_bounds__(THREADS, 1)
     __syncthreads();
 
     const uint32_t desc_lo = (uint32_t)lab_gemm::smem_desc(xres, 128, 256);
-    int stage = 0, fill = STAGES - 1;
-    for (int gi = 0; gi < G; ++gi) {
+    // group gi in stage `stage` (a constant where the loops below unroll: no stage arithmetic)
+    auto group = [&](int gi, int stage) {
       lab_gemm::mbar_wait(bar0 + 8 * stage, (phase >> stage) & 1u);
       phase ^= 1u << stage;
       __syncthreads();  // everyone is done with group gi - 1's stage, which refills now
-      if (tid == 0 && gi + STAGES - 1 < G) fill_stage(fill, gi + STAGES - 1);
+      if (tid == 0 && gi + STAGES - 1 < G) fill_stage((stage + STAGES - 1) % STAGES, gi + STAGES - 1);
 
       const WeightStage& st = ring[stage];
       const uint32_t cs = 8 * (c >> 1);
@@ -796,9 +796,14 @@ __global__ void __launch_bounds__(THREADS, 1)
         acc[j][2] = fmaf(tmp[j][2], s0, acc[j][2]);
         acc[j][3] = fmaf(tmp[j][3], s1, acc[j][3]);
       }
-      fill = stage;
-      stage = stage + 1 == STAGES ? 0 : stage + 1;
+    };
+    int gi = 0;
+    for (; gi + STAGES <= G; gi += STAGES) {  // whole rounds of the ring
+#pragma unroll
+      for (int s = 0; s < STAGES; ++s) group(gi + s, s);
     }
+#pragma unroll 1
+    for (int s = 0; gi < G; ++s, ++gi) group(gi, s);  // the last G % STAGES groups
     StoreOut<T> epi{out, N};
     epi.template store<true>(acc, tmp, factor, row0, valid, b, warp, g, c, e, G, s_x);
   }
