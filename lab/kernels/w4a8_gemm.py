@@ -186,6 +186,14 @@ def res_smem_bytes(tokens: int, k: int) -> int:
 
 
 RES_EXPRESSIONS = tuple(res_expression(t) for t in RES_TILES)
+RES_DEFAULT_TILES = (8,)  # where a default plan takes it (the one-warpgroup CTA's tiles of RES_TILES)
+
+
+def resident_by_default(plan, k: int) -> bool:
+    """Whether a default plan runs the resident-activation kernel: a one-warpgroup plan at a tile of
+    RES_DEFAULT_TILES, promoted, with K a multiple of 128."""
+    return (plan.tokens in RES_DEFAULT_TILES and plan.warpgroups == 1 and plan.promote and not plan.smem_a
+            and plan.stages is None and k % GROUP_K == 0)
 
 
 def swiglu_wide_expression(tokens: int) -> str:
@@ -579,7 +587,8 @@ def plan_w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out, tokens: int 
 def _plan(prep: W4A8Weights, offs, tokens, token_blocks, warpgroups) -> GemmPlan:
     if warpgroups is None:
         plan = gemm_plan(offs, tokens, token_blocks)
-        return replace(plan, warpgroups=wide_warpgroups(plan.tokens, prep.n))
+        plan = replace(plan, warpgroups=wide_warpgroups(plan.tokens, prep.n))
+        return replace(plan, resident=resident_by_default(plan, prep.k))
     _check_warpgroups(prep, warpgroups)
     return gemm_plan(offs, tokens, token_blocks, warpgroups)
 
