@@ -204,8 +204,9 @@ def test_token_tile():
 
 @needs_nvcc
 def test_the_tile_models_issue_is_the_group_loops():
-    """token_tile's GROUP_ISSUE is each default tile's group loop as ptxas compiles it, in the CTA
-    a plan takes there (one warpgroup at 8, two from WIDE_FROM)."""
+    """token_tile's GROUP_ISSUE is each default tile's group loop as ptxas compiles it, in the ring
+    CTA a plan takes there (one warpgroup at 8, two from WIDE_FROM; at 8 a default plan runs the
+    resident-activation kernel, whose shorter loop the model leaves out: GROUP_ISSUE's comment)."""
     if sass.nvdisasm_path() is None:
         pytest.skip("reading SASS needs nvdisasm")
     for t, want in wg.GROUP_ISSUE.items():
@@ -215,6 +216,38 @@ def test_the_tile_models_issue_is_the_group_loops():
     assert wg.DEFAULT_MAX_TILE in wg.TOKEN_TILES and 128 in wg.TOKEN_TILES  # 128 only when asked for
     with pytest.raises(ValueError, match="tokens: the token tile must be one of"):
         wg.gemm_expression(24)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("tokens", wg.RES_TILES)
+def test_the_resident_kernels_loop_copies_nothing_a_thread(tokens):
+    """w4a8_gemm_res: its group loop, unrolled by the ring's depth, holds four QGMMA a group, the
+    weights' bulk copies (two a group, thread 0's) and no cp.async (LDGSTS) at all: the activations
+    were copied before it. At most 155 instructions a group (the ring kernel's: 196 at 8 tokens)."""
+    if sass.nvdisasm_path() is None:
+        pytest.skip("reading SASS needs nvdisasm")
+    code = sass.kernel_sass(wg.GEMM_SOURCE, wg.res_expression(tokens))
+    loop = sass.tensor_loops(code)[0]
+    ops = [i.opcode for i in code[loop[0]: loop[1] + 1]]
+    assert sum(o.startswith("QGMMA") for o in ops) == 4 * wg.RES_STAGES, ops
+    assert sum(o.startswith("UBLKCP") for o in ops) == 2 * wg.RES_STAGES, sorted(set(ops))
+    assert not any(o.startswith("LDGSTS") for o in ops), sorted(set(ops))
+    assert sass.loop_mix(code, loop).instructions <= 155 * wg.RES_STAGES
+
+
+def test_resident_plans():
+    offs = np.array([0, 3, 3, 9], np.int32)
+    prep = wg.prepare_w4a8_weights(*random_nvfp4(np.random.default_rng(1), 3, 64, 256))
+    plan = wg._plan(prep, offs, None, None, None)
+    assert plan == wg.GemmPlan(8, 1, resident=True), plan
+    assert not wg._plan(prep, offs, None, None, 1).resident  # a CTA asked for: the ring kernel
+    assert not wg._plan(prep, offs, 16, None, None).resident  # 16 tokens: the two-warpgroup CTA's
+    odd = wg.prepare_w4a8_weights(*random_nvfp4(np.random.default_rng(1), 3, 64, 320))
+    assert not wg._plan(odd, offs, None, None, None).resident  # K % 128: a 64-column last group
+    assert wg.res_smem_bytes(8, 4096) == 4 * 4608 + 8 * 4096 + 4 * 8 * 32
+    for bad in (4, 32, 8.0, True):
+        with pytest.raises(ValueError, match="tokens: the resident-activation kernel takes a token tile of"):
+            wg.res_expression(bad)
 
 
 def test_launch_refuses_host_weights_before_touching_a_device():

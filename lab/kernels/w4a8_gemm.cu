@@ -635,6 +635,12 @@ __global__ void __launch_bounds__(2 * THREADS, 1)  // (at 64 tokens a bound of 1
 // multiple of 128 (no 64-column last group; the launcher refuses others). Dynamic shared memory:
 // the ring, then G x T x 128 bytes of activations, then G x T scales (res_smem_bytes in
 // w4a8_gemm.py): 51 KiB at 8 tokens and K = 4096.
+// The group loop: ~150 instructions a warp a group with thread 0's refills, ~125 without, against
+// the ring kernel's 196 at 8 tokens. Measured on an H100 only (results/studies/
+// w4a8_resident_h100.json): equal to the ring kernel at mean 1, where both read at 96-98%; at 8
+// tokens and mean 8 5-12% faster than the ring kernel at 8 (not faster than the 16-token
+// two-warpgroup plan); at 16 tokens and K = 4096 (84 KiB, two CTAs an SM) 23% slower. Default
+// plans take it at 8 tokens only (w4a8_gemm.py resident_by_default).
 struct __align__(128) WeightStage {  // one group of one warpgroup: 4 KiB of words, 512 bytes of scales
   uint2 ws[STEPS * THREADS];
   uint2 scs[ROWS];

@@ -191,7 +191,12 @@ RES_DEFAULT_TILES = (8,)  # where a default plan takes it (the one-warpgroup CTA
 
 def resident_by_default(plan, k: int) -> bool:
     """Whether a default plan runs the resident-activation kernel: a one-warpgroup plan at a tile of
-    RES_DEFAULT_TILES, promoted, with K a multiple of 128."""
+    RES_DEFAULT_TILES, promoted, with K a multiple of 128. Only 8: at 16 tokens and K = 4096 its
+    84 KiB of shared memory leave two CTAs an SM and it was 23% slower than the ring kernel (w13,
+    mean 8, H100); at 8 it matched the ring kernel at mean 1 (588.8 against 587.2 us w13, 299.7
+    against 302.0 w2: the H100 reads at 96-98% there) and was 5-12% faster at mean 8
+    (results/studies/w4a8_resident_h100.json). Its issue savings are for the H200, where the
+    8-token ring kernel is issue bound; not yet timed there."""
     return (plan.tokens in RES_DEFAULT_TILES and plan.warpgroups == 1 and plan.promote and not plan.smem_a
             and plan.stages is None and k % GROUP_K == 0)
 
@@ -236,6 +241,10 @@ def wide_warpgroups(tokens: int, n: int) -> int:
 # experts can still issue less: at mean 8 on the study layer (largest expert 20 tokens) 16 tokens
 # issue 6.5% less than 32 and measured 5% faster on an H100 (results/studies/
 # w4a8_tile16_occupancy_bulk_h100.json: w13 931.5 against 980.5 us, w2 484.0 against 511.1).
+# At 8 tokens a default plan now runs the resident-activation kernel, whose loop is shorter (~150
+# static, ~125 in the warps without thread 0's refills), but 8 stays at the ring kernel's count:
+# the shorter loop did not make 8-token blocks beat 16-token ones at mean 8 on an H100 (w13 1017.9
+# against 931.7 us; results/studies/w4a8_resident_h100.json), which the smaller count would pick.
 GROUP_ISSUE = {8: 196, 16: 209, 32: 225, 64: 320}
 
 
