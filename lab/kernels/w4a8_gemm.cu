@@ -357,6 +357,15 @@ __device__ __forceinline__ void warpgroup_sync(int wg) {  // the warpgroup's 128
 // multiplies, groups gi + 1 .. gi + STAGES - 1 are in flight, so a CTA keeps up to
 // (STAGES - 1) x 4.5 KiB of reads outstanding (the read rate at decode sizes is bytes in flight
 // per SM over latency).
+// Zeroes a thread's accumulator fragments (F of four floats).
+template <int F>
+__device__ __forceinline__ void zero_frags(float (&a)[F][4]) {
+#pragma unroll
+  for (int j = 0; j < F; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[j][i] = 0.0f;
+}
+
 // The ring's storage: STAGES static stages, or (DYN) a placeholder, the ring then being the dynamic
 // shared memory the launcher passes (a ring past 48 KiB).
 template <class St, int STAGES, bool DYN>
@@ -402,20 +411,14 @@ __device__ __forceinline__ void gemm_body(const uint2* __restrict__ words, const
   const uint8_t* sp = scales + (size_t)(e * NB + bw) * G * (ROWS * 8);    // its block scales, group 0
 
   float tmp[F][4];
-#pragma unroll
-  for (int j = 0; j < F; ++j)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) tmp[j][i] = 0.0f;
+  zero_frags(tmp);
 
   for (int tb = blockIdx.y; tb * T < count; tb += gridDim.y) {
     const int t0 = tb * T;
     const int valid = min(T, count - t0);
     const size_t row0 = (size_t)r0 + t0;
     float acc[F][4];
-#pragma unroll
-    for (int j = 0; j < F; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+    zero_frags(acc);
 
     // every thread is past the previous block's reads of the ring (and the table's first write
     // is visible) before the prologue refills it
@@ -735,20 +738,14 @@ __global__ void __launch_bounds__(THREADS, 1)
   uint32_t phase = 0;  // bit s: the parity stage s's barrier completes next
 
   float tmp[F][4];
-#pragma unroll
-  for (int j = 0; j < F; ++j)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) tmp[j][i] = 0.0f;
+  zero_frags(tmp);
 
   for (int tb = blockIdx.y; tb * T < count; tb += gridDim.y) {
     const int t0 = tb * T;
     const int valid = min(T, count - t0);
     const size_t row0 = (size_t)r0 + t0;
     float acc[F][4];
-#pragma unroll
-    for (int j = 0; j < F; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+    zero_frags(acc);
 
     // everyone is past the previous block's reads of the ring and the activations (and the
     // barriers' initialization and the table are visible) before they are refilled
