@@ -186,9 +186,10 @@ class W4A8Layer(W4A8Fused):
     expert has more than `hot_tokens` tokens it runs w4a8-fused's three launches (in the one
     "layer" stage). In the one launch the fp32 output is not written (fp32_out False). Its token
     tile is `tokens` (one of w4a8_gemm.LAYER_TILES) or, by default, w4a8_gemm.layer_tile's.
-    On an H200 it is slower than w4a8 (0.903 against 0.796 ms at 1 token per expert, 1.678 against
-    1.598 at 8; results/studies/w4a8_layer_and_smem_a_h200.json); not profiled: likely each
-    unit's ring starting empty."""
+    On an H200, on the old tile (the smallest holding the largest expert), it was slower than w4a8
+    (0.903 against 0.796 ms at 1 token per expert, 1.678 against 1.598 at 8;
+    results/studies/w4a8_layer_and_smem_a_h200.json); on an H100 with the tile by issue it matches
+    w4a8 (1.469 against 1.472 ms at 8; results/h100/token_axis_w4a8_resident_layer_tile.json)."""
 
     name = "w4a8-layer"
     stages = ("layer",)
