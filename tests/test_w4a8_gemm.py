@@ -245,6 +245,9 @@ def test_resident_plans():
     odd = wg.prepare_w4a8_weights(*random_nvfp4(np.random.default_rng(1), 3, 64, 320))
     assert not wg._plan(odd, offs, None, None, None).resident  # K % 128: a 64-column last group
     assert wg.res_smem_bytes(8, 4096) == 4 * 4608 + 8 * 4096 + 4 * 8 * 32
+    # a K whose 8 x K activation bytes do not fit beside the ring: the ring kernel
+    assert wg.res_smem_bytes(8, 26624) > wg.RES_MAX_SMEM >= wg.res_smem_bytes(8, 25600)
+    assert not wg.resident_by_default(wg.GemmPlan(8, 1), 26624) and wg.resident_by_default(wg.GemmPlan(8, 1), 25600)
     for bad in (4, 32, 8.0, True):
         with pytest.raises(ValueError, match="tokens: the resident-activation kernel takes a token tile of"):
             wg.res_expression(bad)

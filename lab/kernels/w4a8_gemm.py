@@ -198,7 +198,12 @@ def resident_by_default(plan, k: int) -> bool:
     (results/studies/w4a8_resident_h100.json). Its issue savings are for the H200, where the
     8-token ring kernel is issue bound; not yet timed there."""
     return (plan.tokens in RES_DEFAULT_TILES and plan.warpgroups == 1 and plan.promote and not plan.smem_a
-            and plan.stages is None and k % GROUP_K == 0)
+            and plan.stages is None and k % GROUP_K == 0 and res_smem_bytes(plan.tokens, k) <= RES_MAX_SMEM)
+
+
+# The most dynamic shared memory a resident launch may ask for: an sm_90 CTA's 227 KiB less the
+# kernel's static table and barriers (1.2 KiB). K up to ~26000 at 8 tokens; past it the ring kernel.
+RES_MAX_SMEM = 227 * 1024 - 2048
 
 
 def swiglu_wide_expression(tokens: int) -> str:
@@ -622,6 +627,9 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
         if prep.k % GROUP_K:
             raise ValueError(f"plan: the resident-activation kernel takes K a multiple of {GROUP_K}, got K={prep.k}")
         smem = res_smem_bytes(plan.tokens, prep.k)
+        if smem > RES_MAX_SMEM:
+            raise ValueError(f"plan: the resident-activation kernel holds T x K = {plan.tokens} x {prep.k} activation "
+                             f"bytes, {smem} bytes of shared memory with its ring; at most {RES_MAX_SMEM}")
         fn = _kernel(GEMM_SOURCE, RES_EXPRESSIONS, res_expression(plan.tokens))
         if fn.max_dynamic_shared_size_bytes < smem:
             fn.max_dynamic_shared_size_bytes = smem
@@ -668,7 +676,8 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
     None picks by wide_warpgroups (1 without promotion). smem_a runs the two-warpgroup CTA with the
     decoded weights in shared memory (w4a8_gemm_ss; a tile of SS_TILES, promoted; warpgroups 2).
     resident runs the one-warpgroup CTA with the activations resident in shared memory
-    (w4a8_gemm_res; a tile of RES_TILES, promoted, K a multiple of 128; the same bits)."""
+    (w4a8_gemm_res; a tile of RES_TILES, promoted, K a multiple of 128; the same bits); with
+    warpgroups None a plan at 8 tokens runs it anyway where resident_by_default says so."""
     offs, al = check_gemm_args(prep, x8, s_x, offsets, alpha, out)
     if warpgroups == 2 and not promote:
         raise ValueError("warpgroups: the two-warpgroup CTA is promoted only (promote=False takes 1)")
