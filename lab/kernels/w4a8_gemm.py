@@ -258,9 +258,16 @@ def token_tile(counts) -> int:
     DEFAULT_MAX_TILE, the one whose token blocks issue the fewest group-loop instructions,
     sum over experts of ceil(count / T) x GROUP_ISSUE[T] (ties to the larger tile: fewer blocks
     read the weights again); TOKEN_TILES[0] when every count is zero."""
+    return least_issue_tile(counts, tuple(GROUP_ISSUE))
+
+
+def least_issue_tile(counts, tiles) -> int:
+    """Of `tiles` (keys of GROUP_ISSUE, smallest first), the one whose token blocks over the
+    experts' `counts` issue the fewest group-loop instructions, sum of ceil(count / T) x
+    GROUP_ISSUE[T], ties to the larger; tiles[0] when every count is zero."""
     counts = np.asarray(counts, np.int64)
-    cost = {t: int((-(-counts // t)).sum()) * GROUP_ISSUE[t] for t in GROUP_ISSUE}
-    return min(cost, key=lambda t: (cost[t], -t)) if counts.any() else TOKEN_TILES[0]
+    cost = {t: int((-(-counts // t)).sum()) * GROUP_ISSUE[t] for t in tiles}
+    return min(cost, key=lambda t: (cost[t], -t)) if counts.any() else tiles[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -923,9 +930,7 @@ def layer_tile(counts) -> int:
     block) 8 tokens are 3% faster than 16, which the layer loop's counts would take, and at mean 8
     (largest expert 18 tokens) 16 tokens are 10% faster than 32, the smallest tile holding it, and
     20% faster than 8."""
-    counts = np.asarray(counts, np.int64)
-    cost = {t: int((-(-counts // t)).sum()) * GROUP_ISSUE[t] for t in LAYER_TILES}
-    return min(cost, key=lambda t: (cost[t], -t)) if counts.any() else LAYER_TILES[0]
+    return least_issue_tile(counts, LAYER_TILES)
 
 
 def layer_ring_bytes(tokens: int) -> int:
