@@ -30,6 +30,11 @@ memory and the weights' ring filled by bulk copies (w4a8_gemm_res; labelled R at
 T<t>R at a --tiles tile) where the tile is one of w4a8_gemm.RES_TILES and K a multiple of 128;
 at the plan's tile its bits must equal the depths', at a --tiles tile the same tile's ring kernel's.
 
+--image also times the two-warpgroup CTA fed by bulk copies from an activation image
+(w4a8_gemm_image, its pre-pass included in the time; labelled I at the plan's tile, T<t>I at a --tiles
+tile) where the tile is one of w4a8_gemm.IMAGE_TILES, N a multiple of 128 and K of 512; its bits
+must equal the depths' (the plan's tile) or the same tile's ring kernel's (T<t>).
+
 --layer also times the whole layer as one launch (w4a8_gemm.w4a8_layer, what w4a8-layer runs at
 these sizes) at each of its token tiles, on the same random w13 and w2 (rows labelled "layer",
 L<t>; the shipped one is layer_tile's), where the largest expert fits its largest tile; every tile
@@ -189,6 +194,9 @@ def main(argv=None) -> int:
     ap.add_argument("--resident", action="store_true",
                     help="also time the resident-activation kernel (w4a8_gemm_res; labelled R, or T<t>R at a --tiles "
                          "tile) where the tile is one of w4a8_gemm.RES_TILES; it must give the same bits")
+    ap.add_argument("--image", action="store_true",
+                    help="also time the activation-image kernel (w4a8_gemm_image with its pre-pass; labelled I, or "
+                         "T<t>I at a --tiles tile) where the tile is one of w4a8_gemm.IMAGE_TILES; same bits required")
     ap.add_argument("--layer", action="store_true",
                     help="also time the one-launch layer (w4a8_layer) at each of its token tiles (labelled L<t>); "
                          "their bf16 outputs must be equal bit for bit")
@@ -256,6 +264,13 @@ def main(argv=None) -> int:
             if args.resident and base.tokens in wg.RES_TILES and prep.k % wg.GROUP_K == 0:
                 runs["R"] = (lambda out, plan=replace(base, warpgroups=1, resident=True):
                              wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
+            def image_run(plan):
+                work = wg.image_workspace(plan, prep, x8.shape[0], stream)
+                return lambda out: wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream, work)
+
+            image_ok = args.image and prep.n % (2 * wg.ROWS) == 0 and prep.k % wg.IMAGE_K == 0
+            if image_ok and base.tokens in wg.IMAGE_TILES:
+                runs["I"] = image_run(replace(base, warpgroups=2, image=True))
             if args.wide and base.tokens in wg.WIDE_TILES and prep.n % (2 * wg.ROWS) == 0:
                 runs["W2"] = (lambda out, plan=replace(base, warpgroups=2):
                               wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
@@ -277,6 +292,8 @@ def main(argv=None) -> int:
                     if args.resident and t in wg.RES_TILES and prep.k % wg.GROUP_K == 0:
                         runs[f"T{t}R"] = (lambda out, plan=replace(tile_plan, resident=True):
                                           wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
+                    if image_ok and t in wg.IMAGE_TILES:
+                        runs[f"T{t}I"] = image_run(replace(tile_plan, warpgroups=2, image=True))
                     if args.smem_a and t in wg.SS_TILES and prep.n % (2 * wg.ROWS) == 0:
                         runs[f"T{t}SS"] = (lambda out, plan=replace(tile_plan, warpgroups=2, smem_a=True):
                                            wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
@@ -292,9 +309,9 @@ def main(argv=None) -> int:
             for s in depths:  # a --tiles tile's shared-memory-A run against the same tile's register-A one
                 if str(s).startswith("T") and str(s).endswith("SS"):
                     same[s] = bool(cp.array_equal(outs[s], outs[s[:-2] + "W2"]))
-                if str(s).startswith("T") and str(s).endswith("R"):  # and a resident run against its tile's
+                if str(s).startswith("T") and str(s).endswith(("R", "I")):  # a resident or image run against its tile's
                     same[s] = bool(cp.array_equal(outs[s], outs[s[:-1]]))
-            equal = (all(v for s, v in same.items() if not str(s).startswith(("T", "base")) or re.fullmatch(r"T\d+R", s))
+            equal = (all(v for s, v in same.items() if not str(s).startswith(("T", "base")) or re.fullmatch(r"T\d+[RI]", s))
                      and bool(cp.isfinite(ref).all()))
             for _ in range(args.rounds):
                 for s in depths:

@@ -267,7 +267,7 @@ def test_launch_refuses_host_weights_before_touching_a_device():
 
 @needs_nvcc
 @pytest.mark.parametrize("expr", wg.GEMM_EXPRESSIONS + wg.UNPROMOTED_EXPRESSIONS + wg.FUSED_EXPRESSIONS +
-                         wg.RES_EXPRESSIONS + wg.ACT_EXPRESSIONS)
+                         wg.RES_EXPRESSIONS + wg.IMAGE_EXPRESSIONS + wg.ACT_EXPRESSIONS)
 def test_instantiations_compile_without_spills(expr):
     source = wg.ACT_SOURCE if expr in wg.ACT_EXPRESSIONS else wg.GEMM_SOURCE
     info = jit.ptxas_report(source, expr)
@@ -726,6 +726,38 @@ def test_the_resident_activation_kernel_gives_the_plain_kernels_bits(tokens, tok
     prep, x8, s_x, offsets, alpha, _, _ = make_problem(rng, [4, 9], 128, 320)
     with pytest.raises(ValueError, match="resident: the resident-activation kernel takes K a multiple of 128"):
         wg.w4a8_gemm(prep.to_device(), cp.asarray(x8), cp.asarray(s_x), offsets, alpha, resident=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", wg.IMAGE_TILES)
+@pytest.mark.parametrize("token_blocks", [None, 2])
+def test_the_activation_image_kernel_gives_the_wide_kernels_bits(tokens, token_blocks):
+    """w4a8_gemm_image (a pre-pass writes the activation image, a producer warp bulk-copies each
+    group, the consumer warpgroups run on mbarriers alone): the two-warpgroup ring kernel's bits at
+    the same tile, on a ragged problem with an empty expert, a one-token expert, partial blocks and,
+    with grid height 2, CTAs that take two of an expert's three blocks (the ring's phases carried
+    across blocks); nothing written outside the output. K = 512: four groups, one round of the
+    ring; K = 2048: sixteen."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    for k in (512, 2048):
+        rng = np.random.default_rng(400 + tokens + k)
+        prep, x8, s_x, offsets, alpha, ref, mag = make_problem(rng, [1, 0, 23, 2 * tokens + 44, 8], 256, k)
+        prep_d = prep.to_device()
+        wide, _ = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
+                           warpgroups=2)
+        img, guard = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
+                              image=True)
+        assert np.isnan(guard).all()
+        assert_within_bound(img, ref, mag)
+        assert img.tobytes() == wide.tobytes(), k
+    with pytest.raises(ValueError, match="tokens: the activation-image kernel takes a token tile of"):
+        wg.w4a8_gemm(prep_d, cp.asarray(x8), cp.asarray(s_x), offsets, alpha, tokens=32, image=True)
+    prep, x8, s_x, offsets, alpha, _, _ = make_problem(rng, [4, 9], 256, 384)
+    with pytest.raises(ValueError, match="image: the activation-image kernel takes N a multiple of 128 and K a "
+                                         "multiple of 512, got N=256, K=384"):
+        wg.w4a8_gemm(prep.to_device(), cp.asarray(x8), cp.asarray(s_x), offsets, alpha, image=True)
 
 
 @pytest.mark.gpu

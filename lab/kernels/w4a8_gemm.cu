@@ -812,6 +812,206 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
 }
 
+// ------------------------------------------------------------------------------ activation image
+//
+// w4a8_gemm_image: the two-warpgroup CTA for large token tiles (64, 128) with every copy a bulk
+// copy and the two warpgroups unsynchronized. Why: the ring kernel's CTA copies a 128-token
+// group's activations as 4096 four-byte cp.async (the K permutation interleaves 4-byte chunks of
+// each 32-byte step), and its group loop is ~460 instructions a warp at 128 tokens, ~200 of them
+// copy addresses and predicates; with a CTA barrier a group both warpgroups wait, decode and
+// promote at the same time, so the tensor core idles while they do (w13 at 512 tokens per
+// expert ran at ~22% of the fp8 peak, 1 CTA an SM).
+// A pre-pass (w4a8_x_image) writes the activations once more, as each stage wants them: token
+// block tb of expert e at image row offsets[e] + e T + tb T (each expert padded by T rows, so no
+// two blocks overlap and no host reads the counts), group gi's bytes at (that row) x K + gi T 128,
+// laid out as [step s][half h][token j][16 bytes] (16-byte piece 2s + h of the group holds half h
+// of step s in the tensor core's k order: logical chunks h, h + 2, h + 4, h + 6), zeros for
+// tokens past the count; its scales at (that row) x G + gi T + j. So a stage's activations are
+// one contiguous bulk copy, and wgmma's K-major B descriptor has LBO = 16 T (the other half) and
+// SBO = 128 (the next 8 tokens).
+// CTA: warpgroups 0 and 1 consume (rows 64 (2b + wg) .. + 63, as w4a8_gemm_wide), warp 8's lane
+// 0 produces: per group, six bulk copies (each warpgroup's 4 KiB of words and 512 bytes of block
+// scales, the group's activations and scales) into the stage's `full` barrier, once every
+// consumer warp has arrived on its `empty` barrier. A consumer waits on `full`, decodes, issues
+// the four wgmmas, retires them, promotes, and arrives on `empty`: no CTA barrier in the loop.
+// The same decode, wgmmas and promotion order as w4a8_gemm_wide<T>: the same bits. Needs
+// N % 128 == 0 and K % 512 == 0 (whole groups; a scale image row of 16-byte pieces).
+template <int T>
+struct __align__(128) ImageStage {
+  uint2 ws[2 * STEPS * THREADS];
+  uint2 scs[2 * ROWS];
+  uint8_t xs[T * GROUP_K];
+  float sx[T];
+};
+
+template <int T>
+struct ImageStages {
+  static constexpr int value = 4;
+};
+constexpr int IMAGE_THREADS = 2 * THREADS + 32;  // two consumer warpgroups and the producer warp
+
+// The pre-pass. Grid (ceil(T x K / 32 / 256), token blocks, E), 256 threads: piece i of a block is
+// token i % T's step i / T (32 bytes: two 16-byte loads, two 16-byte stores), consecutive threads
+// consecutive tokens; pieces below T x G also copy token i % T's scale of group i / T.
+template <int T>
+__global__ void __launch_bounds__(256)
+    w4a8_x_image(const uint8_t* __restrict__ x8, const float* __restrict__ s_x, const int* __restrict__ offsets,
+                 uint8_t* __restrict__ ximg, float* __restrict__ sximg, int K) {
+  const int e = blockIdx.z, r0 = offsets[e], count = offsets[e + 1] - r0;
+  const int KS = K / STEP_K, G = K / GROUP_K;
+  const int i = blockIdx.x * 256 + threadIdx.x, j = i % T, ks = i / T;
+  for (int tb = blockIdx.y; tb * T < count; tb += gridDim.y) {
+    const size_t img = (size_t)r0 + (size_t)e * T + (size_t)tb * T;  // the block's image row
+    const bool in = j < count - tb * T;
+    const size_t row = (size_t)r0 + (size_t)tb * T + j;
+    if (ks < KS) {
+      uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
+      if (in) {
+        const uint4* src = reinterpret_cast<const uint4*>(x8 + row * K + ks * STEP_K);
+        lo = __ldg(src);
+        hi = __ldg(src + 1);
+      }
+      // half 0: logical chunks 0, 2, 4, 6 of the step; half 1: 1, 3, 5, 7
+      uint8_t* dst = ximg + img * K + (ks >> 2) * (T * GROUP_K) + (2 * (ks & 3)) * (T * 16) + j * 16;
+      *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.z, hi.x, hi.z);
+      *reinterpret_cast<uint4*>(dst + T * 16) = make_uint4(lo.y, lo.w, hi.y, hi.w);
+    }
+    if (ks < G) sximg[img * G + ks * T + j] = in ? s_x[row * G + ks] : 0.0f;
+  }
+}
+
+template <int T, int STAGES = ImageStages<T>::value>
+__global__ void __launch_bounds__(IMAGE_THREADS, 1)
+    w4a8_gemm_image(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
+                    const uint2* __restrict__ tables, const int* __restrict__ table_of, const int* __restrict__ p,
+                    const float* __restrict__ alpha, const uint8_t* __restrict__ ximg,
+                    const float* __restrict__ sximg, const int* __restrict__ offsets, float* __restrict__ out, int N,
+                    int K) {
+  static_assert(T == 64 || T == 128, "the image tiles: 64 and 128 tokens");
+  constexpr int F = T / 8;
+  using St = ImageStage<T>;
+  extern __shared__ __align__(128) uint8_t image_smem[];
+  St* const ring = reinterpret_cast<St*>(image_smem);
+  __shared__ uint2 table[128];
+  __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
+
+  const int e = blockIdx.z, b = blockIdx.x;
+  const int r0 = offsets[e];
+  const int count = offsets[e + 1] - r0;
+  if ((int)blockIdx.y * T >= count) return;  // the whole CTA: no barrier is left waiting
+
+  const int tid = threadIdx.x;
+  const int G = K / GROUP_K, KS = K / STEP_K, NB = N / ROWS, blocks = (count + T - 1) / T;
+  const size_t img0 = (size_t)r0 + (size_t)e * T;  // the expert's first image row
+  if (tid < 128) table[tid] = tables[(size_t)table_of[e] * 128 + tid];
+  const uint32_t full0 = lab_gemm::smem_addr(&full[0]), empty0 = lab_gemm::smem_addr(&empty[0]);
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      lab_gemm::mbar_init(full0 + 8 * s, 1);
+      lab_gemm::mbar_init(empty0 + 8 * s, 8);  // one arrival a consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();  // the table and the barriers; the last CTA-wide barrier
+
+  constexpr uint32_t WBYTES = STEPS * THREADS * 8, SBYTES = ROWS * 8;
+  constexpr uint32_t XS = 2 * WBYTES + 2 * SBYTES, SX = XS + T * GROUP_K;  // St's members
+  static_assert(sizeof(St) % 128 == 0 && sizeof(St) >= SX + 4 * T, "a stage's layout");
+  const uint32_t ring0 = lab_gemm::smem_addr(ring);
+  if (tid >= 2 * THREADS) {  // the producer warp: its lane 0 issues every copy
+    if (tid == 2 * THREADS) {
+      const uint8_t* w0 = reinterpret_cast<const uint8_t*>(words + (size_t)(e * NB + 2 * b) * KS * THREADS);
+      const uint8_t* s0 = scales + (size_t)(e * NB + 2 * b) * G * SBYTES;
+      const size_t wstride = (size_t)KS * THREADS * 8, sstride = (size_t)G * SBYTES;  // the next 64-row block's
+      int stage = 0;
+      uint32_t phase = 0;  // bit s: the parity of stage s's next `empty` completion
+      bool first = true;   // the ring's first round: nothing to wait for
+      for (int tb = blockIdx.y; tb < blocks; tb += gridDim.y) {
+        const size_t img = img0 + (size_t)tb * T;
+        for (int gi = 0; gi < G; ++gi) {
+          if (!first) {
+            lab_gemm::mbar_wait(empty0 + 8 * stage, (phase >> stage) & 1u);
+            phase ^= 1u << stage;
+          }
+          const uint32_t dst = ring0 + stage * (uint32_t)sizeof(St), bar = full0 + 8 * stage;
+          lab_gemm::mbar_arrive_expect_tx(bar, 2 * WBYTES + 2 * SBYTES + T * GROUP_K + 4 * T);
+          lab_gemm::bulk_copy(dst, w0 + (size_t)gi * WBYTES, WBYTES, bar);
+          lab_gemm::bulk_copy(dst + WBYTES, w0 + wstride + (size_t)gi * WBYTES, WBYTES, bar);
+          lab_gemm::bulk_copy(dst + 2 * WBYTES, s0 + (size_t)gi * SBYTES, SBYTES, bar);
+          lab_gemm::bulk_copy(dst + 2 * WBYTES + SBYTES, s0 + sstride + (size_t)gi * SBYTES, SBYTES, bar);
+          lab_gemm::bulk_copy(dst + XS, ximg + img * K + (size_t)gi * (T * GROUP_K), T * GROUP_K, bar);
+          lab_gemm::bulk_copy(dst + SX, sximg + img * G + (size_t)gi * T, 4 * T, bar);
+          if (++stage == STAGES) {
+            stage = 0;
+            first = false;
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  const int wg = tid / THREADS, wt = tid % THREADS;
+  const int warp = wt >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int bw = 2 * b + wg;
+  const float factor = ldexpf(alpha[e], p[e]);
+  // B of stage 0, step 0: halves 16 T bytes apart (LBO), token octets 128 (SBO); a step adds 32 T
+  const uint64_t desc0 = lab_gemm::smem_desc(ring0 + XS, 16 * T, 128);
+  float tmp[F][4];
+  zero_frags(tmp);
+  int stage = 0;
+  uint32_t phase = 0;  // bit s: the parity of stage s's next `full` completion
+
+  for (int tb = blockIdx.y; tb < blocks; tb += gridDim.y) {
+    const int t0 = tb * T;
+    const int valid = min(T, count - t0);
+    const size_t row0 = (size_t)r0 + t0;
+    float acc[F][4];
+    zero_frags(acc);
+    for (int gi = 0; gi < G; ++gi) {
+      lab_gemm::mbar_wait(full0 + 8 * stage, (phase >> stage) & 1u);
+      phase ^= 1u << stage;
+      const St& st = ring[stage];
+      const uint32_t cs = 8 * (c >> 1);
+      const uint2 sc0 = st.scs[wg * ROWS + 16 * warp + g], sc1 = st.scs[wg * ROWS + 16 * warp + g + 8];
+      const uint32_t b0[2] = {sc0.x >> cs, sc0.y >> cs}, b1[2] = {sc1.x >> cs, sc1.y >> cs};
+      uint32_t a[STEPS][4];
+#pragma unroll
+      for (int s = 0; s < STEPS; ++s) {
+        const uint2 w = st.ws[(wg * STEPS + s) * THREADS + wt];
+        const uint2 t0w = table[(b0[s >> 1] >> (16 * (s & 1))) & 0x7Fu];
+        const uint2 t1w = table[(b1[s >> 1] >> (16 * (s & 1))) & 0x7Fu];
+        lab_gemm::decode_fp8_word(w.x, t0w.x, t0w.y, a[s][0], a[s][2]);
+        lab_gemm::decode_fp8_word(w.y, t1w.x, t1w.y, a[s][1], a[s][3]);
+      }
+      const uint64_t desc = desc0 + stage * (uint32_t)(sizeof(St) / 16);
+      lab_gemm::wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < STEPS; ++s) WgmmaE4M3<F>::run(tmp, a[s], desc + s * (T * 2), s);
+      lab_gemm::wgmma_commit();
+      lab_gemm::wgmma_wait<0>();
+      lab_gemm::fence_acc(tmp);
+#pragma unroll
+      for (int s = 0; s < STEPS; ++s)  // the A registers stay allocated until the wgmmas retire
+        asm volatile("" ::"r"(a[s][0]), "r"(a[s][1]), "r"(a[s][2]), "r"(a[s][3]));
+#pragma unroll
+      for (int j = 0; j < F; ++j) {
+        const float s0 = st.sx[8 * j + 2 * c], s1 = st.sx[8 * j + 2 * c + 1];
+        acc[j][0] = fmaf(tmp[j][0], s0, acc[j][0]);
+        acc[j][1] = fmaf(tmp[j][1], s1, acc[j][1]);
+        acc[j][2] = fmaf(tmp[j][2], s0, acc[j][2]);
+        acc[j][3] = fmaf(tmp[j][3], s1, acc[j][3]);
+      }
+      __syncwarp();
+      if (lane == 0) lab_gemm::mbar_arrive(empty0 + 8 * stage);  // this warp is done with the stage
+      if (++stage == STAGES) stage = 0;
+    }
+    StoreOut<T> epi{out, N};
+    epi.template store<true>(acc, tmp, factor, row0, valid, bw, warp, g, c, e, G, sximg);
+  }
+}
+
 // ------------------------------------------------------------------------------ the layer in one launch
 //
 // w4a8_layer (w4a8-layer): w13 with the SwiGLU + quantize epilogue, then w2 writing the bf16

@@ -201,6 +201,74 @@ def resident_by_default(plan, k: int) -> bool:
             and plan.stages is None and k % GROUP_K == 0 and res_smem_bytes(plan.tokens, k) <= RES_MAX_SMEM)
 
 
+IMAGE_TILES = (64, 128)  # the activation-image kernel's tiles
+IMAGE_STAGES = 4  # its ring's depth (w4a8_gemm.cu ImageStages)
+IMAGE_K = 4 * GROUP_K  # K must be a multiple of this: whole groups, and scale-image rows of 16-byte pieces
+
+
+def image_expression(tokens: int, stages: int | None = None) -> str:
+    """The two-warpgroup CTA fed by bulk copies from an activation image, a producer warp and
+    consumer warpgroups that never wait for each other (w4a8_gemm.cu w4a8_gemm_image;
+    GemmPlan.image); `stages` sets its ring's depth (2 .. 8; None: IMAGE_STAGES), for the depth
+    study only."""
+    if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens not in IMAGE_TILES:
+        raise ValueError(f"tokens: the activation-image kernel takes a token tile of {IMAGE_TILES}, got {tokens!r}")
+    if stages is None:
+        return f"lab_w4a8::w4a8_gemm_image<{tokens}>"
+    if isinstance(stages, bool) or not (isinstance(stages, (int, np.integer)) and 2 <= stages <= 8):
+        raise ValueError(f"stages: expected an int from 2 to 8 for the activation-image kernel, got {stages!r}")
+    return f"lab_w4a8::w4a8_gemm_image<{tokens}, {int(stages)}>"
+
+
+def x_image_expression(tokens: int) -> str:
+    """The pre-pass that writes a launch's activation image (w4a8_gemm.cu w4a8_x_image)."""
+    image_expression(tokens)
+    return f"lab_w4a8::w4a8_x_image<{tokens}>"
+
+
+def image_stage_bytes(tokens: int) -> int:
+    """One stage of the activation-image kernel's ring (ImageStage<T>): both warpgroups' words and
+    block scales (9 KiB), the group's T x 128 activation bytes and T scales, 128-byte aligned."""
+    raw = 2 * 4 * THREADS * 8 + 2 * ROWS * 8 + tokens * GROUP_K + 4 * tokens
+    return -(-raw // 128) * 128
+
+
+def image_smem_bytes(tokens: int, stages: int | None = None) -> int:
+    """The dynamic shared memory of an activation-image launch: its ring."""
+    return (IMAGE_STAGES if stages is None else int(stages)) * image_stage_bytes(tokens)
+
+
+IMAGE_EXPRESSIONS = tuple(image_expression(t) for t in IMAGE_TILES) + tuple(x_image_expression(t) for t in IMAGE_TILES)
+
+
+@dataclass(frozen=True)
+class W4A8Image:
+    """The activation image an activation-image launch writes and reads (w4a8_gemm.cu
+    w4a8_x_image): x (image rows x K) uint8, sx (image rows x K / 128) float32, image rows =
+    rows + experts x tokens (each expert's blocks padded to whole tiles)."""
+
+    tokens: int
+    x: object
+    sx: object
+
+
+def image_rows(rows: int, experts: int, tokens: int) -> int:
+    """Rows of a launch's activation image: every expert's token blocks, each a whole tile."""
+    return rows + experts * tokens
+
+
+def image_workspace(plan, prep, rows: int, stream=None) -> W4A8Image:
+    """Allocate (on `stream`) the activation image an image plan's launches over `rows` rows of
+    activations write and read; a caller that launches many times allocates it once."""
+    import cupy as cp
+
+    if not plan.image:
+        raise ValueError("plan: not an activation-image plan (GemmPlan.image)")
+    n = image_rows(rows, prep.experts, plan.tokens)
+    with (stream if stream is not None else cp.cuda.get_current_stream()):
+        return W4A8Image(plan.tokens, cp.empty((n, prep.k), cp.uint8), cp.empty((n, prep.k // GROUP_K), cp.float32))
+
+
 # The most dynamic shared memory a resident launch may ask for: an sm_90 CTA's 227 KiB less the
 # kernel's static table and barriers (1.2 KiB). K up to ~26000 at 8 tokens; past it the ring kernel.
 RES_MAX_SMEM = 227 * 1024 - 2048
@@ -570,6 +638,7 @@ class GemmPlan:
     warpgroups: int = 1  # 2: the two-warpgroup CTA (128 weight rows a CTA; needs N % 128 == 0)
     smem_a: bool = False  # the two-warpgroup CTA with the decoded weights in shared memory (w4a8_gemm_ss)
     resident: bool = False  # the one-warpgroup CTA with the activations resident (w4a8_gemm_res)
+    image: bool = False  # the two-warpgroup CTA fed from an activation image (w4a8_gemm_image)
 
 
 def gemm_plan(offsets, tokens: int | None = None, token_blocks: int | None = None, warpgroups: int = 1) -> GemmPlan:
@@ -614,18 +683,58 @@ def _plan(prep: W4A8Weights, offs, tokens, token_blocks, warpgroups) -> GemmPlan
     return gemm_plan(offs, tokens, token_blocks, warpgroups)
 
 
+def _check_image(plan: GemmPlan, prep: W4A8Weights, x8, image) -> None:
+    """What an image plan needs beyond plan_w4a8_gemm's checks: the two-warpgroup CTA, promoted,
+    N % 128 == 0, K % 512 == 0, and a workspace of the plan's tile sized for x8's rows."""
+    if plan.warpgroups != 2 or not plan.promote or plan.smem_a or plan.resident:
+        raise ValueError("plan: the activation-image kernel is the two-warpgroup CTA, promoted")
+    image_expression(plan.tokens, plan.stages)
+    if prep.n % (2 * ROWS) or prep.k % IMAGE_K:
+        raise ValueError(f"plan: the activation-image kernel takes N a multiple of {2 * ROWS} and K a multiple of "
+                         f"{IMAGE_K}, got N={prep.n}, K={prep.k}")
+    if not isinstance(image, W4A8Image) or image.tokens != plan.tokens:
+        raise ValueError(f"image: expected the W4A8Image image_workspace allocates for a {plan.tokens}-token image "
+                         f"plan, got {type(image).__name__}")
+    n = image_rows(x8.shape[0], prep.experts, plan.tokens)
+    if tuple(image.x.shape) != (n, prep.k) or tuple(image.sx.shape) != (n, prep.k // GROUP_K):
+        raise ValueError(f"image: expected x ({n}, {prep.k}) and sx ({n}, {prep.k // GROUP_K}) for {x8.shape[0]} rows, "
+                         f"got {tuple(image.x.shape)} and {tuple(image.sx.shape)}")
+
+
 def _check_warpgroups(prep: W4A8Weights, warpgroups: int) -> None:
     if warpgroups == 2 and prep.n % (2 * ROWS):
         raise ValueError(f"warpgroups: the two-warpgroup CTA takes N a multiple of {2 * ROWS}, got N={prep.n}")
 
 
-def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha, out, stream) -> None:
+def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha, out, stream,
+                     image: W4A8Image | None = None) -> None:
     """One launch on `stream` with no host reads and no allocation (graph-capturable): offsets
     (E+1,) int32 and alpha (E,) float32 on the device, holding the values plan_w4a8_gemm
-    checked, with the same prep, x8, s_x and out."""
+    checked, with the same prep, x8, s_x and out. An image plan (GemmPlan.image) also takes the
+    workspace image_workspace allocated for it, and launches the pre-pass that fills it first."""
+    if plan.image:
+        _check_image(plan, prep, x8, image)
     if plan.token_blocks == 0:
         return
     w, smem = plan.warpgroups, 0
+    if plan.image:
+        smem = image_smem_bytes(plan.tokens, plan.stages)
+        if plan.stages is None:
+            fn = _kernel(GEMM_SOURCE, IMAGE_EXPRESSIONS, image_expression(plan.tokens))
+        else:  # a study's depth, compiled in its own module
+            expr = image_expression(plan.tokens, plan.stages)
+            fn = _kernel(GEMM_SOURCE, (expr,), expr)
+        if fn.max_dynamic_shared_size_bytes < smem:
+            fn.max_dynamic_shared_size_bytes = smem
+        pre = _kernel(GEMM_SOURCE, IMAGE_EXPRESSIONS, x_image_expression(plan.tokens))
+        pieces = plan.tokens * (prep.k // STEP_K)
+        with stream:
+            pre((-(-pieces // 256), plan.token_blocks, prep.experts), (256,),
+                (x8, s_x, offsets, image.x, image.sx, np.int32(prep.k)))
+            fn((prep.n // (2 * ROWS), plan.token_blocks, prep.experts), (2 * THREADS + 32,),
+               (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, image.x, image.sx, offsets, out,
+                np.int32(prep.n), np.int32(prep.k)), shared_mem=smem)
+        return
     if plan.smem_a and (w != 2 or plan.stages is not None or not plan.promote):
         raise ValueError("plan: the shared-memory-A kernel is the two-warpgroup CTA at its shipped depth, promoted")
     if plan.resident and (w != 1 or plan.stages is not None or not plan.promote or plan.smem_a):
@@ -670,7 +779,7 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
 
 def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None, tokens: int | None = None,
               token_blocks: int | None = None, promote: bool = True, warpgroups: int | None = None,
-              smem_a: bool = False, resident: bool = False):
+              smem_a: bool = False, resident: bool = False, image: bool = False):
     """Launch the W4A8 grouped GEMM on `stream` (a CuPy stream, None for the current one) and
     return `out` (allocated on that stream when None). `tokens` forces the token tile (one of
     TOKEN_TILES); by default token_tile's (the one that issues least over the experts' blocks).
@@ -684,8 +793,15 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
     decoded weights in shared memory (w4a8_gemm_ss; a tile of SS_TILES, promoted; warpgroups 2).
     resident runs the one-warpgroup CTA with the activations resident in shared memory
     (w4a8_gemm_res; a tile of RES_TILES, promoted, K a multiple of 128; the same bits); with
-    warpgroups None a plan at 8 tokens runs it anyway where resident_by_default says so."""
+    warpgroups None a plan at 8 tokens runs it anyway where resident_by_default says so. image runs
+    the two-warpgroup CTA fed from an activation image (w4a8_gemm_image; a tile of IMAGE_TILES,
+    promoted, N % 128 == 0, K % 512 == 0; the same bits), allocating the image here."""
     offs, al = check_gemm_args(prep, x8, s_x, offsets, alpha, out)
+    if image and (not promote or smem_a or resident or warpgroups == 1):
+        raise ValueError("image: the activation-image kernel is the two-warpgroup CTA, promoted")
+    if image and (prep.n % (2 * ROWS) or prep.k % IMAGE_K):
+        raise ValueError(f"image: the activation-image kernel takes N a multiple of {2 * ROWS} and K a multiple of "
+                         f"{IMAGE_K}, got N={prep.n}, K={prep.k}")
     if warpgroups == 2 and not promote:
         raise ValueError("warpgroups: the two-warpgroup CTA is promoted only (promote=False takes 1)")
     if not promote:
@@ -702,8 +818,11 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
         raise ValueError("resident: the resident-activation kernel is the one-warpgroup CTA, promoted")
     if resident and prep.k % GROUP_K:
         raise ValueError(f"resident: the resident-activation kernel takes K a multiple of {GROUP_K}, got K={prep.k}")
-    plan = replace(_plan(prep, offs, tokens, token_blocks, 2 if smem_a else 1 if resident else warpgroups),
+    plan = replace(_plan(prep, offs, tokens, token_blocks, 2 if smem_a or image else 1 if resident else warpgroups),
                    promote=bool(promote))
+    if image:
+        image_expression(plan.tokens)  # names the tile it lacks
+        plan = replace(plan, image=True)
     if smem_a:
         ss_expression(plan.tokens)  # names the tile it lacks
         plan = replace(plan, smem_a=True)
@@ -718,7 +837,8 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
             out = cp.empty((x8.shape[0], prep.n), cp.float32)
         if plan.token_blocks == 0:
             return out
-        launch_w4a8_gemm(plan, prep, x8, s_x, cp.asarray(offs.astype(np.int32)), cp.asarray(al), out, stream)
+        work = image_workspace(plan, prep, x8.shape[0], stream) if plan.image else None
+        launch_w4a8_gemm(plan, prep, x8, s_x, cp.asarray(offs.astype(np.int32)), cp.asarray(al), out, stream, work)
     return out
 
 
