@@ -218,6 +218,56 @@ def test_the_tile_models_issue_is_the_group_loops():
         wg.gemm_expression(24)
 
 
+def test_each_plan_launches_its_instantiation(monkeypatch):
+    """launch_w4a8_gemm's choice of kernel, module, grid, block and shared memory for each kind of
+    plan, with the compiler and the device stubbed out: the shipped depths from their family's
+    module, a study's depth in a module of its own, an image plan's pre-pass before its GEMM."""
+    import contextlib
+
+    launches = []
+
+    class Fn:
+        max_dynamic_shared_size_bytes = 0
+
+        def __init__(self, module, expr):
+            self.module, self.expr = module, expr
+
+        def __call__(self, grid, block, args, shared_mem=0):
+            launches.append((self.expr, self.module, grid, block, shared_mem))
+
+    def fake_kernel(name, expressions, expression):
+        assert name == wg.GEMM_SOURCE and expression in expressions
+        return Fn(expressions, expression)
+
+    monkeypatch.setattr(wg, "_kernel", fake_kernel)
+    rng = np.random.default_rng(3)
+    prep = wg.prepare_w4a8_weights(*random_nvfp4(rng, 3, 256, 512))
+    x8 = np.zeros((40, 512), np.uint8)
+
+    def launch(plan, image=None):
+        launches.clear()
+        wg.launch_w4a8_gemm(plan, prep, x8, None, None, None, None, contextlib.nullcontext(), image)
+        return [(e, m == (e,), g, b, sm) for e, m, g, b, sm in launches]
+
+    assert launch(wg.GemmPlan(8, 2)) == [("lab_w4a8::w4a8_gemm<8>", False, (4, 2, 3), (128,), 0)]
+    assert launch(wg.GemmPlan(8, 2, stages=3)) == [("lab_w4a8::w4a8_gemm<8, true, 3>", True, (4, 2, 3), (128,), 0)]
+    assert launch(wg.GemmPlan(16, 1, promote=False))[0][:2] == ("lab_w4a8::w4a8_gemm<16, false>", False)
+    assert launch(wg.GemmPlan(32, 1, warpgroups=2)) == [
+        ("lab_w4a8::w4a8_gemm_wide<32>", False, (2, 1, 3), (256,), wg.wide_ring_bytes(32))]
+    assert launch(wg.GemmPlan(32, 1, warpgroups=2, stages=6))[0][:2] == ("lab_w4a8::w4a8_gemm_wide<32, 6>", True)
+    assert launch(wg.GemmPlan(8, 1, resident=True)) == [
+        ("lab_w4a8::w4a8_gemm_res<8>", False, (4, 1, 3), (128,), wg.res_smem_bytes(8, 512))]
+    plan = wg.GemmPlan(128, 2, warpgroups=2, image=True)
+    rows = wg.image_rows(40, 3, 128)
+    image = wg.W4A8Image(128, np.empty((rows, 512), np.uint8), np.empty((rows, 4), np.float32))
+    assert launch(plan, image) == [("lab_w4a8::w4a8_x_image<128>", False, (8, 2, 3), (256,), 0),  # 128 x 16 steps
+                                   ("lab_w4a8::w4a8_gemm_image<128>", False, (2, 2, 3), (288,),
+                                    wg.image_smem_bytes(128))]
+    with pytest.raises(ValueError, match="image: expected the W4A8Image image_workspace allocates"):
+        launch(plan)
+    assert launch(wg.GemmPlan(8, 0)) == []
+
+
 @needs_nvcc
 @pytest.mark.parametrize("tokens", wg.RES_TILES)
 def test_the_resident_kernels_loop_copies_nothing_a_thread(tokens):

@@ -546,6 +546,15 @@ def _module(name: str, expressions: tuple[str, ...]):
     return cp.RawModule(code=code, options=jit.ARCH_OPTIONS, name_expressions=expressions)
 
 
+def _shipped_or_study(expressions: tuple[str, ...], stages, expression_of):
+    """A GEMM kernel: at the shipped depth (stages None) from its family's module `expressions`,
+    else (a study's depth) compiled in a module of its own. expression_of(stages) names it."""
+    if stages is None:
+        return _kernel(GEMM_SOURCE, expressions, expression_of(None))
+    expr = expression_of(stages)
+    return _kernel(GEMM_SOURCE, (expr,), expr)
+
+
 def _kernel(name: str, expressions: tuple[str, ...], expression: str):
     from lab.gpu import require_gpu
 
@@ -719,11 +728,7 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
     w, smem = plan.warpgroups, 0
     if plan.image:
         smem = image_smem_bytes(plan.tokens, plan.stages)
-        if plan.stages is None:
-            fn = _kernel(GEMM_SOURCE, IMAGE_EXPRESSIONS, image_expression(plan.tokens))
-        else:  # a study's depth, compiled in its own module
-            expr = image_expression(plan.tokens, plan.stages)
-            fn = _kernel(GEMM_SOURCE, (expr,), expr)
+        fn = _shipped_or_study(IMAGE_EXPRESSIONS, plan.stages, lambda s: image_expression(plan.tokens, s))
         if fn.max_dynamic_shared_size_bytes < smem:
             fn.max_dynamic_shared_size_bytes = smem
         pre = _kernel(GEMM_SOURCE, IMAGE_EXPRESSIONS, x_image_expression(plan.tokens))
@@ -758,19 +763,12 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
         if not plan.promote:
             raise ValueError("plan: the two-warpgroup CTA is promoted only")
         smem = wide_ring_bytes(plan.tokens, plan.stages)
-        if plan.stages is None:
-            fn = _kernel(GEMM_SOURCE, WIDE_EXPRESSIONS, wide_expression(plan.tokens))
-        else:  # a study's depth, compiled in its own module
-            expr = wide_expression(plan.tokens, plan.stages)
-            fn = _kernel(GEMM_SOURCE, (expr,), expr)
+        fn = _shipped_or_study(WIDE_EXPRESSIONS, plan.stages, lambda s: wide_expression(plan.tokens, s))
         if smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:
             fn.max_dynamic_shared_size_bytes = smem
-    elif plan.stages is None:
-        fn = _kernel(GEMM_SOURCE, GEMM_EXPRESSIONS if plan.promote else UNPROMOTED_EXPRESSIONS,
-                     gemm_expression(plan.tokens, plan.promote))
-    else:  # a study's depth, compiled in its own module
-        expr = gemm_expression(plan.tokens, plan.promote, plan.stages)
-        fn = _kernel(GEMM_SOURCE, (expr,), expr)
+    else:
+        fn = _shipped_or_study(GEMM_EXPRESSIONS if plan.promote else UNPROMOTED_EXPRESSIONS, plan.stages,
+                               lambda s: gemm_expression(plan.tokens, plan.promote, s))
     with stream:
         fn((prep.n // (w * ROWS), plan.token_blocks, prep.experts), (w * THREADS,),
            (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, x8, s_x, offsets, out,
