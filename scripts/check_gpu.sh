@@ -64,7 +64,7 @@ status=${PIPESTATUS[0]}
   echo "  large tiles: tests/test_gemm_large_tiles.py -k float64"
   echo "  activation image: tests/test_gemm_image.py -k 'layout or float64 or bf16_as'"
   echo "  swiglu_quant: tests/test_swiglu_quant.py"
-  echo "  w4a8: tests/test_w4a8_gemm.py (the W4A8 GEMMs: register and shared-memory A, resident activations, the SwiGLU epilogue, the one-launch layer; the 1x128 fp8 quantize)"
+  echo "  w4a8: tests/test_w4a8_gemm.py (the W4A8 GEMMs: register and shared-memory A, resident activations, the activation image, the SwiGLU epilogue, the one-launch layer; the 1x128 fp8 quantize)"
   run() {  # tool, name, pytest arguments...
     local tool=$1 name=$2; shift 2
     echo "== $tool $name"
