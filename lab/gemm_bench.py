@@ -297,11 +297,13 @@ class GemmBench:
         prep = self.w4a8_prepared(case.gemm)
         self.fp8_inputs(case)
         plan = wg.plan_w4a8_gemm(prep, case.d_x8, case.d_sx, case.d_off, case.d_alpha_bf16, case.out)
+        image = wg.image_workspace(plan, prep, case.d_x8.shape[0])
         stream = self.cp.cuda.Stream(non_blocking=True)
         self.cp.cuda.get_current_stream().synchronize()  # the inputs land before the stream reads them
 
         def run():
-            wg.launch_w4a8_gemm(plan, prep, case.d_x8, case.d_sx, case.d_off, case.d_alpha_bf16, case.out, stream)
+            wg.launch_w4a8_gemm(plan, prep, case.d_x8, case.d_sx, case.d_off, case.d_alpha_bf16, case.out, stream,
+                                image)
 
         return run, stream, plan
 

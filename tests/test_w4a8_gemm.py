@@ -269,6 +269,48 @@ def test_each_plan_launches_its_instantiation(monkeypatch):
 
 
 @needs_nvcc
+@pytest.mark.parametrize("tokens", wg.IMAGE_TILES)
+def test_the_image_kernels_consumers_copy_nothing_and_never_wait_for_each_other(tokens):
+    """w4a8_gemm_image: the consumers' group loop holds four QGMMA, no copy of any kind (cp.async,
+    bulk) and no CTA barrier (BAR), only the mbarrier wait and arrive; its length is IMAGE_ISSUE's,
+    the issue model that picks the image tile. The producer's loop issues the six bulk copies."""
+    if sass.nvdisasm_path() is None:
+        pytest.skip("reading SASS needs nvdisasm")
+    code = sass.kernel_sass(wg.GEMM_SOURCE, wg.image_expression(tokens))
+    loops = sass.tensor_loops(code)
+    assert len(loops) == 1, loops
+    ops = [i.opcode for i in code[loops[0][0]: loops[0][1] + 1]]
+    assert sum(o.startswith("QGMMA") for o in ops) == 4, ops
+    assert not any(o.startswith(("LDGSTS", "UBLKCP", "BAR")) for o in ops), sorted(set(ops))
+    assert sass.loop_mix(code, loops[0]).instructions == wg.IMAGE_ISSUE[tokens]
+    assert sum(i.opcode.startswith("UBLKCP") for i in code) == 6, "the producer's six copies a group"
+
+
+def test_default_plans_take_the_image_kernel_from_the_largest_ring_tile():
+    """Where token_tile reaches DEFAULT_MAX_TILE and N % 128 == 0, K % 512 == 0, a default plan
+    runs the activation-image kernel at the tile IMAGE_ISSUE's model picks (128 once the busy
+    experts pass 64 tokens); a forced tile stays; other shapes and smaller tiles keep their plans."""
+    rng = np.random.default_rng(5)
+    prep = wg.prepare_w4a8_weights(*random_nvfp4(rng, 4, 128, 512))
+
+    def plan(counts, **kw):
+        offs = np.r_[0, np.cumsum(counts)]
+        return wg._plan(prep, offs, kw.get("tokens"), kw.get("token_blocks"), None)
+
+    big = plan([300, 200, 0, 260])
+    assert big == wg.GemmPlan(128, 3, warpgroups=2, image=True)
+    assert plan([64, 60, 58, 64]) == wg.GemmPlan(64, 1, warpgroups=2, image=True)  # 4 x 208 < 4 x 249
+    assert plan([300, 200, 0, 260], tokens=64, token_blocks=2) == wg.GemmPlan(64, 2, warpgroups=2, image=True)
+    assert not plan([9, 4, 1, 12]).image and not plan([24, 20, 9, 31]).image
+    odd = wg.prepare_w4a8_weights(*random_nvfp4(rng, 4, 128, 384))
+    assert not wg._plan(odd, np.r_[0, np.cumsum([300, 200, 0, 260])], None, None, None).image
+    assert wg.least_issue_tile([300, 200, 0, 260], wg.IMAGE_TILES, wg.IMAGE_ISSUE) == 128
+    assert wg.image_workspace(plan([9, 4, 1, 12]), prep, 26) is None
+    with pytest.raises(ValueError, match="tokens: the activation-image kernel takes a token tile of"):
+        wg.image_expression(32)
+
+
+@needs_nvcc
 @pytest.mark.parametrize("tokens", wg.RES_TILES)
 def test_the_resident_kernels_loop_copies_nothing_a_thread(tokens):
     """w4a8_gemm_res: its group loop, unrolled by the ring's depth, holds four QGMMA a group, the

@@ -832,7 +832,8 @@ __global__ void __launch_bounds__(THREADS, 1)
 // CTA: warpgroups 0 and 1 consume (rows 64 (2b + wg) .. + 63, as w4a8_gemm_wide), warp 8's lane
 // 0 produces: per group, six bulk copies (each warpgroup's 4 KiB of words and 512 bytes of block
 // scales, the group's activations and scales) into the stage's `full` barrier, once every
-// consumer warp has arrived on its `empty` barrier. A consumer waits on `full`, decodes, issues
+// consumer thread has arrived on its `empty` barrier (each thread after its own last read of the
+// stage: one arrival a warp after __syncwarp is the same order, but racecheck reports it). A consumer waits on `full`, decodes, issues
 // the four wgmmas, retires them, promotes, and arrives on `empty`: no CTA barrier in the loop.
 // The same decode, wgmmas and promotion order as w4a8_gemm_wide<T>: the same bits. Needs
 // N % 128 == 0 and K % 512 == 0 (whole groups; a scale image row of 16-byte pieces).
@@ -909,7 +910,7 @@ __global__ void __launch_bounds__(IMAGE_THREADS, 1)
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       lab_gemm::mbar_init(full0 + 8 * s, 1);
-      lab_gemm::mbar_init(empty0 + 8 * s, 8);  // one arrival a consumer warp
+      lab_gemm::mbar_init(empty0 + 8 * s, 2 * THREADS);  // every consumer thread arrives
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -1003,8 +1004,7 @@ __global__ void __launch_bounds__(IMAGE_THREADS, 1)
         acc[j][2] = fmaf(tmp[j][2], s0, acc[j][2]);
         acc[j][3] = fmaf(tmp[j][3], s1, acc[j][3]);
       }
-      __syncwarp();
-      if (lane == 0) lab_gemm::mbar_arrive(empty0 + 8 * stage);  // this warp is done with the stage
+      lab_gemm::mbar_arrive(empty0 + 8 * stage);  // this thread is done with the stage
       if (++stage == STAGES) stage = 0;
     }
     StoreOut<T> epi{out, N};

@@ -239,6 +239,26 @@ def image_smem_bytes(tokens: int, stages: int | None = None) -> int:
 
 
 IMAGE_EXPRESSIONS = tuple(image_expression(t) for t in IMAGE_TILES) + tuple(x_image_expression(t) for t in IMAGE_TILES)
+# A consumer warp's group loop in the activation-image kernel (static SASS; a test pins them): the
+# issue model that picks its tile (image_by_default), as GROUP_ISSUE does the ring kernels'.
+IMAGE_ISSUE = {64: 208, 128: 249}
+
+
+def image_by_default(plan, prep, counts, tokens: int | None = None, token_blocks: int | None = None):
+    """The plan a default launch takes where the ring CTA's tile has reached DEFAULT_MAX_TILE: the
+    activation-image kernel (N % 128 == 0, K % IMAGE_K == 0) at `tokens` if forced, else at the
+    tile of IMAGE_TILES whose blocks issue least (least_issue_tile over IMAGE_ISSUE: 128 once most
+    busy experts have more than 64 tokens). Any other plan is returned as it is. Against the
+    two-warpgroup ring CTA at 64 tokens on an H100 (results/studies/w4a8_image_h100.json), the
+    128-token image kernel took w13 from 4161 to 2635 us at 128 tokens per expert and from 14846
+    to 8455 at 512, w2 from 2112 to 1463 and 7531 to 4444, its pre-pass included."""
+    if (plan.tokens < DEFAULT_MAX_TILE or plan.token_blocks == 0 or not plan.promote or plan.stages is not None
+            or prep.n % (2 * ROWS) or prep.k % IMAGE_K):
+        return plan
+    counts = np.asarray(counts, np.int64)
+    t = plan.tokens if tokens is not None else least_issue_tile(counts, IMAGE_TILES, IMAGE_ISSUE)
+    blocks = min(-(-int(counts.max()) // t), 65535) if token_blocks is None else int(token_blocks)
+    return replace(plan, tokens=t, token_blocks=blocks, warpgroups=2, resident=False, smem_a=False, image=True)
 
 
 @dataclass(frozen=True)
@@ -257,13 +277,14 @@ def image_rows(rows: int, experts: int, tokens: int) -> int:
     return rows + experts * tokens
 
 
-def image_workspace(plan, prep, rows: int, stream=None) -> W4A8Image:
+def image_workspace(plan, prep, rows: int, stream=None) -> W4A8Image | None:
     """Allocate (on `stream`) the activation image an image plan's launches over `rows` rows of
-    activations write and read; a caller that launches many times allocates it once."""
+    activations write and read (launch_w4a8_gemm's `image`); None for a plan that needs none. A
+    caller that launches many times allocates it once."""
     import cupy as cp
 
     if not plan.image:
-        raise ValueError("plan: not an activation-image plan (GemmPlan.image)")
+        return None
     n = image_rows(rows, prep.experts, plan.tokens)
     with (stream if stream is not None else cp.cuda.get_current_stream()):
         return W4A8Image(plan.tokens, cp.empty((n, prep.k), cp.uint8), cp.empty((n, prep.k // GROUP_K), cp.float32))
@@ -329,12 +350,13 @@ def token_tile(counts) -> int:
     return least_issue_tile(counts, tuple(GROUP_ISSUE))
 
 
-def least_issue_tile(counts, tiles) -> int:
-    """Of `tiles` (keys of GROUP_ISSUE, smallest first), the one whose token blocks over the
-    experts' `counts` issue the fewest group-loop instructions, sum of ceil(count / T) x
-    GROUP_ISSUE[T], ties to the larger; tiles[0] when every count is zero."""
+def least_issue_tile(counts, tiles, issue=None) -> int:
+    """Of `tiles` (keys of `issue`, smallest first; default GROUP_ISSUE), the one whose token
+    blocks over the experts' `counts` issue the fewest group-loop instructions, sum of
+    ceil(count / T) x issue[T], ties to the larger; tiles[0] when every count is zero."""
+    issue = GROUP_ISSUE if issue is None else issue
     counts = np.asarray(counts, np.int64)
-    cost = {t: int((-(-counts // t)).sum()) * GROUP_ISSUE[t] for t in tiles}
+    cost = {t: int((-(-counts // t)).sum()) * issue[t] for t in tiles}
     return min(cost, key=lambda t: (cost[t], -t)) if counts.any() else tiles[0]
 
 
@@ -687,7 +709,8 @@ def _plan(prep: W4A8Weights, offs, tokens, token_blocks, warpgroups) -> GemmPlan
     if warpgroups is None:
         plan = gemm_plan(offs, tokens, token_blocks)
         plan = replace(plan, warpgroups=wide_warpgroups(plan.tokens, prep.n))
-        return replace(plan, resident=resident_by_default(plan, prep.k))
+        plan = replace(plan, resident=resident_by_default(plan, prep.k))
+        return image_by_default(plan, prep, np.diff(np.asarray(offs, np.int64)), tokens, token_blocks)
     _check_warpgroups(prep, warpgroups)
     return gemm_plan(offs, tokens, token_blocks, warpgroups)
 
@@ -816,6 +839,8 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
         raise ValueError("resident: the resident-activation kernel is the one-warpgroup CTA, promoted")
     if resident and prep.k % GROUP_K:
         raise ValueError(f"resident: the resident-activation kernel takes K a multiple of {GROUP_K}, got K={prep.k}")
+    if image and tokens is None:
+        tokens = least_issue_tile(np.diff(offs), IMAGE_TILES, IMAGE_ISSUE)
     plan = replace(_plan(prep, offs, tokens, token_blocks, 2 if smem_a or image else 1 if resident else warpgroups),
                    promote=bool(promote))
     if image:

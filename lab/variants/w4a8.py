@@ -76,6 +76,17 @@ def prepared_weights(weights, paired: bool = False) -> tuple[wg.W4A8Weights, wg.
     return weights.cache[w13_key], weights.cache[CACHE_KEY + "/w2"]
 
 
+def image_buffers(runner, plan, prep, rows: int, name: str):
+    """The activation image an image plan launches with (w4a8_gemm.image_workspace), as runner
+    buffers, so that it is allocated in prepare and every variant of one layer shares it; None
+    for any other plan."""
+    if not plan.image:
+        return None
+    n = wg.image_rows(rows, prep.experts, plan.tokens)
+    return wg.W4A8Image(plan.tokens, runner.buffer(f"w4a8/{name}_image{plan.tokens}", (n, prep.k), np.uint8),
+                        runner.buffer(f"w4a8/{name}_image{plan.tokens}_sx", (n, prep.k // wg.GROUP_K), np.float32))
+
+
 class W4A8:
     name = name
     expect = expect
@@ -107,12 +118,14 @@ class W4A8:
         offs = layer.offsets_host
         self.plan2 = wg.plan_w4a8_gemm(self.w2, self.a8, self.s_a, offs, np.asarray(w.host.w2_global, np.float32),
                                        layer.out)
+        self.image2 = image_buffers(runner, self.plan2, self.w2, rows, "w2")
         self.plan_w13(runner, layer)
 
     def plan_w13(self, runner, layer) -> None:
         w, offs = layer.weights, layer.offsets_host
         self.plan13 = wg.plan_w4a8_gemm(self.w13, self.x8, self.s_x, offs, np.ones(layer.problem.experts, np.float32),
                                         layer.h)
+        self.image13 = image_buffers(runner, self.plan13, self.w13, layer.rows, "w13")
         # and the act stage's, once: run() launches it unchecked (launch_swiglu_quant)
         wg.check_swiglu_args(layer.h, layer.offsets, w.gate_global, w.up_global, self.a8, self.s_a, runner.counter)
 
@@ -133,12 +146,14 @@ class W4A8:
     def run(self, runner, layer) -> None:
         w, s = layer.weights, runner.stream
         with runner.stage("w13", s):
-            wg.launch_w4a8_gemm(self.plan13, self.w13, self.x8, self.s_x, layer.offsets, self.ones, layer.h, s)
+            wg.launch_w4a8_gemm(self.plan13, self.w13, self.x8, self.s_x, layer.offsets, self.ones, layer.h, s,
+                                self.image13)
         with runner.stage("act", s):
             wg.launch_swiglu_quant(layer.h, layer.offsets, w.gate_global, w.up_global, self.a8, self.s_a,
                                    runner.counter, s)
         with runner.stage("w2", s):
-            wg.launch_w4a8_gemm(self.plan2, self.w2, self.a8, self.s_a, layer.offsets, self.w2_global, layer.out, s)
+            wg.launch_w4a8_gemm(self.plan2, self.w2, self.a8, self.s_a, layer.offsets, self.w2_global, layer.out, s,
+                                self.image2)
         with runner.stage("out", s):
             sq.to_bf16(layer.out, layer.out_bf16, runner.counter, stream=s)
 
@@ -167,7 +182,8 @@ class W4A8Fused(W4A8):
             wg.launch_w4a8_gemm_swiglu(self.plan13, self.w13, self.x8, self.s_x, layer.offsets, self.ones,
                                        w.gate_global, w.up_global, self.a8, self.s_a, runner.counter, s)
         with runner.stage("w2", s):
-            wg.launch_w4a8_gemm(self.plan2, self.w2, self.a8, self.s_a, layer.offsets, self.w2_global, layer.out, s)
+            wg.launch_w4a8_gemm(self.plan2, self.w2, self.a8, self.s_a, layer.offsets, self.w2_global, layer.out, s,
+                                self.image2)
         with runner.stage("out", s):
             sq.to_bf16(layer.out, layer.out_bf16, runner.counter, stream=s)
 
@@ -235,5 +251,6 @@ class W4A8Layer(W4A8Fused):
                 return
             wg.launch_w4a8_gemm_swiglu(self.plan13, self.w13, self.x8, self.s_x, layer.offsets, self.ones,
                                        w.gate_global, w.up_global, self.a8, self.s_a, runner.counter, s)
-            wg.launch_w4a8_gemm(self.plan2, self.w2, self.a8, self.s_a, layer.offsets, self.w2_global, layer.out, s)
+            wg.launch_w4a8_gemm(self.plan2, self.w2, self.a8, self.s_a, layer.offsets, self.w2_global, layer.out, s,
+                                self.image2)
             sq.to_bf16(layer.out, layer.out_bf16, runner.counter, stream=s)
