@@ -32,8 +32,9 @@ at the plan's tile its bits must equal the depths', at a --tiles tile the same t
 
 --image also times the two-warpgroup CTA fed by bulk copies from an activation image
 (w4a8_gemm_image, its pre-pass included in the time; labelled I at the plan's tile, T<t>I at a --tiles
-tile) where the tile is one of w4a8_gemm.IMAGE_TILES, N a multiple of 128 and K of 512; its bits
-must equal the depths' (the plan's tile) or the same tile's ring kernel's (T<t>).
+tile) where the tile is one of w4a8_gemm.IMAGE_TILES, N a multiple of 128 and K of 512, and its form
+with the decode one group ahead (IA, T<t>IA); their bits must equal the depths' (the plan's tile) or
+the same tile's ring kernel's (T<t>).
 
 --layer also times the whole layer as one launch (w4a8_gemm.w4a8_layer, what w4a8-layer runs at
 these sizes) at each of its token tiles, on the same random w13 and w2 (rows labelled "layer",
@@ -271,6 +272,7 @@ def main(argv=None) -> int:
             image_ok = args.image and prep.n % (2 * wg.ROWS) == 0 and prep.k % wg.IMAGE_K == 0
             if image_ok and base.tokens in wg.IMAGE_TILES:
                 runs["I"] = image_run(replace(base, warpgroups=2, image=True))
+                runs["IA"] = image_run(replace(base, warpgroups=2, image=True, ahead=True))
             if args.wide and base.tokens in wg.WIDE_TILES and prep.n % (2 * wg.ROWS) == 0:
                 runs["W2"] = (lambda out, plan=replace(base, warpgroups=2):
                               wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
@@ -294,6 +296,7 @@ def main(argv=None) -> int:
                                           wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
                     if image_ok and t in wg.IMAGE_TILES:
                         runs[f"T{t}I"] = image_run(replace(tile_plan, warpgroups=2, image=True))
+                        runs[f"T{t}IA"] = image_run(replace(tile_plan, warpgroups=2, image=True, ahead=True))
                     if args.smem_a and t in wg.SS_TILES and prep.n % (2 * wg.ROWS) == 0:
                         runs[f"T{t}SS"] = (lambda out, plan=replace(tile_plan, warpgroups=2, smem_a=True):
                                            wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
@@ -309,9 +312,10 @@ def main(argv=None) -> int:
             for s in depths:  # a --tiles tile's shared-memory-A run against the same tile's register-A one
                 if str(s).startswith("T") and str(s).endswith("SS"):
                     same[s] = bool(cp.array_equal(outs[s], outs[s[:-2] + "W2"]))
-                if str(s).startswith("T") and str(s).endswith(("R", "I")):  # a resident or image run against its tile's
-                    same[s] = bool(cp.array_equal(outs[s], outs[s[:-1]]))
-            equal = (all(v for s, v in same.items() if not str(s).startswith(("T", "base")) or re.fullmatch(r"T\d+[RI]", s))
+                if re.fullmatch(r"T\d+(R|I|IA)", str(s)):  # a resident or image run against its tile's ring kernel
+                    same[s] = bool(cp.array_equal(outs[s], outs[re.match(r"T\d+", s).group(0)]))
+            equal = (all(v for s, v in same.items()
+                         if not str(s).startswith(("T", "base")) or re.fullmatch(r"T\d+(R|I|IA)", s))
                      and bool(cp.isfinite(ref).all()))
             for _ in range(args.rounds):
                 for s in depths:

@@ -286,6 +286,27 @@ def test_the_image_kernels_consumers_copy_nothing_and_never_wait_for_each_other(
     assert sum(i.opcode.startswith("UBLKCP") for i in code) == 6, "the producer's six copies a group"
 
 
+@needs_nvcc
+@pytest.mark.parametrize("tokens", wg.IMAGE_TILES)
+def test_the_image_kernels_decode_ahead_loop_holds_two_groups(tokens):
+    """w4a8_gemm_image's `ahead` form: its loop takes two groups a trip (the A registers alternate),
+    eight QGMMA, no copy and no CTA barrier; the registers setmaxnreg gives the consumers hold both
+    A sets and both accumulators without a spill; fewer instructions a group than the plain form."""
+    if sass.nvdisasm_path() is None:
+        pytest.skip("reading SASS needs nvdisasm")
+    expr = wg.image_expression(tokens, ahead=True)
+    compiled_clean(expr, 168)
+    code = sass.kernel_sass(wg.GEMM_SOURCE, expr)
+    loops = sass.tensor_loops(code)
+    assert len(loops) == 1, loops
+    ops = [i.opcode for i in code[loops[0][0]: loops[0][1] + 1]]
+    assert sum(o.startswith("QGMMA") for o in ops) == 8, ops
+    assert not any(o.startswith(("LDGSTS", "UBLKCP", "BAR")) for o in ops), sorted(set(ops))
+    assert sass.loop_mix(code, loops[0]).instructions < 2 * wg.IMAGE_ISSUE[tokens]
+    with pytest.raises(ValueError, match="ahead: the decode one group ahead is a form of the activation-image"):
+        wg.w4a8_gemm(None, None, None, None, None, ahead=True)
+
+
 def test_default_plans_take_the_image_kernel_from_the_largest_ring_tile():
     """Where token_tile reaches DEFAULT_MAX_TILE and N % 128 == 0, K % 512 == 0, a default plan
     runs the activation-image kernel at the tile IMAGE_ISSUE's model picks (128 once the busy
@@ -821,15 +842,16 @@ def test_the_resident_activation_kernel_gives_the_plain_kernels_bits(tokens, tok
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("tokens", wg.IMAGE_TILES)
 @pytest.mark.parametrize("token_blocks", [None, 2])
-def test_the_activation_image_kernel_gives_the_wide_kernels_bits(tokens, token_blocks):
+def test_the_activation_image_kernel_gives_the_wide_kernels_bits(tokens, token_blocks, ahead):
     """w4a8_gemm_image (a pre-pass writes the activation image, a producer warp bulk-copies each
     group, the consumer warpgroups run on mbarriers alone): the two-warpgroup ring kernel's bits at
     the same tile, on a ragged problem with an empty expert, a one-token expert, partial blocks and,
     with grid height 2, CTAs that take two of an expert's three blocks (the ring's phases carried
     across blocks); nothing written outside the output. K = 512: four groups, one round of the
-    ring; K = 2048: sixteen."""
+    ring; K = 2048: sixteen. Both forms: the decode one group ahead (`ahead`) or not."""
     from lab.gpu import require_gpu
 
     cp = require_gpu("test")
@@ -840,7 +862,7 @@ def test_the_activation_image_kernel_gives_the_wide_kernels_bits(tokens, token_b
         wide, _ = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
                            warpgroups=2)
         img, guard = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
-                              image=True)
+                              image=True, ahead=ahead)
         assert np.isnan(guard).all()
         assert_within_bound(img, ref, mag)
         assert img.tobytes() == wide.tobytes(), k

@@ -850,6 +850,9 @@ struct ImageStages {
   static constexpr int value = 4;
 };
 constexpr int IMAGE_THREADS = 2 * THREADS + 32;  // two consumer warpgroups and the producer warp
+// With the decode ahead the producer is a whole warpgroup, whose registers setmaxnreg hands to the
+// consumers (ptxas budgets wgmma kernels by warpgroups: 168 a thread at 288 threads as at 384)
+constexpr int IMAGE_AHEAD_THREADS = 3 * THREADS, IMAGE_PRODUCER_REGS = 56, IMAGE_CONSUMER_REGS = 224;
 
 // The pre-pass. Grid (ceil(T x K / 32 / 256), token blocks, E), 256 threads: piece i of a block is
 // token i % T's step i / T (32 bytes: two 16-byte loads, two 16-byte stores), consecutive threads
@@ -881,8 +884,8 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-template <int T, int STAGES = ImageStages<T>::value>
-__global__ void __launch_bounds__(IMAGE_THREADS, 1)
+template <int T, int STAGES = ImageStages<T>::value, bool AHEAD = false>
+__global__ void __launch_bounds__(AHEAD ? IMAGE_AHEAD_THREADS : IMAGE_THREADS, 1)
     w4a8_gemm_image(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
                     const uint2* __restrict__ tables, const int* __restrict__ table_of, const int* __restrict__ p,
                     const float* __restrict__ alpha, const uint8_t* __restrict__ ximg,
@@ -921,6 +924,7 @@ __global__ void __launch_bounds__(IMAGE_THREADS, 1)
   static_assert(sizeof(St) % 128 == 0 && sizeof(St) >= SX + 4 * T, "a stage's layout");
   const uint32_t ring0 = lab_gemm::smem_addr(ring);
   if (tid >= 2 * THREADS) {  // the producer warp: its lane 0 issues every copy
+    if constexpr (AHEAD) lab_gemm::setmaxnreg_dec<IMAGE_PRODUCER_REGS>();
     if (tid == 2 * THREADS) {
       const uint8_t* w0 = reinterpret_cast<const uint8_t*>(words + (size_t)(e * NB + 2 * b) * KS * THREADS);
       const uint8_t* s0 = scales + (size_t)(e * NB + 2 * b) * G * SBYTES;
@@ -953,6 +957,7 @@ __global__ void __launch_bounds__(IMAGE_THREADS, 1)
     return;
   }
 
+  if constexpr (AHEAD) lab_gemm::setmaxnreg_inc<IMAGE_CONSUMER_REGS>();
   const int wg = tid / THREADS, wt = tid % THREADS;
   const int warp = wt >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
   const int bw = 2 * b + wg;
@@ -970,6 +975,72 @@ __global__ void __launch_bounds__(IMAGE_THREADS, 1)
     const size_t row0 = (size_t)r0 + t0;
     float acc[F][4];
     zero_frags(acc);
+    if constexpr (AHEAD) {
+      // group gi + 1 decoded into the other A registers while gi's wgmmas run; then gi retired and
+      // promoted, its stage released, and gi + 1 issued
+      auto decode = [&](uint32_t(&a)[STEPS][4]) {
+        lab_gemm::mbar_wait(full0 + 8 * stage, (phase >> stage) & 1u);
+        phase ^= 1u << stage;
+        const St& st = ring[stage];
+        const uint32_t cs = 8 * (c >> 1);
+        const uint2 sc0 = st.scs[wg * ROWS + 16 * warp + g], sc1 = st.scs[wg * ROWS + 16 * warp + g + 8];
+        const uint32_t b0[2] = {sc0.x >> cs, sc0.y >> cs}, b1[2] = {sc1.x >> cs, sc1.y >> cs};
+#pragma unroll
+        for (int s = 0; s < STEPS; ++s) {
+          const uint2 w = st.ws[(wg * STEPS + s) * THREADS + wt];
+          const uint2 t0w = table[(b0[s >> 1] >> (16 * (s & 1))) & 0x7Fu];
+          const uint2 t1w = table[(b1[s >> 1] >> (16 * (s & 1))) & 0x7Fu];
+          lab_gemm::decode_fp8_word(w.x, t0w.x, t0w.y, a[s][0], a[s][2]);
+          lab_gemm::decode_fp8_word(w.y, t1w.x, t1w.y, a[s][1], a[s][3]);
+        }
+      };
+      auto issue = [&](const uint32_t(&a)[STEPS][4]) {
+        const uint64_t desc = desc0 + stage * (uint32_t)(sizeof(St) / 16);
+        lab_gemm::wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < STEPS; ++s) WgmmaE4M3<F>::run(tmp, a[s], desc + s * (T * 2), s);
+        lab_gemm::wgmma_commit();
+      };
+      auto retire = [&](const uint32_t(&a)[STEPS][4], int stg) {
+        lab_gemm::wgmma_wait<0>();
+        lab_gemm::fence_acc(tmp);
+#pragma unroll
+        for (int s = 0; s < STEPS; ++s)  // the A registers stay allocated until the wgmmas retire
+          asm volatile("" ::"r"(a[s][0]), "r"(a[s][1]), "r"(a[s][2]), "r"(a[s][3]));
+        const St& st = ring[stg];
+#pragma unroll
+        for (int j = 0; j < F; ++j) {
+          const float s0 = st.sx[8 * j + 2 * c], s1 = st.sx[8 * j + 2 * c + 1];
+          acc[j][0] = fmaf(tmp[j][0], s0, acc[j][0]);
+          acc[j][1] = fmaf(tmp[j][1], s1, acc[j][1]);
+          acc[j][2] = fmaf(tmp[j][2], s0, acc[j][2]);
+          acc[j][3] = fmaf(tmp[j][3], s1, acc[j][3]);
+        }
+        lab_gemm::mbar_arrive(empty0 + 8 * stg);  // this thread is done with the stage
+      };
+      auto advance = [&]() {
+        if (++stage == STAGES) stage = 0;
+      };
+      uint32_t a0[STEPS][4], a1[STEPS][4];
+      decode(a0);
+      issue(a0);
+      int cur = stage;  // the stage of the group in flight
+      advance();
+      for (int gi = 0;; gi += 2) {  // a0: group gi in flight
+        if (gi + 1 < G) decode(a1);
+        retire(a0, cur);
+        if (gi + 1 == G) break;
+        issue(a1);
+        cur = stage;
+        advance();
+        if (gi + 2 < G) decode(a0);
+        retire(a1, cur);
+        if (gi + 2 == G) break;
+        issue(a0);
+        cur = stage;
+        advance();
+      }
+    } else {
     for (int gi = 0; gi < G; ++gi) {
       lab_gemm::mbar_wait(full0 + 8 * stage, (phase >> stage) & 1u);
       phase ^= 1u << stage;
@@ -1006,6 +1077,7 @@ __global__ void __launch_bounds__(IMAGE_THREADS, 1)
       }
       lab_gemm::mbar_arrive(empty0 + 8 * stage);  // this thread is done with the stage
       if (++stage == STAGES) stage = 0;
+    }
     }
     StoreOut<T> epi{out, N};
     epi.template store<true>(acc, tmp, factor, row0, valid, bw, warp, g, c, e, G, sximg);

@@ -206,17 +206,21 @@ IMAGE_STAGES = 4  # its ring's depth (w4a8_gemm.cu ImageStages)
 IMAGE_K = 4 * GROUP_K  # K must be a multiple of this: whole groups, and scale-image rows of 16-byte pieces
 
 
-def image_expression(tokens: int, stages: int | None = None) -> str:
+def image_expression(tokens: int, stages: int | None = None, ahead: bool = False) -> str:
     """The two-warpgroup CTA fed by bulk copies from an activation image, a producer warp and
     consumer warpgroups that never wait for each other (w4a8_gemm.cu w4a8_gemm_image;
     GemmPlan.image); `stages` sets its ring's depth (2 .. 8; None: IMAGE_STAGES), for the depth
-    study only."""
+    study only; `ahead` the form that decodes group g + 1 while g's wgmmas run (GemmPlan.ahead: a
+    producer warpgroup whose registers go to the consumers)."""
     if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens not in IMAGE_TILES:
         raise ValueError(f"tokens: the activation-image kernel takes a token tile of {IMAGE_TILES}, got {tokens!r}")
+    if stages is not None and (isinstance(stages, bool) or not (isinstance(stages, (int, np.integer))
+                                                                 and 2 <= stages <= 8)):
+        raise ValueError(f"stages: expected an int from 2 to 8 for the activation-image kernel, got {stages!r}")
+    if ahead:
+        return f"lab_w4a8::w4a8_gemm_image<{tokens}, {IMAGE_STAGES if stages is None else int(stages)}, true>"
     if stages is None:
         return f"lab_w4a8::w4a8_gemm_image<{tokens}>"
-    if isinstance(stages, bool) or not (isinstance(stages, (int, np.integer)) and 2 <= stages <= 8):
-        raise ValueError(f"stages: expected an int from 2 to 8 for the activation-image kernel, got {stages!r}")
     return f"lab_w4a8::w4a8_gemm_image<{tokens}, {int(stages)}>"
 
 
@@ -238,7 +242,8 @@ def image_smem_bytes(tokens: int, stages: int | None = None) -> int:
     return (IMAGE_STAGES if stages is None else int(stages)) * image_stage_bytes(tokens)
 
 
-IMAGE_EXPRESSIONS = tuple(image_expression(t) for t in IMAGE_TILES) + tuple(x_image_expression(t) for t in IMAGE_TILES)
+IMAGE_EXPRESSIONS = (tuple(image_expression(t) for t in IMAGE_TILES) + tuple(image_expression(t, ahead=True) for t in IMAGE_TILES)
+                     + tuple(x_image_expression(t) for t in IMAGE_TILES))
 # A consumer warp's group loop in the activation-image kernel (static SASS; a test pins them): the
 # issue model that picks its tile (image_by_default), as GROUP_ISSUE does the ring kernels'.
 IMAGE_ISSUE = {64: 208, 128: 249}
@@ -670,6 +675,7 @@ class GemmPlan:
     smem_a: bool = False  # the two-warpgroup CTA with the decoded weights in shared memory (w4a8_gemm_ss)
     resident: bool = False  # the one-warpgroup CTA with the activations resident (w4a8_gemm_res)
     image: bool = False  # the two-warpgroup CTA fed from an activation image (w4a8_gemm_image)
+    ahead: bool = False  # (image) its form with the decode one group ahead, a producer warpgroup
 
 
 def gemm_plan(offsets, tokens: int | None = None, token_blocks: int | None = None, warpgroups: int = 1) -> GemmPlan:
@@ -746,12 +752,14 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
     workspace image_workspace allocated for it, and launches the pre-pass that fills it first."""
     if plan.image:
         _check_image(plan, prep, x8, image)
+    elif plan.ahead:
+        raise ValueError("plan: `ahead` is a form of the activation-image kernel (GemmPlan.image)")
     if plan.token_blocks == 0:
         return
     w, smem = plan.warpgroups, 0
     if plan.image:
         smem = image_smem_bytes(plan.tokens, plan.stages)
-        fn = _shipped_or_study(IMAGE_EXPRESSIONS, plan.stages, lambda s: image_expression(plan.tokens, s))
+        fn = _shipped_or_study(IMAGE_EXPRESSIONS, plan.stages, lambda s: image_expression(plan.tokens, s, plan.ahead))
         if fn.max_dynamic_shared_size_bytes < smem:
             fn.max_dynamic_shared_size_bytes = smem
         pre = _kernel(GEMM_SOURCE, IMAGE_EXPRESSIONS, x_image_expression(plan.tokens))
@@ -759,7 +767,7 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
         with stream:
             pre((-(-pieces // 256), plan.token_blocks, prep.experts), (256,),
                 (x8, s_x, offsets, image.x, image.sx, np.int32(prep.k)))
-            fn((prep.n // (2 * ROWS), plan.token_blocks, prep.experts), (2 * THREADS + 32,),
+            fn((prep.n // (2 * ROWS), plan.token_blocks, prep.experts), (3 * THREADS if plan.ahead else 2 * THREADS + 32,),
                (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, image.x, image.sx, offsets, out,
                 np.int32(prep.n), np.int32(prep.k)), shared_mem=smem)
         return
@@ -800,7 +808,7 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
 
 def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None, tokens: int | None = None,
               token_blocks: int | None = None, promote: bool = True, warpgroups: int | None = None,
-              smem_a: bool = False, resident: bool = False, image: bool = False):
+              smem_a: bool = False, resident: bool = False, image: bool = False, ahead: bool = False):
     """Launch the W4A8 grouped GEMM on `stream` (a CuPy stream, None for the current one) and
     return `out` (allocated on that stream when None). `tokens` forces the token tile (one of
     TOKEN_TILES); by default token_tile's (the one that issues least over the experts' blocks).
@@ -816,7 +824,10 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
     (w4a8_gemm_res; a tile of RES_TILES, promoted, K a multiple of 128; the same bits); with
     warpgroups None a plan at 8 tokens runs it anyway where resident_by_default says so. image runs
     the two-warpgroup CTA fed from an activation image (w4a8_gemm_image; a tile of IMAGE_TILES,
-    promoted, N % 128 == 0, K % 512 == 0; the same bits), allocating the image here."""
+    promoted, N % 128 == 0, K % 512 == 0; the same bits), allocating the image here; ahead, its
+    form with the decode one group ahead (image only)."""
+    if ahead and not image:
+        raise ValueError("ahead: the decode one group ahead is a form of the activation-image kernel (image=True)")
     offs, al = check_gemm_args(prep, x8, s_x, offsets, alpha, out)
     if image and (not promote or smem_a or resident or warpgroups == 1):
         raise ValueError("image: the activation-image kernel is the two-warpgroup CTA, promoted")
@@ -845,7 +856,7 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
                    promote=bool(promote))
     if image:
         image_expression(plan.tokens)  # names the tile it lacks
-        plan = replace(plan, image=True)
+        plan = replace(plan, image=True, ahead=bool(ahead))
     if smem_a:
         ss_expression(plan.tokens)  # names the tile it lacks
         plan = replace(plan, smem_a=True)
