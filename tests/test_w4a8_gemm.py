@@ -263,6 +263,11 @@ def test_each_plan_launches_its_instantiation(monkeypatch):
     assert launch(plan, image) == [("lab_w4a8::w4a8_x_image<128>", False, (8, 2, 3), (256,), 0),  # 128 x 16 steps
                                    ("lab_w4a8::w4a8_gemm_image<128>", False, (2, 2, 3), (288,),
                                     wg.image_smem_bytes(128))]
+    ahead = wg.GemmPlan(64, 2, warpgroups=2, image=True, ahead=True)
+    image = wg.W4A8Image(64, np.empty((wg.image_rows(40, 3, 64), 512), np.uint8),
+                         np.empty((wg.image_rows(40, 3, 64), 4), np.float32))
+    assert launch(ahead, image)[1] == ("lab_w4a8::w4a8_gemm_image<64, 4, true>", False, (2, 2, 3), (384,),
+                                       wg.image_smem_bytes(64))
     with pytest.raises(ValueError, match="image: expected the W4A8Image image_workspace allocates"):
         launch(plan)
     assert launch(wg.GemmPlan(8, 0)) == []
