@@ -264,10 +264,20 @@ def test_each_plan_launches_its_instantiation(monkeypatch):
                                    ("lab_w4a8::w4a8_gemm_image<128>", False, (2, 2, 3), (288,),
                                     wg.image_smem_bytes(128))]
     ahead = wg.GemmPlan(64, 2, warpgroups=2, image=True, ahead=True)
-    image = wg.W4A8Image(64, np.empty((wg.image_rows(40, 3, 64), 512), np.uint8),
-                         np.empty((wg.image_rows(40, 3, 64), 4), np.float32))
-    assert launch(ahead, image)[1] == ("lab_w4a8::w4a8_gemm_image<64, 4, true>", False, (2, 2, 3), (384,),
+    image64 = wg.W4A8Image(64, np.empty((wg.image_rows(40, 3, 64), 512), np.uint8),
+                           np.empty((wg.image_rows(40, 3, 64), 4), np.float32))
+    assert launch(ahead, image64)[1] == ("lab_w4a8::w4a8_gemm_image<64, 4, true>", False, (2, 2, 3), (384,),
                                        wg.image_smem_bytes(64))
+    out16, bad = np.empty((40, 256), np.uint16), np.zeros(1, np.uint32)
+    launches.clear()
+    wg.launch_w4a8_gemm(replace(plan, bf16_out=True), prep, x8, None, None, None, out16, contextlib.nullcontext(),
+                        image, bad, write_image=False)
+    assert [(e, b) for e, _, _, b, _ in launches] == [("lab_w4a8::w4a8_gemm_image<128, 4, false, true>", (288,))]
+    with pytest.raises(ValueError, match="out: a bf16_out launch expected"):
+        wg.launch_w4a8_gemm(replace(plan, bf16_out=True), prep, x8, None, None, None, out16[:, :128],
+                            contextlib.nullcontext(), image, bad)
+    with pytest.raises(ValueError, match="forms of the activation-image kernel"):
+        launch(wg.GemmPlan(64, 1, warpgroups=2, bf16_out=True))
     with pytest.raises(ValueError, match="image: expected the W4A8Image image_workspace allocates"):
         launch(plan)
     assert launch(wg.GemmPlan(8, 0)) == []
@@ -856,7 +866,9 @@ def test_the_activation_image_kernel_gives_the_wide_kernels_bits(tokens, token_b
     the same tile, on a ragged problem with an empty expert, a one-token expert, partial blocks and,
     with grid height 2, CTAs that take two of an expert's three blocks (the ring's phases carried
     across blocks); nothing written outside the output. K = 512: four groups, one round of the
-    ring; K = 2048: sixteen. Both forms: the decode one group ahead (`ahead`) or not."""
+    ring; K = 2048: sixteen. Both forms: the decode one group ahead (`ahead`) or not. Its bf16
+    output (bf16_out): the float32 output's round-to-nearest-even bf16 bits, nothing written
+    outside it, no non-finite value counted; an output of the wrong dtype refused."""
     from lab.gpu import require_gpu
 
     cp = require_gpu("test")
@@ -871,6 +883,23 @@ def test_the_activation_image_kernel_gives_the_wide_kernels_bits(tokens, token_b
         assert np.isnan(guard).all()
         assert_within_bound(img, ref, mag)
         assert img.tobytes() == wide.tobytes(), k
+        rows, n = x8.shape[0], prep.n
+        buf = cp.full((rows + 16, n), 0xFFFF, cp.uint16)
+        bad = cp.full(1, 5, cp.uint32)
+        got = wg.w4a8_gemm(prep_d, cp.asarray(x8), cp.asarray(s_x), offsets, alpha, out=buf[8: 8 + rows],
+                           tokens=tokens, token_blocks=token_blocks, image=True, ahead=ahead, bf16_out=True,
+                           nonfinite=bad)
+        assert got.dtype == np.uint16
+        host = buf.get()
+        assert (host[:8] == 0xFFFF).all() and (host[8 + rows:] == 0xFFFF).all(), "written outside the output"
+        assert_bits_equal(f"K={k} bf16 output", host[8: 8 + rows],
+                          img.astype(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
+        assert int(bad.get()[0]) == 5, "non-finite outputs counted on finite ones"
+    with pytest.raises(ValueError, match="out: a bf16_out launch expected"):
+        wg.w4a8_gemm(prep_d, cp.asarray(x8), cp.asarray(s_x), offsets, alpha, out=cp.empty((rows, n), cp.float32),
+                     tokens=tokens, image=True, bf16_out=True)
+    with pytest.raises(ValueError, match="bf16_out: the bf16 output is a form of the activation-image kernel"):
+        wg.w4a8_gemm(prep_d, cp.asarray(x8), cp.asarray(s_x), offsets, alpha, bf16_out=True)
     with pytest.raises(ValueError, match="tokens: the activation-image kernel takes a token tile of"):
         wg.w4a8_gemm(prep_d, cp.asarray(x8), cp.asarray(s_x), offsets, alpha, tokens=32, image=True)
     prep, x8, s_x, offsets, alpha, _, _ = make_problem(rng, [4, 9], 256, 384)
@@ -1357,6 +1386,9 @@ W4A8_CASES = [
     (MoEProblem(16, 320, 192, 2), dict(tokens=6, skew=0.0), "float32"),
     # E=8, H=256, I=128, 150 tokens top 2, skew 2: one expert past two 64-token tiles; x in bf16
     (MoEProblem(8, 256, 128, 2), dict(tokens=150, skew=2.0), "bf16"),
+    # E=4, H=512, I=512, 320 tokens top 2 (~160 an expert): both GEMMs on the activation-image
+    # kernel (w13's image written with the input, w2 writing the bf16 output)
+    (MoEProblem(4, 512, 512, 2), dict(tokens=320, skew=0.0), "float32"),
 ]
 
 
@@ -1370,7 +1402,8 @@ def test_w4a8_variant_stage_by_stage_and_end_to_end(problem, spec, x_dtype):
     layer against layer_rows (its distance below half of the contract's own error against the
     float64 layer on unquantized activations), the end-to-end error against that layer (reported,
     and below half of separate's W4A4 error: 2.6 to 3.1 times below on the CPU), a second run
-    bitwise equal, and the stages' events."""
+    bitwise equal, and the stages' events. Where w2 writes the bf16 output itself (the image
+    kernel's bf16_out), its float32 sums come from the same kernel writing float32."""
     from lab.layer import load_layer, upload_weights
     from lab.runner import Runner
     from lab.variants import make
@@ -1417,7 +1450,14 @@ def test_w4a8_variant_stage_by_stage_and_end_to_end(problem, spec, x_dtype):
     assert_bits_equal(f"{label} a8", a8, a8_want)
     assert_bits_equal(f"{label} s_a", s_a, s_a_want)
 
-    out = layer.out.get()
+    image_case = problem.hidden == 512
+    assert (v.plan13.image and v.plan2.bf16_out) == image_case, (v.plan13, v.plan2)
+    if v.plan2.bf16_out:
+        assert v.stages == ("w13", "act", "w2+out") and not v.fp32_out
+        out = wg.w4a8_gemm(v.w2, v.a8, v.s_a, off, w.w2_global.astype(f32), tokens=v.plan2.tokens,
+                           token_blocks=v.plan2.token_blocks, image=True).get()
+    else:
+        out = layer.out.get()
     w2 = w4a8.convert_weights(w.w2_packed, w.w2_scales, p2).codes
     assert_within_bound(out.astype(np.float64), w4a8.gemm(a8, s_a, off, w2, p2, w.w2_global),
                         w4a8.gemm_abs(a8, s_a, off, w2, p2, w.w2_global))
@@ -1433,10 +1473,10 @@ def test_w4a8_variant_stage_by_stage_and_end_to_end(problem, spec, x_dtype):
     assert from_contract < contract / 2, label
     assert e2e < err_w4a4 / 2 and e2e < 0.1, label
 
-    first = (h, a8, s_a, out, bf16)
+    first = (h, a8, s_a, bf16) + (() if v.plan2.bf16_out else (out,))
     runner.checked_run(v, layer)
-    for name, was, now in zip(("h", "a8", "s_a", "out", "out_bf16"), first,
-                              (layer.h.get(), v.a8.get(), v.s_a.get(), layer.out.get(), layer.out_bf16.get())):
+    for name, was, now in zip(("h", "a8", "s_a", "out_bf16", "out"), first,
+                              (layer.h.get(), v.a8.get(), v.s_a.get(), layer.out_bf16.get(), layer.out.get())):
         assert was.tobytes() == now.tobytes(), f"{label}: {name} differs between two runs"
 
     st = runner.time_stages(v, layer, iterations=2, warmup=1)
@@ -1522,6 +1562,9 @@ def test_stages_outside_the_tiles_ring_are_refused():
     (MoEProblem(8, 256, 128, 2), dict(tokens=150, skew=2.0, hot=None)),
     # the first layer at every tile of the one launch (layer_tile's choice is one of them)
     *[(MoEProblem(16, 384, 256, 2), dict(tokens=40, skew=0.0, hot=None, tile=t)) for t in wg.LAYER_TILES],
+    # ~160 tokens an expert, K a multiple of 512: past the hot threshold, w2 on the activation-image
+    # kernel writing the bf16 output (and w4a8's w13 on it, at a tile of its own)
+    (MoEProblem(4, 512, 512, 2), dict(tokens=320, skew=0.0, hot=None)),
 ])
 def test_w4a8_layer_is_w4a8_bit_for_bit(problem, spec):
     """w4a8-layer against w4a8 on the same layer: a8, s_a and the bf16 output bit for bit (its
@@ -1535,6 +1578,8 @@ def test_w4a8_layer_is_w4a8_bit_for_bit(problem, spec):
     runner.prepare(v, layer)
     label = f"seed {seed} max count {routing.counts.max()}"
     assert v.one_launch == (routing.counts.max() <= hot), label
+    if problem.hidden == 512:
+        assert v.plan2.bf16_out and not v.fp32_out, (v.plan2, label)
     if v.one_launch:
         assert v.plan.tokens == (spec.get("tile") or wg.layer_tile(routing.counts)) and v.plan.ctas > 0, v.plan
     for run in range(3):

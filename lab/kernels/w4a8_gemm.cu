@@ -262,6 +262,35 @@ struct StoreOut {  // out[r, n] = the sum times alpha 2^p, fp32: the contract's 
   }
 };
 
+// out[r, n] as bf16 bits: StoreOut's float32 value rounded as to_bf16 rounds it (nvfp4_act.cuh
+// bf16x2_bits), the layer's output written by w2's epilogue where the conversion pass would reread
+// it; `bad` counts the non-finite values written (the conversion's count).
+template <int T>
+struct StoreBf16 {
+  uint16_t* __restrict__ out;
+  int N;
+  uint32_t bad;
+  template <bool PROMOTE>
+  __device__ __forceinline__ void store(const float (&acc)[T / 8][4], const float (&)[T / 8][4], float factor,
+                                        size_t row0, int valid, int b, int warp, int g, int c, int, int,
+                                        const float* __restrict__) {
+    static_assert(PROMOTE, "the bf16 output takes the promoted sums");
+    uint16_t* o = out + row0 * (size_t)N + b * ROWS + 16 * warp + g;
+#pragma unroll
+    for (int j = 0; j < T / 8; ++j)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int col = 8 * j + 2 * c + q;
+        if (col < valid) {  // rows g and g + 8: the pair's low and high halves
+          const uint32_t bits = lab_act::bf16x2_bits(acc[j][q] * factor, acc[j][2 + q] * factor);
+          bad += lab_act::bf16x2_nonfinite(bits);
+          o[(size_t)col * N] = (uint16_t)(bits & 0xFFFFu);
+          o[(size_t)col * N + 8] = (uint16_t)(bits >> 16);
+        }
+      }
+  }
+};
+
 // Stages of the ring by token tile: as deep as 48 KiB of static shared memory allows with the
 // fused epilogue's arrays (a stage is 4.5 KiB of weights and T x 132 bytes of activations).
 template <int T>
@@ -884,13 +913,13 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-template <int T, int STAGES = ImageStages<T>::value, bool AHEAD = false>
+template <int T, int STAGES = ImageStages<T>::value, bool AHEAD = false, bool BF16 = false>
 __global__ void __launch_bounds__(AHEAD ? IMAGE_AHEAD_THREADS : IMAGE_THREADS, 1)
     w4a8_gemm_image(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
                     const uint2* __restrict__ tables, const int* __restrict__ table_of, const int* __restrict__ p,
                     const float* __restrict__ alpha, const uint8_t* __restrict__ ximg,
-                    const float* __restrict__ sximg, const int* __restrict__ offsets, float* __restrict__ out, int N,
-                    int K) {
+                    const float* __restrict__ sximg, const int* __restrict__ offsets, void* __restrict__ out, int N,
+                    int K, uint32_t* __restrict__ nonfinite) {
   static_assert(T == 64 || T == 128, "the image tiles: 64 and 128 tokens");
   constexpr int F = T / 8;
   using St = ImageStage<T>;
@@ -968,6 +997,7 @@ __global__ void __launch_bounds__(AHEAD ? IMAGE_AHEAD_THREADS : IMAGE_THREADS, 1
   zero_frags(tmp);
   int stage = 0;
   uint32_t phase = 0;  // bit s: the parity of stage s's next `full` completion
+  uint32_t bad = 0;    // (BF16) non-finite outputs written
 
   for (int tb = blockIdx.y; tb < blocks; tb += gridDim.y) {
     const int t0 = tb * T;
@@ -1079,9 +1109,16 @@ __global__ void __launch_bounds__(AHEAD ? IMAGE_AHEAD_THREADS : IMAGE_THREADS, 1
       if (++stage == STAGES) stage = 0;
     }
     }
-    StoreOut<T> epi{out, N};
-    epi.template store<true>(acc, tmp, factor, row0, valid, bw, warp, g, c, e, G, sximg);
+    if constexpr (BF16) {
+      StoreBf16<T> epi{static_cast<uint16_t*>(out), N, bad};
+      epi.template store<true>(acc, tmp, factor, row0, valid, bw, warp, g, c, e, G, sximg);
+      bad = epi.bad;
+    } else {
+      StoreOut<T> epi{static_cast<float*>(out), N};
+      epi.template store<true>(acc, tmp, factor, row0, valid, bw, warp, g, c, e, G, sximg);
+    }
   }
+  if (BF16 && bad) atomicAdd(nonfinite, bad);
 }
 
 // ------------------------------------------------------------------------------ the layer in one launch

@@ -206,19 +206,21 @@ IMAGE_STAGES = 4  # its ring's depth (w4a8_gemm.cu ImageStages)
 IMAGE_K = 4 * GROUP_K  # K must be a multiple of this: whole groups, and scale-image rows of 16-byte pieces
 
 
-def image_expression(tokens: int, stages: int | None = None, ahead: bool = False) -> str:
+def image_expression(tokens: int, stages: int | None = None, ahead: bool = False, bf16: bool = False) -> str:
     """The two-warpgroup CTA fed by bulk copies from an activation image, a producer warp and
     consumer warpgroups that never wait for each other (w4a8_gemm.cu w4a8_gemm_image;
     GemmPlan.image); `stages` sets its ring's depth (2 .. 8; None: IMAGE_STAGES), for the depth
     study only; `ahead` the form that decodes group g + 1 while g's wgmmas run (GemmPlan.ahead: a
-    producer warpgroup whose registers go to the consumers)."""
+    producer warpgroup whose registers go to the consumers); `bf16` the form whose epilogue writes
+    the output as bf16 bits (GemmPlan.bf16_out)."""
     if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens not in IMAGE_TILES:
         raise ValueError(f"tokens: the activation-image kernel takes a token tile of {IMAGE_TILES}, got {tokens!r}")
     if stages is not None and (isinstance(stages, bool) or not (isinstance(stages, (int, np.integer))
                                                                  and 2 <= stages <= 8)):
         raise ValueError(f"stages: expected an int from 2 to 8 for the activation-image kernel, got {stages!r}")
-    if ahead:
-        return f"lab_w4a8::w4a8_gemm_image<{tokens}, {IMAGE_STAGES if stages is None else int(stages)}, true>"
+    if ahead or bf16:
+        depth = IMAGE_STAGES if stages is None else int(stages)
+        return f"lab_w4a8::w4a8_gemm_image<{tokens}, {depth}, {str(bool(ahead)).lower()}{', true' if bf16 else ''}>"
     if stages is None:
         return f"lab_w4a8::w4a8_gemm_image<{tokens}>"
     return f"lab_w4a8::w4a8_gemm_image<{tokens}, {int(stages)}>"
@@ -242,7 +244,8 @@ def image_smem_bytes(tokens: int, stages: int | None = None) -> int:
     return (IMAGE_STAGES if stages is None else int(stages)) * image_stage_bytes(tokens)
 
 
-IMAGE_EXPRESSIONS = (tuple(image_expression(t) for t in IMAGE_TILES) + tuple(image_expression(t, ahead=True) for t in IMAGE_TILES)
+IMAGE_EXPRESSIONS = (tuple(image_expression(t, ahead=a, bf16=b) for b in (False, True) for a in (False, True)
+                           for t in IMAGE_TILES)
                      + tuple(x_image_expression(t) for t in IMAGE_TILES))
 # A consumer warp's group loop in the activation-image kernel (static SASS; a test pins them): the
 # issue model that picks its tile (image_by_default), as GROUP_ISSUE does the ring kernels'.
@@ -676,6 +679,7 @@ class GemmPlan:
     resident: bool = False  # the one-warpgroup CTA with the activations resident (w4a8_gemm_res)
     image: bool = False  # the two-warpgroup CTA fed from an activation image (w4a8_gemm_image)
     ahead: bool = False  # (image) its form with the decode one group ahead, a producer warpgroup
+    bf16_out: bool = False  # (image) the output written as bf16 bits (uint16) by the epilogue
 
 
 def gemm_plan(offsets, tokens: int | None = None, token_blocks: int | None = None, warpgroups: int = 1) -> GemmPlan:
@@ -739,37 +743,64 @@ def _check_image(plan: GemmPlan, prep: W4A8Weights, x8, image) -> None:
                          f"got {tuple(image.x.shape)} and {tuple(image.sx.shape)}")
 
 
+def launch_x_image(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, image: W4A8Image, stream) -> None:
+    """The pre-pass of an image plan alone (w4a8_gemm.cu w4a8_x_image): x8 and s_x written into
+    `image` as the plan's launches read it, on `stream`, with no checks (the plan's)."""
+    if plan.token_blocks == 0:
+        return
+    pre = _kernel(GEMM_SOURCE, IMAGE_EXPRESSIONS, x_image_expression(plan.tokens))
+    pieces = plan.tokens * (prep.k // STEP_K)
+    with stream:
+        pre((-(-pieces // 256), plan.token_blocks, prep.experts), (256,),
+            (x8, s_x, offsets, image.x, image.sx, np.int32(prep.k)))
+
+
+def _check_bf16_out(prep: W4A8Weights, x8, out, nonfinite) -> None:
+    """A bf16_out launch's output and counter: shapes, dtypes and layout only (no device reads)."""
+    for name, a, shape, dtype in (("out", out, (x8.shape[0], prep.n), np.uint16),
+                                  ("nonfinite", nonfinite, (1,), np.uint32)):
+        if tuple(getattr(a, "shape", ())) != shape or getattr(a, "dtype", None) != np.dtype(dtype):
+            raise ValueError(f"{name}: a bf16_out launch expected {shape} {np.dtype(dtype).name}, got "
+                             f"{getattr(a, 'shape', type(a).__name__)} {getattr(a, 'dtype', '')}")
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{name}: must be C-contiguous")
+
+
 def _check_warpgroups(prep: W4A8Weights, warpgroups: int) -> None:
     if warpgroups == 2 and prep.n % (2 * ROWS):
         raise ValueError(f"warpgroups: the two-warpgroup CTA takes N a multiple of {2 * ROWS}, got N={prep.n}")
 
 
 def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha, out, stream,
-                     image: W4A8Image | None = None) -> None:
+                     image: W4A8Image | None = None, nonfinite=None, write_image: bool = True) -> None:
     """One launch on `stream` with no host reads and no allocation (graph-capturable): offsets
     (E+1,) int32 and alpha (E,) float32 on the device, holding the values plan_w4a8_gemm
     checked, with the same prep, x8, s_x and out. An image plan (GemmPlan.image) also takes the
-    workspace image_workspace allocated for it, and launches the pre-pass that fills it first."""
+    workspace image_workspace allocated for it, and launches the pre-pass that fills it first
+    (launch_x_image), unless `write_image` is False: the caller wrote it from these x8 and s_x
+    already. A bf16_out plan writes `out` as (rows, N) uint16 bf16 bits and adds the number of
+    non-finite values it wrote to `nonfinite` ((1,) uint32)."""
     if plan.image:
         _check_image(plan, prep, x8, image)
-    elif plan.ahead:
-        raise ValueError("plan: `ahead` is a form of the activation-image kernel (GemmPlan.image)")
+    elif plan.ahead or plan.bf16_out:
+        raise ValueError("plan: `ahead` and `bf16_out` are forms of the activation-image kernel (GemmPlan.image)")
+    if plan.bf16_out:
+        _check_bf16_out(prep, x8, out, nonfinite)
     if plan.token_blocks == 0:
         return
     w, smem = plan.warpgroups, 0
     if plan.image:
         smem = image_smem_bytes(plan.tokens, plan.stages)
-        fn = _shipped_or_study(IMAGE_EXPRESSIONS, plan.stages, lambda s: image_expression(plan.tokens, s, plan.ahead))
+        fn = _shipped_or_study(IMAGE_EXPRESSIONS, plan.stages,
+                               lambda s: image_expression(plan.tokens, s, plan.ahead, plan.bf16_out))
         if fn.max_dynamic_shared_size_bytes < smem:
             fn.max_dynamic_shared_size_bytes = smem
-        pre = _kernel(GEMM_SOURCE, IMAGE_EXPRESSIONS, x_image_expression(plan.tokens))
-        pieces = plan.tokens * (prep.k // STEP_K)
+        if write_image:
+            launch_x_image(plan, prep, x8, s_x, offsets, image, stream)
         with stream:
-            pre((-(-pieces // 256), plan.token_blocks, prep.experts), (256,),
-                (x8, s_x, offsets, image.x, image.sx, np.int32(prep.k)))
             fn((prep.n // (2 * ROWS), plan.token_blocks, prep.experts), (3 * THREADS if plan.ahead else 2 * THREADS + 32,),
                (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, image.x, image.sx, offsets, out,
-                np.int32(prep.n), np.int32(prep.k)), shared_mem=smem)
+                np.int32(prep.n), np.int32(prep.k), nonfinite if plan.bf16_out else np.uint64(0)), shared_mem=smem)
         return
     if plan.smem_a and (w != 2 or plan.stages is not None or not plan.promote):
         raise ValueError("plan: the shared-memory-A kernel is the two-warpgroup CTA at its shipped depth, promoted")
@@ -808,7 +839,8 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
 
 def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None, tokens: int | None = None,
               token_blocks: int | None = None, promote: bool = True, warpgroups: int | None = None,
-              smem_a: bool = False, resident: bool = False, image: bool = False, ahead: bool = False):
+              smem_a: bool = False, resident: bool = False, image: bool = False, ahead: bool = False,
+              bf16_out: bool = False, nonfinite=None):
     """Launch the W4A8 grouped GEMM on `stream` (a CuPy stream, None for the current one) and
     return `out` (allocated on that stream when None). `tokens` forces the token tile (one of
     TOKEN_TILES); by default token_tile's (the one that issues least over the experts' blocks).
@@ -825,10 +857,14 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
     warpgroups None a plan at 8 tokens runs it anyway where resident_by_default says so. image runs
     the two-warpgroup CTA fed from an activation image (w4a8_gemm_image; a tile of IMAGE_TILES,
     promoted, N % 128 == 0, K % 512 == 0; the same bits), allocating the image here; ahead, its
-    form with the decode one group ahead (image only)."""
+    form with the decode one group ahead (image only). bf16_out (image only) writes `out` as (rows,
+    N) uint16 bf16 bits from the epilogue (the float32 output's to_bf16 bits), adding the number of
+    non-finite values to `nonfinite` ((1,) uint32; allocated, zero, when None)."""
     if ahead and not image:
         raise ValueError("ahead: the decode one group ahead is a form of the activation-image kernel (image=True)")
-    offs, al = check_gemm_args(prep, x8, s_x, offsets, alpha, out)
+    if bf16_out and not image:
+        raise ValueError("bf16_out: the bf16 output is a form of the activation-image kernel (image=True)")
+    offs, al = check_gemm_args(prep, x8, s_x, offsets, alpha, None if bf16_out else out)
     if image and (not promote or smem_a or resident or warpgroups == 1):
         raise ValueError("image: the activation-image kernel is the two-warpgroup CTA, promoted")
     if image and (prep.n % (2 * ROWS) or prep.k % IMAGE_K):
@@ -856,7 +892,7 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
                    promote=bool(promote))
     if image:
         image_expression(plan.tokens)  # names the tile it lacks
-        plan = replace(plan, image=True, ahead=bool(ahead))
+        plan = replace(plan, image=True, ahead=bool(ahead), bf16_out=bool(bf16_out))
     if smem_a:
         ss_expression(plan.tokens)  # names the tile it lacks
         plan = replace(plan, smem_a=True)
@@ -868,11 +904,14 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
     stream = stream if stream is not None else cp.cuda.get_current_stream()
     with stream:
         if out is None:
-            out = cp.empty((x8.shape[0], prep.n), cp.float32)
+            out = cp.empty((x8.shape[0], prep.n), cp.uint16 if bf16_out else cp.float32)
+        if bf16_out and nonfinite is None:
+            nonfinite = cp.zeros(1, cp.uint32)
         if plan.token_blocks == 0:
             return out
         work = image_workspace(plan, prep, x8.shape[0], stream) if plan.image else None
-        launch_w4a8_gemm(plan, prep, x8, s_x, cp.asarray(offs.astype(np.int32)), cp.asarray(al), out, stream, work)
+        launch_w4a8_gemm(plan, prep, x8, s_x, cp.asarray(offs.astype(np.int32)), cp.asarray(al), out, stream, work,
+                         nonfinite)
     return out
 
 

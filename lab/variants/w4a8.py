@@ -22,6 +22,8 @@ Against lab/w4a8.py layer_rows the output is the float64 contract up to the GEMM
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from lab.kernels import swiglu_quant as sq
@@ -94,6 +96,9 @@ class W4A8:
     stages = STAGES
 
     paired = False  # w13 in the fused epilogue's row order
+    # the stages before w2's; prepare sets `stages`: then w2 with the bf16 output in its epilogue
+    # where it runs the activation-image kernel ("w2+out"), else w2 and the conversion
+    head_stages = ("w13", "act")
 
     def prepare(self, runner, layer) -> None:
         check_problem(layer.problem)
@@ -113,13 +118,17 @@ class W4A8:
         with s:
             self.ones.fill(1.0)
             self.w2_global.set(np.asarray(w.host.w2_global, np.float32), stream=s)
-        self.quantize_input(runner, layer)
         # every check of both GEMMs, on the values run() launches with: run() reads nothing back
         offs = layer.offsets_host
         self.plan2 = wg.plan_w4a8_gemm(self.w2, self.a8, self.s_a, offs, np.asarray(w.host.w2_global, np.float32),
                                        layer.out)
+        if self.plan2.image:  # its epilogue writes the bf16 output: no float32 output, no conversion pass
+            self.plan2 = replace(self.plan2, bf16_out=True)
+        self.fp32_out = not self.plan2.bf16_out
+        self.stages = self.head_stages + (("w2+out",) if self.plan2.bf16_out else ("w2", "out"))
         self.image2 = image_buffers(runner, self.plan2, self.w2, rows, "w2")
         self.plan_w13(runner, layer)
+        self.quantize_input(runner, layer)
 
     def plan_w13(self, runner, layer) -> None:
         w, offs = layer.weights, layer.offsets_host
@@ -131,13 +140,19 @@ class W4A8:
 
     def quantize_input(self, runner, layer) -> None:
         """x8, s_x of the grouped rows: the T token rows quantized, then gathered by row_token
-        (temporaries of T rows, freed after prepare). ValueError if x holds NaN or Inf."""
+        (temporaries of T rows, freed after prepare), and where w13 runs the activation-image
+        kernel, written into its image (the gather's rows in the order its stages read them). So
+        the input reaches the timed layer as every variant's does: quantized and laid out for its
+        first GEMM. ValueError if x holds NaN or Inf."""
         cp, s = runner.cp, runner.stream
         with runner.stage("input", s), s:
             runner.counter.fill(0)
             tok8, tok_s, _ = wg.quantize_act_gpu(layer.x, nonfinite=runner.counter, stream=s)
             cp.take(tok8, layer.row_token, axis=0, out=self.x8)
             cp.take(tok_s, layer.row_token, axis=0, out=self.s_x)
+            image13 = getattr(self, "image13", None)
+            if image13 is not None:
+                wg.launch_x_image(self.plan13, self.w13, self.x8, self.s_x, layer.offsets, image13, s)
         bad = runner.read_counter()
         del tok8, tok_s
         if bad:
@@ -145,17 +160,34 @@ class W4A8:
 
     def run(self, runner, layer) -> None:
         w, s = layer.weights, runner.stream
-        with runner.stage("w13", s):
+        with runner.stage("w13", s):  # (its image, where it has one, written with the input)
             wg.launch_w4a8_gemm(self.plan13, self.w13, self.x8, self.s_x, layer.offsets, self.ones, layer.h, s,
-                                self.image13)
+                                self.image13, write_image=False)
         with runner.stage("act", s):
             wg.launch_swiglu_quant(layer.h, layer.offsets, w.gate_global, w.up_global, self.a8, self.s_a,
                                    runner.counter, s)
+        self.run_w2(runner, layer)
+
+    def run_w2(self, runner, layer) -> None:
+        """w2 and the bf16 output, in their stages."""
+        s = runner.stream
+        if self.plan2.bf16_out:
+            with runner.stage("w2+out", s):
+                self.launch_w2(runner, layer)
+            return
         with runner.stage("w2", s):
-            wg.launch_w4a8_gemm(self.plan2, self.w2, self.a8, self.s_a, layer.offsets, self.w2_global, layer.out, s,
-                                self.image2)
+            self.launch_w2(runner, layer)
         with runner.stage("out", s):
             sq.to_bf16(layer.out, layer.out_bf16, runner.counter, stream=s)
+
+    def launch_w2(self, runner, layer) -> None:
+        """w2's launch: the bf16 output where the plan writes it, else the float32 one."""
+        if self.plan2.bf16_out:
+            wg.launch_w4a8_gemm(self.plan2, self.w2, self.a8, self.s_a, layer.offsets, self.w2_global,
+                                layer.out_bf16, runner.stream, self.image2, runner.counter)
+        else:
+            wg.launch_w4a8_gemm(self.plan2, self.w2, self.a8, self.s_a, layer.offsets, self.w2_global, layer.out,
+                                runner.stream, self.image2)
 
 
 class W4A8Fused(W4A8):
@@ -167,6 +199,7 @@ class W4A8Fused(W4A8):
 
     name = "w4a8-fused"
     stages = ("w13+act", "w2", "out")
+    head_stages = ("w13+act",)
     paired = True
 
     def plan_w13(self, runner, layer) -> None:
@@ -181,11 +214,7 @@ class W4A8Fused(W4A8):
         with runner.stage("w13+act", s):
             wg.launch_w4a8_gemm_swiglu(self.plan13, self.w13, self.x8, self.s_x, layer.offsets, self.ones,
                                        w.gate_global, w.up_global, self.a8, self.s_a, runner.counter, s)
-        with runner.stage("w2", s):
-            wg.launch_w4a8_gemm(self.plan2, self.w2, self.a8, self.s_a, layer.offsets, self.w2_global, layer.out, s,
-                                self.image2)
-        with runner.stage("out", s):
-            sq.to_bf16(layer.out, layer.out_bf16, runner.counter, stream=s)
+        self.run_w2(runner, layer)
 
 
 # Past this many tokens on the largest expert, w4a8-layer runs w4a8-fused's launches instead of
@@ -227,8 +256,9 @@ class W4A8Layer(W4A8Fused):
         if e > wg.LAYER_MAX_EXPERTS:
             raise ValueError(f"experts: E={e}; the layer kernel takes at most {wg.LAYER_MAX_EXPERTS}")
         super().prepare(runner, layer)  # w4a8-fused's checks, weights, buffers, input and plans
+        self.stages = ("layer",)
         self.one_launch = int(layer.counts.max(initial=0)) <= self.hot_tokens
-        self.fp32_out = not self.one_launch
+        self.fp32_out = not self.one_launch and not self.plan2.bf16_out
         if not self.one_launch:
             return
         E = layer.problem.experts
@@ -251,6 +281,6 @@ class W4A8Layer(W4A8Fused):
                 return
             wg.launch_w4a8_gemm_swiglu(self.plan13, self.w13, self.x8, self.s_x, layer.offsets, self.ones,
                                        w.gate_global, w.up_global, self.a8, self.s_a, runner.counter, s)
-            wg.launch_w4a8_gemm(self.plan2, self.w2, self.a8, self.s_a, layer.offsets, self.w2_global, layer.out, s,
-                                self.image2)
-            sq.to_bf16(layer.out, layer.out_bf16, runner.counter, stream=s)
+            self.launch_w2(runner, layer)
+            if not self.plan2.bf16_out:
+                sq.to_bf16(layer.out, layer.out_bf16, runner.counter, stream=s)
