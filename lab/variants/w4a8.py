@@ -5,6 +5,11 @@
     x8 (rows, H) --w13: W4A8 GEMM--> h (rows, 2I) f32 --act: SwiGLU + 1x128 fp8--> a8 (rows, I), s_a
     a8 --w2: W4A8 GEMM--> out (rows, H) f32 --out--> out_bf16
 
+Where a GEMM's plan is the activation-image kernel (large batches: w4a8_gemm.image_by_default),
+w13's image is written with the input, outside the timed layer (the gathered rows in the order
+the kernel's stages read them), and w2's epilogue writes out_bf16 itself: stages w13, act,
+"w2+out", no float32 output.
+
 The input is quantized outside the timed layer, as separate's (load_layer), w4a16's gather and the
 torch peers' quantize are: quantize_act_gpu on the T token rows, then the codes and scales of
 each grouped row gathered by row_token (the quantization is per row, so these are the bits of
