@@ -913,13 +913,15 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-template <int T, int STAGES = ImageStages<T>::value, bool AHEAD = false, bool BF16 = false>
-__global__ void __launch_bounds__(AHEAD ? IMAGE_AHEAD_THREADS : IMAGE_THREADS, 1)
-    w4a8_gemm_image(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
-                    const uint2* __restrict__ tables, const int* __restrict__ table_of, const int* __restrict__ p,
-                    const float* __restrict__ alpha, const uint8_t* __restrict__ ximg,
-                    const float* __restrict__ sximg, const int* __restrict__ offsets, void* __restrict__ out, int N,
-                    int K, uint32_t* __restrict__ nonfinite) {
+// The image kernels' body, their epilogue aside: Epi::setup(tid) runs with the CTA's barrier
+// setup (before its one CTA-wide barrier), Epi::start() once after it, Epi::store per token block
+// (as gemm_body's epilogues), Epi::finish() once a consumer thread is done.
+template <int T, int STAGES, bool AHEAD, class Epi>
+__device__ __forceinline__ void image_body(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
+                                           const uint2* __restrict__ tables, const int* __restrict__ table_of,
+                                           const int* __restrict__ p, const float* __restrict__ alpha,
+                                           const uint8_t* __restrict__ ximg, const float* __restrict__ sximg,
+                                           const int* __restrict__ offsets, int N, int K, Epi& epi) {
   static_assert(T == 64 || T == 128, "the image tiles: 64 and 128 tokens");
   constexpr int F = T / 8;
   using St = ImageStage<T>;
@@ -938,6 +940,7 @@ __global__ void __launch_bounds__(AHEAD ? IMAGE_AHEAD_THREADS : IMAGE_THREADS, 1
   const size_t img0 = (size_t)r0 + (size_t)e * T;  // the expert's first image row
   if (tid < 128) table[tid] = tables[(size_t)table_of[e] * 128 + tid];
   const uint32_t full0 = lab_gemm::smem_addr(&full[0]), empty0 = lab_gemm::smem_addr(&empty[0]);
+  epi.setup(tid);  // (before the fence below, which publishes its barriers' initialization too)
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
@@ -947,6 +950,7 @@ __global__ void __launch_bounds__(AHEAD ? IMAGE_AHEAD_THREADS : IMAGE_THREADS, 1
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();  // the table and the barriers; the last CTA-wide barrier
+  epi.start();
 
   constexpr uint32_t WBYTES = STEPS * THREADS * 8, SBYTES = ROWS * 8;
   constexpr uint32_t XS = 2 * WBYTES + 2 * SBYTES, SX = XS + T * GROUP_K;  // St's members
@@ -997,7 +1001,6 @@ __global__ void __launch_bounds__(AHEAD ? IMAGE_AHEAD_THREADS : IMAGE_THREADS, 1
   zero_frags(tmp);
   int stage = 0;
   uint32_t phase = 0;  // bit s: the parity of stage s's next `full` completion
-  uint32_t bad = 0;    // (BF16) non-finite outputs written
 
   for (int tb = blockIdx.y; tb < blocks; tb += gridDim.y) {
     const int t0 = tb * T;
@@ -1109,16 +1112,43 @@ __global__ void __launch_bounds__(AHEAD ? IMAGE_AHEAD_THREADS : IMAGE_THREADS, 1
       if (++stage == STAGES) stage = 0;
     }
     }
-    if constexpr (BF16) {
-      StoreBf16<T> epi{static_cast<uint16_t*>(out), N, bad};
-      epi.template store<true>(acc, tmp, factor, row0, valid, bw, warp, g, c, e, G, sximg);
-      bad = epi.bad;
-    } else {
-      StoreOut<T> epi{static_cast<float*>(out), N};
-      epi.template store<true>(acc, tmp, factor, row0, valid, bw, warp, g, c, e, G, sximg);
-    }
+    epi.template store<true>(acc, tmp, factor, row0, valid, bw, warp, g, c, e, G, sximg);
   }
-  if (BF16 && bad) atomicAdd(nonfinite, bad);
+  epi.finish();
+}
+
+// An epilogue of gemm_body's kind with the image body's hooks (none of them does anything)
+template <class Store>
+struct ImageEpi : Store {
+  __device__ __forceinline__ void setup(int) {}
+  __device__ __forceinline__ void start() {}
+  __device__ __forceinline__ void finish() {}
+};
+// The bf16 output's: its non-finite count added once a thread is done
+template <int T>
+struct ImageEpiBf16 : StoreBf16<T> {
+  uint32_t* __restrict__ nonfinite;
+  __device__ __forceinline__ void setup(int) {}
+  __device__ __forceinline__ void start() {}
+  __device__ __forceinline__ void finish() {
+    if (this->bad) atomicAdd(nonfinite, this->bad);
+  }
+};
+
+template <int T, int STAGES = ImageStages<T>::value, bool AHEAD = false, bool BF16 = false>
+__global__ void __launch_bounds__(AHEAD ? IMAGE_AHEAD_THREADS : IMAGE_THREADS, 1)
+    w4a8_gemm_image(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
+                    const uint2* __restrict__ tables, const int* __restrict__ table_of, const int* __restrict__ p,
+                    const float* __restrict__ alpha, const uint8_t* __restrict__ ximg,
+                    const float* __restrict__ sximg, const int* __restrict__ offsets, void* __restrict__ out, int N,
+                    int K, uint32_t* __restrict__ nonfinite) {
+  if constexpr (BF16) {
+    ImageEpiBf16<T> epi{{static_cast<uint16_t*>(out), N, 0u}, nonfinite};
+    image_body<T, STAGES, AHEAD>(words, scales, tables, table_of, p, alpha, ximg, sximg, offsets, N, K, epi);
+  } else {
+    ImageEpi<StoreOut<T>> epi{{static_cast<float*>(out), N}};
+    image_body<T, STAGES, AHEAD>(words, scales, tables, table_of, p, alpha, ximg, sximg, offsets, N, K, epi);
+  }
 }
 
 // ------------------------------------------------------------------------------ the layer in one launch
