@@ -715,11 +715,15 @@ def plan_w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out, tokens: int 
     return _plan(prep, offs, tokens, token_blocks, warpgroups)
 
 
-def _plan(prep: W4A8Weights, offs, tokens, token_blocks, warpgroups) -> GemmPlan:
+def _plan(prep: W4A8Weights, offs, tokens, token_blocks, warpgroups, image: bool = True) -> GemmPlan:
+    """The default plan where warpgroups is None (the activation-image kernel where
+    image_by_default takes it, unless `image` is False: a launch that has no image form)."""
     if warpgroups is None:
         plan = gemm_plan(offs, tokens, token_blocks)
         plan = replace(plan, warpgroups=wide_warpgroups(plan.tokens, prep.n))
         plan = replace(plan, resident=resident_by_default(plan, prep.k))
+        if not image:
+            return plan
         return image_by_default(plan, prep, np.diff(np.asarray(offs, np.int64)), tokens, token_blocks)
     _check_warpgroups(prep, warpgroups)
     return gemm_plan(offs, tokens, token_blocks, warpgroups)
@@ -1070,7 +1074,7 @@ def plan_w4a8_gemm_swiglu(prep: W4A8Weights, x8, s_x, offsets, alpha, gate_globa
     _check_device_array(cp, "a8", a8, (rows, i), np.uint8)
     _check_device_array(cp, "s_a", s_a, (rows, i // GROUP_K), np.float32)
     _check_device_array(cp, "nonfinite", nonfinite, (1,), np.uint32)
-    plan = _plan(prep, offs, tokens, token_blocks, warpgroups)
+    plan = _plan(prep, offs, tokens, token_blocks, warpgroups, image=False)  # (the fused w13 has no image form)
     if plan.warpgroups == 2:
         swiglu_wide_expression(plan.tokens)  # names the tile the fused two-warpgroup CTA lacks
     return plan
