@@ -395,7 +395,7 @@ def test_launch_refuses_host_weights_before_touching_a_device():
 
 @needs_nvcc
 @pytest.mark.parametrize("expr", wg.GEMM_EXPRESSIONS + wg.UNPROMOTED_EXPRESSIONS + wg.FUSED_EXPRESSIONS +
-                         wg.RES_EXPRESSIONS + wg.IMAGE_EXPRESSIONS + wg.ACT_EXPRESSIONS)
+                         wg.RES_EXPRESSIONS + wg.IMAGE_EXPRESSIONS + wg.FUSED_IMAGE_EXPRESSIONS + wg.ACT_EXPRESSIONS)
 def test_instantiations_compile_without_spills(expr):
     source = wg.ACT_SOURCE if expr in wg.ACT_EXPRESSIONS else wg.GEMM_SOURCE
     info = jit.ptxas_report(source, expr)
@@ -1376,6 +1376,51 @@ def test_fused_epilogue_writes_the_act_kernels_bits(tokens, token_blocks, warpgr
     with pytest.raises(ValueError, match="the fused epilogue needs I a multiple of 128"):
         small = wg.prepare_w4a8_weights(packed[:, :128], scales[:, :128]).to_device()  # I = 64
         wg.plan_w4a8_gemm_swiglu(small, x8, s_x, offsets, ones, gate_g, up_g, a8[:, :64], s_a[:, :1], bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, ahead", [(64, False), (64, True), (128, True)])
+@pytest.mark.parametrize("token_blocks", [None, 1])
+def test_fused_image_epilogue_writes_the_act_kernels_bits(tokens, ahead, token_blocks):
+    """w13 on the activation-image kernel with the SwiGLU + quantize epilogue (clusters of two,
+    the maximum exchanged on mbarriers), on paired rows, against the plain kernel on the original
+    rows followed by swiglu_quant: a8 and s_a bit for bit (poisoned first), with grid height 1 (a
+    CTA pair through every block of an expert: the exchange buffers reused by parity), an empty
+    expert, partial blocks; I = 256 is two groups, two clusters per row of CTAs."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng()
+    e, h_dim, i = 4, 512, 256
+    counts = np.array([70, 0, 9, 3 * tokens + 17])
+    offsets = np.r_[0, np.cumsum(counts)].astype(np.int32)
+    packed, scales = random_nvfp4(rng, e, 2 * i, h_dim)
+    x = rng.standard_normal((int(counts.sum()), h_dim)).astype(f32)
+    x8, s_x = (cp.asarray(a) for a in w4a8.quantize_act(x))
+    ones = cp.ones(e, cp.float32)
+    gate_g = cp.asarray(rng.uniform(0.5, 2.0, e).astype(f32) * f32(2.0**-10))
+    up_g = cp.asarray(rng.uniform(0.5, 2.0, e).astype(f32) * f32(2.0**-10))
+    off_d = cp.asarray(offsets)
+    h = wg.w4a8_gemm(wg.prepare_w4a8_weights(packed, scales).to_device(), x8, s_x, offsets, ones.get(),
+                     tokens=64, warpgroups=2)
+    a8_want, s_a_want, bad_want = wg.swiglu_quant_gpu(h, off_d, gate_g, up_g)
+    order = wg.paired_rows(i)
+    paired = wg.prepare_w4a8_weights(packed[:, order], scales[:, order]).to_device()
+    a8 = cp.full((x.shape[0], i), 0x7F, cp.uint8)
+    s_a = cp.full((x.shape[0], i // 128), np.nan, cp.float32)
+    bad = cp.zeros(1, cp.uint32)
+    plan = wg.plan_w4a8_gemm_swiglu(paired, x8, s_x, offsets, ones, gate_g, up_g, a8, s_a, bad, tokens, token_blocks,
+                                    image=True, ahead=ahead)
+    assert plan.image and plan.tokens == tokens and plan.ahead == ahead, plan
+    image = wg.image_workspace(plan, paired, x.shape[0])
+    wg.launch_w4a8_gemm_swiglu(plan, paired, x8, s_x, off_d, ones, gate_g, up_g, a8, s_a, bad,
+                               cp.cuda.get_current_stream(), image)
+    cp.cuda.get_current_stream().synchronize()
+    assert_bits_equal("a8", a8.get(), a8_want.get())
+    assert_bits_equal("s_a", s_a.get(), s_a_want.get())
+    assert int(bad.get()[0]) == int(bad_want.get()[0]) == 0
+    with pytest.raises(ValueError, match="tokens: the 128-token fused image kernel is its decode-ahead form only"):
+        wg.plan_w4a8_gemm_swiglu(paired, x8, s_x, offsets, ones, gate_g, up_g, a8, s_a, bad, 128, image=True)
 
 
 # ------------------------------------------------------------------------------- GPU: the w4a8 variant

@@ -1151,6 +1151,135 @@ __global__ void __launch_bounds__(AHEAD ? IMAGE_AHEAD_THREADS : IMAGE_THREADS, 1
   }
 }
 
+// The SwiGLU + quantize epilogue on the image kernel (w4a8-fused's w13 at large batches): as
+// SwigluQuant (the same a8 and s_a bits), with the cluster's exchange on mbarriers among the
+// consumers alone, since the producer warp runs ahead into the next token block and a cluster
+// barrier would wait for it. A 128-column group of I is two CTAs of 128 paired rows (a cluster of
+// two along x). Per token block each CTA reduces its eight warps' |a| per token (shuffles, then
+// shared memory and the consumers' named barrier), its thread t < T stores token t's maximum in
+// its own `mine` and in the peer's `theirs` and arrives on the peer's `xbar` (release, cluster
+// scope); every consumer thread then waits on its own `xbar` (acquire, cluster scope) and takes
+// the larger of the two. Both by token-block parity: a CTA writes its peer's buffer b again only
+// after the peer has sent it the next block's maximum, which the peer does after reading b.
+__device__ __forceinline__ uint32_t cluster_peer_addr(uint32_t local, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  return remote;
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+template <int T>
+struct ImageSwiglu {
+  lab_w4a8_act::uint8_t* __restrict__ a8;  // (rows, I)
+  float* __restrict__ s_a;                 // (rows, I / 128)
+  uint32_t* __restrict__ nonfinite;
+  const float* __restrict__ gate_global;
+  const float* __restrict__ up_global;
+  int I;
+  float (*part)[T];    // [8 warps][T] shared
+  float (*mine)[T];    // [2][T] shared: this CTA's maximum per token, by block parity
+  float (*theirs)[T];  // [2][T] shared: the peer's, written by the peer
+  uint64_t* xbar;      // [2] shared: the peer's T arrivals
+  uint32_t k;          // token blocks done
+  uint32_t bad;
+
+  __device__ __forceinline__ void setup(int tid) {
+    if (tid == 0) {
+      lab_gemm::mbar_init(lab_gemm::smem_addr(&xbar[0]), T);
+      lab_gemm::mbar_init(lab_gemm::smem_addr(&xbar[1]), T);
+    }
+  }
+  __device__ __forceinline__ void start() { cluster_sync(); }  // the peer's barriers initialized
+  __device__ __forceinline__ void finish() {
+    if (bad) atomicAdd(nonfinite, bad);
+  }
+
+  template <bool PROMOTE>
+  __device__ __forceinline__ void store(const float (&acc)[T / 8][4], const float (&)[T / 8][4], float factor,
+                                        size_t row0, int valid, int b, int warp, int g, int c, int e, int,
+                                        const float* __restrict__) {
+    static_assert(PROMOTE, "the fused epilogue takes the promoted sums");
+    constexpr int F = T / 8;
+    const int tid = threadIdx.x, wg = tid / THREADS;
+    const float gs = gate_global[e], us = up_global[e];
+    const int i = 32 * b + 8 * warp + g;  // b: the 64-row block (2 x + wg)
+    float a[F][2];
+#pragma unroll
+    for (int j = 0; j < F; ++j)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const float hg = acc[j][q] * factor, hu = acc[j][2 + q] * factor;  // the plain kernel's h
+        a[j][q] = lab_w4a8_act::swiglu_f32(hg, hu, gs, us);
+        const bool live = 8 * j + 2 * c + q < valid;
+        bad += live && !(lab_w4a8_act::finite(hg) && lab_w4a8_act::finite(hu) && lab_w4a8_act::finite(a[j][q]));
+        float m = live ? fabsf(a[j][q]) : 0.0f;
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        if (g == 0) part[4 * wg + warp][8 * j + 2 * c + q] = m;
+      }
+    lab_gemm::named_bar_sync<1, 2 * THREADS>();
+    const uint32_t buf = k & 1u;
+    if (tid < T) {
+      float v = fmaxf(fmaxf(part[0][tid], part[1][tid]), fmaxf(part[2][tid], part[3][tid]));
+      v = fmaxf(v, fmaxf(fmaxf(part[4][tid], part[5][tid]), fmaxf(part[6][tid], part[7][tid])));
+      mine[buf][tid] = v;
+      const uint32_t peer = cluster_rank() ^ 1u;
+      const uint32_t dst = cluster_peer_addr(lab_gemm::smem_addr(&theirs[buf][tid]), peer);
+      const uint32_t bar = cluster_peer_addr(lab_gemm::smem_addr(&xbar[buf]), peer);
+      asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(dst), "f"(v) : "memory");
+      asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
+    }
+    lab_gemm::named_bar_sync<1, 2 * THREADS>();  // `mine` written; `part` read (free for the next block)
+    {
+      const uint32_t bar = lab_gemm::smem_addr(&xbar[buf]), parity = (k >> 1) & 1u;
+      uint32_t done;
+      do {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+            " selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+      } while (!done);
+    }
+    const int G = I / 128, gi = b / CLUSTER;
+#pragma unroll
+    for (int j = 0; j < F; ++j)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int t = 8 * j + 2 * c + q;
+        const float amax = fmaxf(fmaxf(0.0f, fmaxf(mine[buf][t], theirs[buf][t])), 0x1p-116f);
+        const float inv = __fdiv_rn(448.0f, amax);
+        if (t < valid) {
+          a8[(row0 + t) * I + i] =
+              (lab_w4a8_act::uint8_t)(lab_w4a8_act::e4m3x2(lab_w4a8_act::times_inv(a[j][q], inv), 0.0f) & 0xFFu);
+          if (b % CLUSTER == 0 && warp == 0 && g == 0) s_a[(row0 + t) * G + gi] = __fdiv_rn(amax, 448.0f);
+        }
+      }
+    ++k;
+  }
+};
+
+// w13 on the image kernel with the SwiGLU + quantize epilogue (ImageSwiglu): w4a8_gemm_swiglu_wide's
+// a8 and s_a, a cluster of two CTAs along x.
+template <int T, int STAGES = ImageStages<T>::value, bool AHEAD = false>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(AHEAD ? IMAGE_AHEAD_THREADS : IMAGE_THREADS, 1)
+    w4a8_gemm_image_swiglu(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
+                           const uint2* __restrict__ tables, const int* __restrict__ table_of,
+                           const int* __restrict__ p, const float* __restrict__ alpha,
+                           const uint8_t* __restrict__ ximg, const float* __restrict__ sximg,
+                           const int* __restrict__ offsets, int N, int K, const float* __restrict__ gate_global,
+                           const float* __restrict__ up_global, uint8_t* __restrict__ a8, float* __restrict__ s_a,
+                           uint32_t* __restrict__ nonfinite) {
+  __shared__ float part[8][T];
+  __shared__ float mine[2][T], theirs[2][T];
+  __shared__ __align__(8) uint64_t xbar[2];
+  ImageSwiglu<T> epi{a8, s_a, nonfinite, gate_global, up_global, N / 2, part, mine, theirs, xbar, 0u, 0u};
+  image_body<T, STAGES, AHEAD>(words, scales, tables, table_of, p, alpha, ximg, sximg, offsets, N, K, epi);
+}
+
 // ------------------------------------------------------------------------------ the layer in one launch
 //
 // w4a8_layer (w4a8-layer): w13 with the SwiGLU + quantize epilogue, then w2 writing the bf16

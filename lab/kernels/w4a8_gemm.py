@@ -312,6 +312,20 @@ def swiglu_wide_expression(tokens: int) -> str:
 
 
 FUSED_WIDE_EXPRESSIONS = tuple(swiglu_wide_expression(t) for t in FUSED_WIDE_TILES)
+
+
+def image_swiglu_expression(tokens: int, ahead: bool = False) -> str:
+    """The fused w13 on the activation-image kernel (w4a8_gemm_image_swiglu, clusters of two):
+    the same a8 and s_a; `ahead` its form with the decode one group ahead. At 128 tokens only the
+    ahead form: the plain one spills (the SwiGLU's values beside the accumulators, 168 registers a
+    thread); the ahead form's consumers have 224."""
+    image_expression(tokens)  # names the tile it lacks
+    if tokens == 128 and not ahead:
+        raise ValueError("tokens: the 128-token fused image kernel is its decode-ahead form only (ahead=True)")
+    return f"lab_w4a8::w4a8_gemm_image_swiglu<{tokens}{f', {IMAGE_STAGES}, true' if ahead else ''}>"
+
+
+FUSED_IMAGE_EXPRESSIONS = (image_swiglu_expression(64),) + tuple(image_swiglu_expression(t, True) for t in IMAGE_TILES)
 ACT_EXPRESSIONS = ("lab_w4a8_act::quantize_act<float>", "lab_w4a8_act::quantize_act<lab_w4a8_act::uint16_t>",
                    "lab_w4a8_act::swiglu_quant")
 SWIGLU_EXPRESSION = ACT_EXPRESSIONS[2]
@@ -1058,10 +1072,12 @@ def launch_swiglu_quant(h, offsets, gate_global, up_global, a8, s_a, nonfinite, 
 
 def plan_w4a8_gemm_swiglu(prep: W4A8Weights, x8, s_x, offsets, alpha, gate_global, up_global, a8, s_a,
                           nonfinite, tokens: int | None = None, token_blocks: int | None = None,
-                          warpgroups: int | None = None) -> GemmPlan:
+                          warpgroups: int | None = None, image: bool = False, ahead: bool = False) -> GemmPlan:
     """Every check of a fused launch (the GEMM's, with no fp32 output, and the act stage's
     shapes), on w13 prepared from paired_rows: ValueError naming the first bad argument. Returns
-    the plan launch_w4a8_gemm_swiglu takes (warpgroups as plan_w4a8_gemm's)."""
+    the plan launch_w4a8_gemm_swiglu takes (warpgroups as plan_w4a8_gemm's). `image` asks for the
+    activation-image kernel with the fused epilogue (w4a8_gemm_image_swiglu; a tile of IMAGE_TILES,
+    by default image_by_default's; K % 512 == 0), `ahead` for its decode-ahead form."""
     offs, _ = check_gemm_args(prep, x8, s_x, offsets, alpha)
     if prep.n % (2 * GROUP_K):
         raise ValueError(f"prep: N=2I={prep.n}; the fused epilogue needs I a multiple of {GROUP_K}")
@@ -1074,19 +1090,45 @@ def plan_w4a8_gemm_swiglu(prep: W4A8Weights, x8, s_x, offsets, alpha, gate_globa
     _check_device_array(cp, "a8", a8, (rows, i), np.uint8)
     _check_device_array(cp, "s_a", s_a, (rows, i // GROUP_K), np.float32)
     _check_device_array(cp, "nonfinite", nonfinite, (1,), np.uint32)
-    plan = _plan(prep, offs, tokens, token_blocks, warpgroups, image=False)  # (the fused w13 has no image form)
+    if image:
+        if prep.k % IMAGE_K:
+            raise ValueError(f"image: the activation-image kernel takes K a multiple of {IMAGE_K}, got K={prep.k}")
+        if tokens is None:
+            tokens = least_issue_tile(np.diff(offs), IMAGE_TILES, IMAGE_ISSUE) if ahead else IMAGE_TILES[0]
+        image_swiglu_expression(tokens, ahead)
+        plan = _plan(prep, offs, tokens, token_blocks, 2)
+        return replace(plan, image=True, ahead=bool(ahead))
+    if ahead:
+        raise ValueError("ahead: the decode one group ahead is a form of the activation-image kernel (image=True)")
+    plan = _plan(prep, offs, tokens, token_blocks, warpgroups, image=False)  # (image forms on request only)
     if plan.warpgroups == 2:
         swiglu_wide_expression(plan.tokens)  # names the tile the fused two-warpgroup CTA lacks
     return plan
 
 
 def launch_w4a8_gemm_swiglu(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha, gate_global, up_global,
-                            a8, s_a, nonfinite, stream) -> None:
+                            a8, s_a, nonfinite, stream, image: W4A8Image | None = None,
+                            write_image: bool = True) -> None:
     """One fused launch on `stream`, no host reads or allocation, for arguments
     plan_w4a8_gemm_swiglu accepted: a8, s_a as swiglu_quant writes them from the h that
     w4a8_gemm would write with the same weights in original row order; non-finite h or a counted
-    into `nonfinite`."""
+    into `nonfinite`. An image plan takes its workspace and writes it first as launch_w4a8_gemm
+    does (unless `write_image` is False)."""
+    if plan.image:
+        _check_image(plan, prep, x8, image)
     if plan.token_blocks == 0:
+        return
+    if plan.image:
+        smem = image_smem_bytes(plan.tokens)
+        fn = _kernel(GEMM_SOURCE, FUSED_IMAGE_EXPRESSIONS, image_swiglu_expression(plan.tokens, plan.ahead))
+        if fn.max_dynamic_shared_size_bytes < smem:
+            fn.max_dynamic_shared_size_bytes = smem
+        if write_image:
+            launch_x_image(plan, prep, x8, s_x, offsets, image, stream)
+        with stream:
+            fn((prep.n // (2 * ROWS), plan.token_blocks, prep.experts), (3 * THREADS if plan.ahead else 2 * THREADS + 32,),
+               (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, image.x, image.sx, offsets,
+                np.int32(prep.n), np.int32(prep.k), gate_global, up_global, a8, s_a, nonfinite), shared_mem=smem)
         return
     w = plan.warpgroups
     fn = (_kernel(GEMM_SOURCE, FUSED_EXPRESSIONS, swiglu_expression(plan.tokens)) if w == 1 else
