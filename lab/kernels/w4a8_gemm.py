@@ -778,6 +778,21 @@ def launch_x_image(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, image: W
             (x8, s_x, offsets, image.x, image.sx, np.int32(prep.k)))
 
 
+def _launch_image(fn, plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, image: W4A8Image, stream,
+                  write_image: bool, args: tuple) -> None:
+    """An image kernel's launch (plain or fused): its ring's shared memory, the pre-pass unless
+    the caller wrote the image, then the grid (128-row blocks of N, token blocks, experts) of
+    288 threads, or 384 for the decode-ahead form's producer warpgroup."""
+    smem = image_smem_bytes(plan.tokens, plan.stages)
+    if fn.max_dynamic_shared_size_bytes < smem:
+        fn.max_dynamic_shared_size_bytes = smem
+    if write_image:
+        launch_x_image(plan, prep, x8, s_x, offsets, image, stream)
+    with stream:
+        fn((prep.n // (2 * ROWS), plan.token_blocks, prep.experts), (3 * THREADS if plan.ahead else 2 * THREADS + 32,),
+           args, shared_mem=smem)
+
+
 def _check_bf16_out(prep: W4A8Weights, x8, out, nonfinite) -> None:
     """A bf16_out launch's output and counter: shapes, dtypes and layout only (no device reads)."""
     for name, a, shape, dtype in (("out", out, (x8.shape[0], prep.n), np.uint16),
@@ -813,17 +828,11 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
         return
     w, smem = plan.warpgroups, 0
     if plan.image:
-        smem = image_smem_bytes(plan.tokens, plan.stages)
         fn = _shipped_or_study(IMAGE_EXPRESSIONS, plan.stages,
                                lambda s: image_expression(plan.tokens, s, plan.ahead, plan.bf16_out))
-        if fn.max_dynamic_shared_size_bytes < smem:
-            fn.max_dynamic_shared_size_bytes = smem
-        if write_image:
-            launch_x_image(plan, prep, x8, s_x, offsets, image, stream)
-        with stream:
-            fn((prep.n // (2 * ROWS), plan.token_blocks, prep.experts), (3 * THREADS if plan.ahead else 2 * THREADS + 32,),
-               (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, image.x, image.sx, offsets, out,
-                np.int32(prep.n), np.int32(prep.k), nonfinite if plan.bf16_out else np.uint64(0)), shared_mem=smem)
+        _launch_image(fn, plan, prep, x8, s_x, offsets, image, stream, write_image,
+                      (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, image.x, image.sx, offsets,
+                       out, np.int32(prep.n), np.int32(prep.k), nonfinite if plan.bf16_out else np.uint64(0)))
         return
     if plan.smem_a and (w != 2 or plan.stages is not None or not plan.promote):
         raise ValueError("plan: the shared-memory-A kernel is the two-warpgroup CTA at its shipped depth, promoted")
@@ -1124,16 +1133,10 @@ def launch_w4a8_gemm_swiglu(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets,
     if plan.token_blocks == 0:
         return
     if plan.image:
-        smem = image_smem_bytes(plan.tokens)
         fn = _kernel(GEMM_SOURCE, FUSED_IMAGE_EXPRESSIONS, image_swiglu_expression(plan.tokens, plan.ahead))
-        if fn.max_dynamic_shared_size_bytes < smem:
-            fn.max_dynamic_shared_size_bytes = smem
-        if write_image:
-            launch_x_image(plan, prep, x8, s_x, offsets, image, stream)
-        with stream:
-            fn((prep.n // (2 * ROWS), plan.token_blocks, prep.experts), (3 * THREADS if plan.ahead else 2 * THREADS + 32,),
-               (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, image.x, image.sx, offsets,
-                np.int32(prep.n), np.int32(prep.k), gate_global, up_global, a8, s_a, nonfinite), shared_mem=smem)
+        _launch_image(fn, plan, prep, x8, s_x, offsets, image, stream, write_image,
+                      (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, image.x, image.sx, offsets,
+                       np.int32(prep.n), np.int32(prep.k), gate_global, up_global, a8, s_a, nonfinite))
         return
     w = plan.warpgroups
     fn = (_kernel(GEMM_SOURCE, FUSED_EXPRESSIONS, swiglu_expression(plan.tokens)) if w == 1 else
