@@ -323,6 +323,23 @@ def test_the_image_kernels_decode_ahead_loop_holds_two_groups(tokens):
         wg.w4a8_gemm(None, None, None, None, None, ahead=True)
 
 
+@needs_nvcc
+@pytest.mark.parametrize("expr", wg.FUSED_IMAGE_EXPRESSIONS)
+def test_the_fused_image_kernels_group_loop_is_the_image_kernels(expr):
+    """w4a8_gemm_image_swiglu: the SwiGLU epilogue leaves the group loop as the plain image
+    kernel's (same length at the same tile and form), with no CTA barrier in it, and no spill."""
+    if sass.nvdisasm_path() is None:
+        pytest.skip("reading SASS needs nvdisasm")
+    tokens, ahead = (64, False) if expr.endswith("<64>") else (int(expr.split("<")[1].split(",")[0]), True)
+    assert wg.image_swiglu_expression(tokens, ahead) == expr
+    compiled_clean(expr, 168)
+    fused, plain = (sass.kernel_sass(wg.GEMM_SOURCE, e) for e in (expr, wg.image_expression(tokens, ahead=ahead)))
+    (fa, fb), = sass.tensor_loops(fused)
+    (pa, pb), = sass.tensor_loops(plain)
+    assert not any(i.opcode.startswith("BAR") for i in fused[fa: fb + 1])
+    assert fb - fa == pb - pa, (fb - fa + 1, pb - pa + 1)
+
+
 def test_default_plans_take_the_image_kernel_from_the_largest_ring_tile():
     """Where token_tile reaches DEFAULT_MAX_TILE and N % 128 == 0, K % 512 == 0, a default plan
     runs the activation-image kernel at the tile IMAGE_ISSUE's model picks (128 once the busy
