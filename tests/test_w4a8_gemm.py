@@ -224,7 +224,7 @@ def test_each_plan_launches_its_instantiation(monkeypatch):
     module, a study's depth in a module of its own, an image plan's pre-pass before its GEMM."""
     import contextlib
 
-    launches = []
+    launches, arguments = [], []
 
     class Fn:
         max_dynamic_shared_size_bytes = 0
@@ -234,6 +234,7 @@ def test_each_plan_launches_its_instantiation(monkeypatch):
 
         def __call__(self, grid, block, args, shared_mem=0):
             launches.append((self.expr, self.module, grid, block, shared_mem))
+            arguments.append(args)
 
     def fake_kernel(name, expressions, expression):
         assert name == wg.GEMM_SOURCE and expression in expressions
@@ -273,6 +274,11 @@ def test_each_plan_launches_its_instantiation(monkeypatch):
     wg.launch_w4a8_gemm(replace(plan, bf16_out=True), prep, x8, None, None, None, out16, contextlib.nullcontext(),
                         image, bad, write_image=False)
     assert [(e, b) for e, _, _, b, _ in launches] == [("lab_w4a8::w4a8_gemm_image<128, 4, false, true>", (288,))]
+    # the kernel's arguments in its order: weights, scales, tables, table_of, p, alpha, the image,
+    # offsets, the output, N, K and the non-finite counter
+    got = arguments[-1]
+    assert len(got) == 13 and got[0] is prep.words and got[6] is image.x and got[7] is image.sx
+    assert got[9] is out16 and got[12] is bad and (int(got[10]), int(got[11])) == (256, 512)
     with pytest.raises(ValueError, match="out: a bf16_out launch expected"):
         wg.launch_w4a8_gemm(replace(plan, bf16_out=True), prep, x8, None, None, None, out16[:, :128],
                             contextlib.nullcontext(), image, bad)
