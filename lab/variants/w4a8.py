@@ -101,6 +101,7 @@ class W4A8:
     stages = STAGES
 
     paired = False  # w13 in the fused epilogue's row order
+    image13 = None  # w13's activation image, where its plan is the image kernel's (plan_w13)
     # the stages before w2's; prepare sets `stages`: then w2 with the bf16 output in its epilogue
     # where it runs the activation-image kernel ("w2+out"), else w2 and the conversion
     head_stages = ("w13", "act")
@@ -155,9 +156,8 @@ class W4A8:
             tok8, tok_s, _ = wg.quantize_act_gpu(layer.x, nonfinite=runner.counter, stream=s)
             cp.take(tok8, layer.row_token, axis=0, out=self.x8)
             cp.take(tok_s, layer.row_token, axis=0, out=self.s_x)
-            image13 = getattr(self, "image13", None)
-            if image13 is not None:
-                wg.launch_x_image(self.plan13, self.w13, self.x8, self.s_x, layer.offsets, image13, s)
+            if self.image13 is not None:
+                wg.launch_x_image(self.plan13, self.w13, self.x8, self.s_x, layer.offsets, self.image13, s)
         bad = runner.read_counter()
         del tok8, tok_s
         if bad:
