@@ -323,7 +323,8 @@ def test_the_image_kernels_decode_ahead_loop_holds_two_groups(tokens):
     ops = [i.opcode for i in code[loops[0][0]: loops[0][1] + 1]]
     assert sum(o.startswith("QGMMA") for o in ops) == 8, ops
     assert not any(o.startswith(("LDGSTS", "UBLKCP", "BAR")) for o in ops), sorted(set(ops))
-    assert sass.loop_mix(code, loops[0]).instructions < 2 * wg.IMAGE_ISSUE[tokens]
+    n = sass.loop_mix(code, loops[0]).instructions
+    assert n < 2 * wg.IMAGE_ISSUE[tokens] and -(-n // 2) == wg.IMAGE_AHEAD_ISSUE[tokens], n
     with pytest.raises(ValueError, match="ahead: the decode one group ahead is a form of the activation-image"):
         wg.w4a8_gemm(None, None, None, None, None, ahead=True)
 
@@ -357,13 +358,14 @@ def test_default_plans_take_the_image_kernel_from_the_largest_ring_tile():
         return wg._plan(prep, offs, kw.get("tokens"), kw.get("token_blocks"), None)
 
     big = plan([300, 200, 0, 260])
-    assert big == wg.GemmPlan(128, 3, warpgroups=2, image=True)
-    assert plan([64, 60, 58, 64]) == wg.GemmPlan(64, 1, warpgroups=2, image=True)  # 4 x 208 < 4 x 249
-    assert plan([300, 200, 0, 260], tokens=64, token_blocks=2) == wg.GemmPlan(64, 2, warpgroups=2, image=True)
+    assert big == wg.GemmPlan(128, 3, warpgroups=2, image=True, ahead=True)
+    assert plan([64, 60, 58, 64]) == wg.GemmPlan(64, 1, warpgroups=2, image=True, ahead=True)  # 4 x 182 < 4 x 222
+    assert plan([300, 200, 0, 260], tokens=64, token_blocks=2) == wg.GemmPlan(64, 2, warpgroups=2, image=True,
+                                                                              ahead=True)
     assert not plan([9, 4, 1, 12]).image and not plan([24, 20, 9, 31]).image
     odd = wg.prepare_w4a8_weights(*random_nvfp4(rng, 4, 128, 384))
     assert not wg._plan(odd, np.r_[0, np.cumsum([300, 200, 0, 260])], None, None, None).image
-    assert wg.least_issue_tile([300, 200, 0, 260], wg.IMAGE_TILES, wg.IMAGE_ISSUE) == 128
+    assert wg.least_issue_tile([300, 200, 0, 260], wg.IMAGE_TILES, wg.IMAGE_AHEAD_ISSUE) == 128
     assert wg.image_workspace(plan([9, 4, 1, 12]), prep, 26) is None
     with pytest.raises(ValueError, match="tokens: the activation-image kernel takes a token tile of"):
         wg.image_expression(32)

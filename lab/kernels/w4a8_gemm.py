@@ -250,6 +250,10 @@ IMAGE_EXPRESSIONS = (tuple(image_expression(t, ahead=a, bf16=b) for b in (False,
 # A consumer warp's group loop in the activation-image kernel (static SASS; a test pins them): the
 # issue model that picks its tile (image_by_default), as GROUP_ISSUE does the ring kernels'.
 IMAGE_ISSUE = {64: 208, 128: 249}
+# The same for its decode-ahead form, whose loop takes two groups a trip (363 and 443): the form
+# default plans take (on an H100 it was 5-19% faster than the plain one at 128 and 512 tokens per
+# expert, results/studies/w4a8_image_ahead_h100.json).
+IMAGE_AHEAD_ISSUE = {64: 182, 128: 222}
 
 
 def image_by_default(plan, prep, counts, tokens: int | None = None, token_blocks: int | None = None):
@@ -264,9 +268,10 @@ def image_by_default(plan, prep, counts, tokens: int | None = None, token_blocks
             or prep.n % (2 * ROWS) or prep.k % IMAGE_K):
         return plan
     counts = np.asarray(counts, np.int64)
-    t = plan.tokens if tokens is not None else least_issue_tile(counts, IMAGE_TILES, IMAGE_ISSUE)
+    t = plan.tokens if tokens is not None else least_issue_tile(counts, IMAGE_TILES, IMAGE_AHEAD_ISSUE)
     blocks = min(-(-int(counts.max()) // t), 65535) if token_blocks is None else int(token_blocks)
-    return replace(plan, tokens=t, token_blocks=blocks, warpgroups=2, resident=False, smem_a=False, image=True)
+    return replace(plan, tokens=t, token_blocks=blocks, warpgroups=2, resident=False, smem_a=False, image=True,
+                   ahead=True)
 
 
 @dataclass(frozen=True)
