@@ -1194,8 +1194,11 @@ struct ImageSwiglu {
     }
   }
   __device__ __forceinline__ void start() { cluster_sync(); }  // the peer's barriers initialized
+  // The consumers leave together (the producer warp has exited: exited threads count as arrived),
+  // so no CTA exits while its peer's last store into it may be in flight.
   __device__ __forceinline__ void finish() {
     if (bad) atomicAdd(nonfinite, bad);
+    cluster_sync();
   }
 
   template <bool PROMOTE>

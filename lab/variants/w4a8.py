@@ -208,17 +208,24 @@ class W4A8Fused(W4A8):
     paired = True
 
     def plan_w13(self, runner, layer) -> None:
-        w = layer.weights
+        w, offs = layer.weights, layer.offsets_host
+        ones = np.ones(layer.problem.experts, np.float32)
+        # where the plain w13 would run the activation-image kernel, the fused one does too (its
+        # decode-ahead form at the same tile; its image written with the input)
+        plain = wg.plan_w4a8_gemm(self.w13, self.x8, self.s_x, offs, ones, None)
         # alpha checked on the host: the device's ones are still being filled on the runner's stream
-        self.plan13 = wg.plan_w4a8_gemm_swiglu(self.w13, self.x8, self.s_x, layer.offsets_host,
-                                               np.ones(layer.problem.experts, np.float32), w.gate_global,
-                                               w.up_global, self.a8, self.s_a, runner.counter)
+        self.plan13 = wg.plan_w4a8_gemm_swiglu(self.w13, self.x8, self.s_x, offs, ones, w.gate_global, w.up_global,
+                                               self.a8, self.s_a, runner.counter,
+                                               **(dict(tokens=plain.tokens, image=True, ahead=True) if plain.image
+                                                  else {}))
+        self.image13 = image_buffers(runner, self.plan13, self.w13, layer.rows, "w13")
 
     def run(self, runner, layer) -> None:
         w, s = layer.weights, runner.stream
         with runner.stage("w13+act", s):
             wg.launch_w4a8_gemm_swiglu(self.plan13, self.w13, self.x8, self.s_x, layer.offsets, self.ones,
-                                       w.gate_global, w.up_global, self.a8, self.s_a, runner.counter, s)
+                                       w.gate_global, w.up_global, self.a8, self.s_a, runner.counter, s,
+                                       self.image13, write_image=False)
         self.run_w2(runner, layer)
 
 
@@ -285,7 +292,8 @@ class W4A8Layer(W4A8Fused):
                                      runner.counter, self.sync, s)
                 return
             wg.launch_w4a8_gemm_swiglu(self.plan13, self.w13, self.x8, self.s_x, layer.offsets, self.ones,
-                                       w.gate_global, w.up_global, self.a8, self.s_a, runner.counter, s)
+                                       w.gate_global, w.up_global, self.a8, self.s_a, runner.counter, s,
+                                       self.image13, write_image=False)
             self.launch_w2(runner, layer)
             if not self.plan2.bf16_out:
                 sq.to_bf16(layer.out, layer.out_bf16, runner.counter, stream=s)
