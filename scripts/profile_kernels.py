@@ -142,12 +142,15 @@ def profile_w4a8(cp, problem, args) -> int:
     cp.cuda.Device().synchronize()
     plan13 = wg.plan_w4a8_gemm(w13, x8, s_x, offs, ones, h32)
     plan2 = wg.plan_w4a8_gemm(w2, a8, s_a, offs, glob, out)
-    fused = wg.plan_w4a8_gemm_swiglu(w13, x8, s_x, offs, ones, glob, glob, a8, s_a, count)
+    # the fused w13 as w4a8-fused plans it: its image form where the plain w13 takes the image kernel
+    fused = wg.plan_w4a8_gemm_swiglu(w13, x8, s_x, offs, ones, glob, glob, a8, s_a, count,
+                                     **(dict(tokens=plan13.tokens, image=True, ahead=True) if plan13.image else {}))
     log(TAG, f"largest expert {int(np.diff(offs).max(initial=0))} tokens; w13 {plan13}; w2 {plan2}; fused {fused}")
     wg.launch_w4a8_gemm(plan13, w13, x8, s_x, d_offs, ones, h32, stream, wg.image_workspace(plan13, w13, rows))
     wg.launch_swiglu_quant(h32, d_offs, glob, glob, a8, s_a, count, stream)
     wg.launch_w4a8_gemm(plan2, w2, a8, s_a, d_offs, glob, out, stream, wg.image_workspace(plan2, w2, rows))
-    wg.launch_w4a8_gemm_swiglu(fused, w13, x8, s_x, d_offs, ones, glob, glob, a8, s_a, count, stream)
+    wg.launch_w4a8_gemm_swiglu(fused, w13, x8, s_x, d_offs, ones, glob, glob, a8, s_a, count, stream,
+                               wg.image_workspace(fused, w13, rows))
     if int(np.diff(offs).max(initial=0)) <= wg.LAYER_TILES[-1]:
         layer = wg.plan_w4a8_layer(w13, w2, x8, s_x, offs, np.ones(e, np.float32),
                                    cp.asnumpy(glob), glob, glob, a8, s_a, out16, count, sync)
