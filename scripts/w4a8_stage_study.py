@@ -198,6 +198,10 @@ def main(argv=None) -> int:
     ap.add_argument("--image", action="store_true",
                     help="also time the activation-image kernel (w4a8_gemm_image with its pre-pass; labelled I, or "
                          "T<t>I at a --tiles tile) where the tile is one of w4a8_gemm.IMAGE_TILES; same bits required")
+    ap.add_argument("--image-sub", action="store_true",
+                    help="with --image, also time the decode-ahead form whose wgmmas run in batches of "
+                         "w4a8_gemm.IMAGE_SUB tokens (labelled IAS, or T<t>IAS; a --tiles tile of 192 has only "
+                         "that form); same bits as the whole-tile form required")
     ap.add_argument("--layer", action="store_true",
                     help="also time the one-launch layer (w4a8_layer) at each of its token tiles (labelled L<t>); "
                          "their bf16 outputs must be equal bit for bit")
@@ -220,9 +224,12 @@ def main(argv=None) -> int:
     for st in args.wide_stages:
         if not 2 <= st <= 8:
             ap.error(f"--wide-stages: expected depths from 2 to 8, got {st}")
+    if args.image_sub and not args.image:
+        ap.error("--image-sub: a form of the activation-image kernel, so it needs --image")
     for t in args.tiles:
-        if t not in wg.TOKEN_TILES:
-            ap.error(f"--tiles: expected tiles from {wg.TOKEN_TILES}, got {t}")
+        if t not in wg.TOKEN_TILES and not (args.image_sub and t in wg.IMAGE_AHEAD_TILES):
+            ap.error(f"--tiles: expected tiles from {wg.TOKEN_TILES} (with --image-sub also "
+                     f"{wg.IMAGE_AHEAD_TILES}), got {t}")
     for tree in args.baseline:
         if not (tree / wg.GEMM_SOURCE).is_file():
             ap.error(f"--baseline: expected a directory holding {wg.GEMM_SOURCE} (laid out as lab/kernels), "
@@ -273,6 +280,8 @@ def main(argv=None) -> int:
             if image_ok and base.tokens in wg.IMAGE_TILES:
                 runs["I"] = image_run(replace(base, warpgroups=2, image=True))
                 runs["IA"] = image_run(replace(base, warpgroups=2, image=True, ahead=True))
+                if args.image_sub and base.tokens > wg.IMAGE_SUB:
+                    runs["IAS"] = image_run(replace(base, warpgroups=2, image=True, ahead=True, sub=wg.IMAGE_SUB))
             if args.wide and base.tokens in wg.WIDE_TILES and prep.n % (2 * wg.ROWS) == 0:
                 runs["W2"] = (lambda out, plan=replace(base, warpgroups=2):
                               wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
@@ -284,7 +293,11 @@ def main(argv=None) -> int:
                         runs[f"W2S{st}"] = (lambda out, plan=replace(base, warpgroups=2, stages=st):
                                             wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
             for t in args.tiles:
-                if t != base.tokens:
+                if t not in wg.TOKEN_TILES and image_ok:  # an image-only tile: its one form
+                    tile_plan = wg.GemmPlan(t, -(-int(routing.counts.max()) // t))
+                    runs[f"T{t}IAS"] = image_run(replace(tile_plan, warpgroups=2, image=True, ahead=True,
+                                                         sub=wg.IMAGE_SUB))
+                elif t != base.tokens and t in wg.TOKEN_TILES:
                     tile_plan = wg.GemmPlan(t, -(-int(routing.counts.max()) // t))
                     runs[f"T{t}"] = (lambda out, plan=tile_plan:
                                      wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
@@ -297,6 +310,9 @@ def main(argv=None) -> int:
                     if image_ok and t in wg.IMAGE_TILES:
                         runs[f"T{t}I"] = image_run(replace(tile_plan, warpgroups=2, image=True))
                         runs[f"T{t}IA"] = image_run(replace(tile_plan, warpgroups=2, image=True, ahead=True))
+                        if args.image_sub and t > wg.IMAGE_SUB:
+                            runs[f"T{t}IAS"] = image_run(replace(tile_plan, warpgroups=2, image=True, ahead=True,
+                                                                 sub=wg.IMAGE_SUB))
                     if args.smem_a and t in wg.SS_TILES and prep.n % (2 * wg.ROWS) == 0:
                         runs[f"T{t}SS"] = (lambda out, plan=replace(tile_plan, warpgroups=2, smem_a=True):
                                            wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
@@ -307,15 +323,19 @@ def main(argv=None) -> int:
                     outs[s] = cp.full((x8.shape[0], prep.n), np.nan, cp.float32)
                     runs[s](outs[s])
             stream.synchronize()
-            ref = outs[wg.max_stages(base.tokens)]
+            ref_key = wg.max_stages(base.tokens)
+            ref = outs[ref_key]
             same = {s: bool(cp.array_equal(outs[s], ref)) for s in depths}
             for s in depths:  # a --tiles tile's shared-memory-A run against the same tile's register-A one
                 if str(s).startswith("T") and str(s).endswith("SS"):
                     same[s] = bool(cp.array_equal(outs[s], outs[s[:-2] + "W2"]))
                 if re.fullmatch(r"T\d+(R|I|IA)", str(s)):  # a resident or image run against its tile's ring kernel
                     same[s] = bool(cp.array_equal(outs[s], outs[re.match(r"T\d+", s).group(0)]))
+                if re.fullmatch(r"T\d+IAS", str(s)):  # batches against the tile's whole form (192: 128's)
+                    whole = next((k for k in (s[:-1], f"T{wg.IMAGE_TILES[-1]}IA", "IA") if k in outs), ref_key)
+                    same[s] = bool(cp.array_equal(outs[s], outs[whole]))
             equal = (all(v for s, v in same.items()
-                         if not str(s).startswith(("T", "base")) or re.fullmatch(r"T\d+(R|I|IA)", s))
+                         if not str(s).startswith(("T", "base")) or re.fullmatch(r"T\d+(R|I|IA|IAS)", s))
                      and bool(cp.isfinite(ref).all()))
             for _ in range(args.rounds):
                 for s in depths:

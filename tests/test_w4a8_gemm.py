@@ -934,6 +934,47 @@ def test_the_activation_image_kernel_gives_the_wide_kernels_bits(tokens, token_b
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [t for t in wg.IMAGE_AHEAD_TILES if t > wg.IMAGE_SUB])
+@pytest.mark.parametrize("token_blocks", [None, 2])
+def test_the_image_kernels_wgmma_batches_give_the_whole_tiles_bits(tokens, token_blocks):
+    """The decode-ahead image kernel with each group's wgmmas in batches of IMAGE_SUB tokens into two
+    buffers in turn (GemmPlan.sub; the 192-token tile's only form): the bits of the two-warpgroup
+    ring kernel at 128 tokens (the tensor core's sum of an output element does not depend on the
+    wgmma's N), on experts of 1, 23, 100 (two batches: no third), 150 (a third) and 2T + 44 tokens
+    (a partial last block) and an empty one, at grid heights 1 and 2; nothing written outside the
+    output; its bf16 output the float32 one's bits; a batch the kernel lacks refused."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    for k in (512, 2048):
+        rng = np.random.default_rng(900 + tokens + k)
+        prep, x8, s_x, offsets, alpha, ref, mag = make_problem(rng, [1, 0, 23, 100, 150, 2 * tokens + 44], 256, k)
+        prep_d = prep.to_device()
+        wide, _ = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=128, warpgroups=2)
+        got, guard = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
+                              image=True, ahead=True, sub=wg.IMAGE_SUB)
+        assert np.isnan(guard).all()
+        assert_within_bound(got, ref, mag)
+        assert_bits_equal(f"K={k}", got.astype(np.float32), wide.astype(np.float32))
+        rows = x8.shape[0]
+        buf = cp.full((rows + 16, prep.n), 0xFFFF, cp.uint16)
+        bad = cp.full(1, 5, cp.uint32)
+        wg.w4a8_gemm(prep_d, cp.asarray(x8), cp.asarray(s_x), offsets, alpha, out=buf[8: 8 + rows], tokens=tokens,
+                     token_blocks=token_blocks, image=True, ahead=True, bf16_out=True, nonfinite=bad,
+                     sub=wg.IMAGE_SUB)
+        host = buf.get()
+        assert (host[:8] == 0xFFFF).all() and (host[8 + rows:] == 0xFFFF).all(), "written outside the output"
+        assert_bits_equal(f"K={k} bf16 output", host[8: 8 + rows],
+                          got.astype(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
+        assert int(bad.get()[0]) == 5, "non-finite outputs counted on finite ones"
+    with pytest.raises(ValueError, match="sub: the wgmma batches are a form of the decode-ahead image kernel"):
+        wg.w4a8_gemm(prep_d, cp.asarray(x8), cp.asarray(s_x), offsets, alpha, tokens=128, image=True, sub=64)
+    with pytest.raises(ValueError, match="sub: the image kernel's wgmma batch is 0"):
+        wg.w4a8_gemm(prep_d, cp.asarray(x8), cp.asarray(s_x), offsets, alpha, tokens=192, image=True, ahead=True,
+                      sub=0)
+
+
+@pytest.mark.gpu
 def test_the_wide_cta_refuses_n_it_cannot_split():
     from lab.gpu import require_gpu
 

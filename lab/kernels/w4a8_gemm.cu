@@ -913,16 +913,34 @@ __global__ void __launch_bounds__(256)
   }
 }
 
+// acc's sub-tile u (tokens U u .. U u + U - 1, U = 8 FU) += t x its tokens' scales, as the whole
+// tile's promotion does it (the same bits)
+template <int F, int FU, int u>
+__device__ __forceinline__ void promote_sub(float (&acc)[F][4], const float (&t)[FU][4], const float* sx, int c) {
+  static_assert(FU * (u + 1) <= F, "a sub-tile of the accumulator");
+#pragma unroll
+  for (int j = 0; j < FU; ++j) {
+    const float s0 = sx[8 * (FU * u + j) + 2 * c], s1 = sx[8 * (FU * u + j) + 2 * c + 1];
+    acc[FU * u + j][0] = fmaf(t[j][0], s0, acc[FU * u + j][0]);
+    acc[FU * u + j][1] = fmaf(t[j][1], s1, acc[FU * u + j][1]);
+    acc[FU * u + j][2] = fmaf(t[j][2], s0, acc[FU * u + j][2]);
+    acc[FU * u + j][3] = fmaf(t[j][3], s1, acc[FU * u + j][3]);
+  }
+}
+
 // The image kernels' body, their epilogue aside: Epi::setup(tid) runs with the CTA's barrier
 // setup (before its one CTA-wide barrier), Epi::start() once after it, Epi::store per token block
 // (as gemm_body's epilogues), Epi::finish() once a consumer thread is done.
-template <int T, int STAGES, bool AHEAD, class Epi>
+template <int T, int STAGES, bool AHEAD, class Epi, int U = T>
 __device__ __forceinline__ void image_body(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
                                            const uint2* __restrict__ tables, const int* __restrict__ table_of,
                                            const int* __restrict__ p, const float* __restrict__ alpha,
                                            const uint8_t* __restrict__ ximg, const float* __restrict__ sximg,
                                            const int* __restrict__ offsets, int N, int K, Epi& epi) {
-  static_assert(T == 64 || T == 128, "the image tiles: 64 and 128 tokens");
+  static_assert(T == 64 || T == 128 || T == 192, "the image tiles: 64, 128 and 192 tokens");
+  static_assert(U == T || (AHEAD && U == 64 && T % U == 0 && T / U <= 3),
+                "sub-tiles (U < T): 64 tokens, two or three of them, in the decode-ahead form");
+  static_assert(U < T || T <= 128, "a 192-token tile only in sub-tiles (its tmp would not fit)");
   constexpr int F = T / 8;
   using St = ImageStage<T>;
   extern __shared__ __align__(128) uint8_t image_smem[];
@@ -1027,29 +1045,76 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
           lab_gemm::decode_fp8_word(w.y, t1w.x, t1w.y, a[s][1], a[s][3]);
         }
       };
-      auto issue = [&](const uint32_t(&a)[STEPS][4]) {
-        const uint64_t desc = desc0 + stage * (uint32_t)(sizeof(St) / 16);
+      // Sub-tiles (U < T): each group's wgmmas as T / U batches of U tokens, each its own commit
+      // group, into two U-token buffers in turn: while one batch's sums are promoted the next runs,
+      // and a tile larger than tmp's registers allow (192) fits. The first two batches always run
+      // (ptxas serializes every wgmma where a wait may leave a batch it reads in flight on some
+      // path); the third only for a block with more than 2 U tokens.
+      constexpr int FU = U / 8, NS = T / U;
+      float tb0[FU][4], tb1[FU][4];
+      zero_frags(tb0);
+      zero_frags(tb1);
+      const int nsv = U < T ? (valid + U - 1) / U : 1;  // batches with tokens (>= 1)
+      auto issue_sub = [&](const uint32_t(&a)[STEPS][4], int u, float(&t)[FU][4], int stg) {
+        const uint64_t desc = desc0 + stg * (uint32_t)(sizeof(St) / 16) + u * U;  // + U x 16 bytes
         lab_gemm::wgmma_fence();
 #pragma unroll
-        for (int s = 0; s < STEPS; ++s) WgmmaE4M3<F>::run(tmp, a[s], desc + s * (T * 2), s);
+        for (int s = 0; s < STEPS; ++s) WgmmaE4M3<FU>::run(t, a[s], desc + s * (T * 2), s);
         lab_gemm::wgmma_commit();
       };
-      auto retire = [&](const uint32_t(&a)[STEPS][4], int stg) {
-        lab_gemm::wgmma_wait<0>();
-        lab_gemm::fence_acc(tmp);
+      auto issue = [&](const uint32_t(&a)[STEPS][4]) {
+        if constexpr (U < T) {
+          issue_sub(a, 0, tb0, stage);
+          issue_sub(a, 1, tb1, stage);
+        } else {
+          const uint64_t desc = desc0 + stage * (uint32_t)(sizeof(St) / 16);
+          lab_gemm::wgmma_fence();
 #pragma unroll
-        for (int s = 0; s < STEPS; ++s)  // the A registers stay allocated until the wgmmas retire
-          asm volatile("" ::"r"(a[s][0]), "r"(a[s][1]), "r"(a[s][2]), "r"(a[s][3]));
-        const St& st = ring[stg];
-#pragma unroll
-        for (int j = 0; j < F; ++j) {
-          const float s0 = st.sx[8 * j + 2 * c], s1 = st.sx[8 * j + 2 * c + 1];
-          acc[j][0] = fmaf(tmp[j][0], s0, acc[j][0]);
-          acc[j][1] = fmaf(tmp[j][1], s1, acc[j][1]);
-          acc[j][2] = fmaf(tmp[j][2], s0, acc[j][2]);
-          acc[j][3] = fmaf(tmp[j][3], s1, acc[j][3]);
+          for (int s = 0; s < STEPS; ++s) WgmmaE4M3<F>::run(tmp, a[s], desc + s * (T * 2), s);
+          lab_gemm::wgmma_commit();
         }
-        lab_gemm::mbar_arrive(empty0 + 8 * stg);  // this thread is done with the stage
+      };
+      auto retire = [&](const uint32_t(&a)[STEPS][4], int stg) {
+        if constexpr (U < T) {
+          const St& st = ring[stg];
+          const bool third = NS > 2 && nsv > 2;
+          lab_gemm::wgmma_wait<1>();
+          lab_gemm::fence_acc(tb0);
+          promote_sub<F, FU, 0>(acc, tb0, st.sx, c);
+          if (third) {  // (one branch: ptxas does not correlate two tests of `third`)
+            issue_sub(a, 2, tb0, stg);
+            lab_gemm::wgmma_wait<1>();
+            lab_gemm::fence_acc(tb1);
+            promote_sub<F, FU, 1>(acc, tb1, st.sx, c);
+            lab_gemm::wgmma_wait<0>();
+            lab_gemm::fence_acc(tb0);
+            promote_sub<F, FU, 2 % NS>(acc, tb0, st.sx, c);
+          } else {
+            lab_gemm::wgmma_wait<0>();
+            lab_gemm::fence_acc(tb1);
+            promote_sub<F, FU, 1>(acc, tb1, st.sx, c);
+          }
+#pragma unroll
+          for (int s = 0; s < STEPS; ++s)  // the A registers stay allocated until the wgmmas retire
+            asm volatile("" ::"r"(a[s][0]), "r"(a[s][1]), "r"(a[s][2]), "r"(a[s][3]));
+          lab_gemm::mbar_arrive(empty0 + 8 * stg);
+        } else {
+          lab_gemm::wgmma_wait<0>();
+          lab_gemm::fence_acc(tmp);
+#pragma unroll
+          for (int s = 0; s < STEPS; ++s)  // the A registers stay allocated until the wgmmas retire
+            asm volatile("" ::"r"(a[s][0]), "r"(a[s][1]), "r"(a[s][2]), "r"(a[s][3]));
+          const St& st = ring[stg];
+#pragma unroll
+          for (int j = 0; j < F; ++j) {
+            const float s0 = st.sx[8 * j + 2 * c], s1 = st.sx[8 * j + 2 * c + 1];
+            acc[j][0] = fmaf(tmp[j][0], s0, acc[j][0]);
+            acc[j][1] = fmaf(tmp[j][1], s1, acc[j][1]);
+            acc[j][2] = fmaf(tmp[j][2], s0, acc[j][2]);
+            acc[j][3] = fmaf(tmp[j][3], s1, acc[j][3]);
+          }
+          lab_gemm::mbar_arrive(empty0 + 8 * stg);  // this thread is done with the stage
+        }
       };
       auto advance = [&]() {
         if (++stage == STAGES) stage = 0;
@@ -1112,7 +1177,10 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
       if (++stage == STAGES) stage = 0;
     }
     }
-    epi.template store<true>(acc, tmp, factor, row0, valid, bw, warp, g, c, e, G, sximg);
+    if constexpr (U < T)
+      epi.template store<true>(acc, acc, factor, row0, valid, bw, warp, g, c, e, G, sximg);
+    else
+      epi.template store<true>(acc, tmp, factor, row0, valid, bw, warp, g, c, e, G, sximg);
   }
   epi.finish();
 }
@@ -1135,7 +1203,7 @@ struct ImageEpiBf16 : StoreBf16<T> {
   }
 };
 
-template <int T, int STAGES = ImageStages<T>::value, bool AHEAD = false, bool BF16 = false>
+template <int T, int STAGES = ImageStages<T>::value, bool AHEAD = false, bool BF16 = false, int U = T>
 __global__ void __launch_bounds__(AHEAD ? IMAGE_AHEAD_THREADS : IMAGE_THREADS, 1)
     w4a8_gemm_image(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
                     const uint2* __restrict__ tables, const int* __restrict__ table_of, const int* __restrict__ p,
@@ -1144,10 +1212,10 @@ __global__ void __launch_bounds__(AHEAD ? IMAGE_AHEAD_THREADS : IMAGE_THREADS, 1
                     int K, uint32_t* __restrict__ nonfinite) {
   if constexpr (BF16) {
     ImageEpiBf16<T> epi{{static_cast<uint16_t*>(out), N, 0u}, nonfinite};
-    image_body<T, STAGES, AHEAD>(words, scales, tables, table_of, p, alpha, ximg, sximg, offsets, N, K, epi);
+    image_body<T, STAGES, AHEAD, decltype(epi), U>(words, scales, tables, table_of, p, alpha, ximg, sximg, offsets, N, K, epi);
   } else {
     ImageEpi<StoreOut<T>> epi{{static_cast<float*>(out), N}};
-    image_body<T, STAGES, AHEAD>(words, scales, tables, table_of, p, alpha, ximg, sximg, offsets, N, K, epi);
+    image_body<T, STAGES, AHEAD, decltype(epi), U>(words, scales, tables, table_of, p, alpha, ximg, sximg, offsets, N, K, epi);
   }
 }
 

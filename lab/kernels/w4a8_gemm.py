@@ -202,22 +202,47 @@ def resident_by_default(plan, k: int) -> bool:
 
 
 IMAGE_TILES = (64, 128)  # the activation-image kernel's tiles
+IMAGE_SUB = 64  # its sub-tiled form's wgmma batch (tokens): GemmPlan.sub
+IMAGE_AHEAD_TILES = IMAGE_TILES + (192,)  # its decode-ahead form's: 192 only in batches of IMAGE_SUB
 IMAGE_STAGES = 4  # its ring's depth (w4a8_gemm.cu ImageStages)
 IMAGE_K = 4 * GROUP_K  # K must be a multiple of this: whole groups, and scale-image rows of 16-byte pieces
 
 
-def image_expression(tokens: int, stages: int | None = None, ahead: bool = False, bf16: bool = False) -> str:
+def image_sub(tokens: int, sub: int | None) -> int:
+    """The wgmma batch of an image launch at `tokens`: `sub` (0, or IMAGE_SUB on a tile above it),
+    or by default the tile's own (IMAGE_SUB at 192, whose whole-tile sums would not fit the
+    registers; 0, the whole tile, below)."""
+    if sub is None:
+        return IMAGE_SUB if tokens > 128 else 0
+    if isinstance(sub, bool) or sub not in (0, IMAGE_SUB) or (sub and tokens <= IMAGE_SUB) or (tokens > 128 and not sub):
+        raise ValueError(f"sub: the image kernel's wgmma batch is 0 (the whole tile, up to 128 tokens) or "
+                         f"{IMAGE_SUB} (tiles above {IMAGE_SUB}), got {sub!r} at a {tokens}-token tile")
+    return int(sub)
+
+
+def image_expression(tokens: int, stages: int | None = None, ahead: bool = False, bf16: bool = False,
+                     sub: int | None = None) -> str:
     """The two-warpgroup CTA fed by bulk copies from an activation image, a producer warp and
     consumer warpgroups that never wait for each other (w4a8_gemm.cu w4a8_gemm_image;
     GemmPlan.image); `stages` sets its ring's depth (2 .. 8; None: IMAGE_STAGES), for the depth
     study only; `ahead` the form that decodes group g + 1 while g's wgmmas run (GemmPlan.ahead: a
     producer warpgroup whose registers go to the consumers); `bf16` the form whose epilogue writes
-    the output as bf16 bits (GemmPlan.bf16_out)."""
-    if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens not in IMAGE_TILES:
-        raise ValueError(f"tokens: the activation-image kernel takes a token tile of {IMAGE_TILES}, got {tokens!r}")
+    the output as bf16 bits (GemmPlan.bf16_out); `sub` the decode-ahead form whose group issues its
+    wgmmas in batches of IMAGE_SUB tokens into two buffers in turn (GemmPlan.sub; image_sub: the
+    192-token tile's only form)."""
+    tiles = IMAGE_AHEAD_TILES if ahead else IMAGE_TILES
+    if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens not in tiles:
+        raise ValueError(f"tokens: the activation-image kernel takes a token tile of {tiles}"
+                         f"{' (192: the decode-ahead form)' if not ahead else ''}, got {tokens!r}")
+    sub = image_sub(tokens, sub)
+    if sub and not ahead:
+        raise ValueError("sub: the wgmma batches are a form of the decode-ahead image kernel (ahead=True)")
     if stages is not None and (isinstance(stages, bool) or not (isinstance(stages, (int, np.integer))
                                                                  and 2 <= stages <= 8)):
         raise ValueError(f"stages: expected an int from 2 to 8 for the activation-image kernel, got {stages!r}")
+    if sub:
+        depth = IMAGE_STAGES if stages is None else int(stages)
+        return f"lab_w4a8::w4a8_gemm_image<{tokens}, {depth}, true, {str(bool(bf16)).lower()}, {sub}>"
     if ahead or bf16:
         depth = IMAGE_STAGES if stages is None else int(stages)
         return f"lab_w4a8::w4a8_gemm_image<{tokens}, {depth}, {str(bool(ahead)).lower()}{', true' if bf16 else ''}>"
@@ -228,7 +253,7 @@ def image_expression(tokens: int, stages: int | None = None, ahead: bool = False
 
 def x_image_expression(tokens: int) -> str:
     """The pre-pass that writes a launch's activation image (w4a8_gemm.cu w4a8_x_image)."""
-    image_expression(tokens)
+    image_expression(tokens, ahead=True)
     return f"lab_w4a8::w4a8_x_image<{tokens}>"
 
 
@@ -246,7 +271,9 @@ def image_smem_bytes(tokens: int, stages: int | None = None) -> int:
 
 IMAGE_EXPRESSIONS = (tuple(image_expression(t, ahead=a, bf16=b) for b in (False, True) for a in (False, True)
                            for t in IMAGE_TILES)
-                     + tuple(x_image_expression(t) for t in IMAGE_TILES))
+                     + tuple(image_expression(t, ahead=True, bf16=b) for b in (False, True)
+                             for t in IMAGE_AHEAD_TILES if t not in IMAGE_TILES)
+                     + tuple(x_image_expression(t) for t in IMAGE_AHEAD_TILES))
 # A consumer warp's group loop in the activation-image kernel (static SASS; a test pins them): the
 # issue model that picks its tile (image_by_default), as GROUP_ISSUE does the ring kernels'.
 IMAGE_ISSUE = {64: 208, 128: 249}
@@ -597,10 +624,10 @@ def _module(name: str, expressions: tuple[str, ...]):
 
 def _shipped_or_study(expressions: tuple[str, ...], stages, expression_of):
     """A GEMM kernel: at the shipped depth (stages None) from its family's module `expressions`,
-    else (a study's depth) compiled in a module of its own. expression_of(stages) names it."""
-    if stages is None:
-        return _kernel(GEMM_SOURCE, expressions, expression_of(None))
+    else (a study's depth or form) compiled in a module of its own. expression_of(stages) names it."""
     expr = expression_of(stages)
+    if stages is None and expr in expressions:
+        return _kernel(GEMM_SOURCE, expressions, expr)
     return _kernel(GEMM_SOURCE, (expr,), expr)
 
 
@@ -699,6 +726,7 @@ class GemmPlan:
     image: bool = False  # the two-warpgroup CTA fed from an activation image (w4a8_gemm_image)
     ahead: bool = False  # (image) its form with the decode one group ahead, a producer warpgroup
     bf16_out: bool = False  # (image) the output written as bf16 bits (uint16) by the epilogue
+    sub: int = 0  # (image, ahead) each group's wgmmas in batches of this many tokens (0: the whole tile)
 
 
 def gemm_plan(offsets, tokens: int | None = None, token_blocks: int | None = None, warpgroups: int = 1) -> GemmPlan:
@@ -753,7 +781,7 @@ def _check_image(plan: GemmPlan, prep: W4A8Weights, x8, image) -> None:
     N % 128 == 0, K % 512 == 0, and a workspace of the plan's tile sized for x8's rows."""
     if plan.warpgroups != 2 or not plan.promote or plan.smem_a or plan.resident:
         raise ValueError("plan: the activation-image kernel is the two-warpgroup CTA, promoted")
-    image_expression(plan.tokens, plan.stages)
+    image_expression(plan.tokens, plan.stages, plan.ahead, plan.bf16_out, plan.sub)
     if prep.n % (2 * ROWS) or prep.k % IMAGE_K:
         raise ValueError(f"plan: the activation-image kernel takes N a multiple of {2 * ROWS} and K a multiple of "
                          f"{IMAGE_K}, got N={prep.n}, K={prep.k}")
@@ -820,8 +848,8 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
     non-finite values it wrote to `nonfinite` ((1,) uint32)."""
     if plan.image:
         _check_image(plan, prep, x8, image)
-    elif plan.ahead or plan.bf16_out:
-        raise ValueError("plan: `ahead` and `bf16_out` are forms of the activation-image kernel (GemmPlan.image)")
+    elif plan.ahead or plan.bf16_out or plan.sub:
+        raise ValueError("plan: `ahead`, `bf16_out` and `sub` are forms of the activation-image kernel (GemmPlan.image)")
     if plan.bf16_out:
         _check_bf16_out(prep, x8, out, nonfinite)
     if plan.token_blocks == 0:
@@ -829,7 +857,7 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
     w, smem = plan.warpgroups, 0
     if plan.image:
         fn = _shipped_or_study(IMAGE_EXPRESSIONS, plan.stages,
-                               lambda s: image_expression(plan.tokens, s, plan.ahead, plan.bf16_out))
+                               lambda s: image_expression(plan.tokens, s, plan.ahead, plan.bf16_out, plan.sub))
         _launch_image(fn, plan, prep, x8, s_x, offsets, image, stream, write_image,
                       (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, image.x, image.sx, offsets,
                        out, np.int32(prep.n), np.int32(prep.k), nonfinite if plan.bf16_out else np.uint64(0)))
@@ -872,7 +900,7 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
 def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None, tokens: int | None = None,
               token_blocks: int | None = None, promote: bool = True, warpgroups: int | None = None,
               smem_a: bool = False, resident: bool = False, image: bool = False, ahead: bool = False,
-              bf16_out: bool = False, nonfinite=None):
+              bf16_out: bool = False, nonfinite=None, sub: int | None = None):
     """Launch the W4A8 grouped GEMM on `stream` (a CuPy stream, None for the current one) and
     return `out` (allocated on that stream when None). `tokens` forces the token tile (one of
     TOKEN_TILES); by default token_tile's (the one that issues least over the experts' blocks).
@@ -891,7 +919,11 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
     promoted, N % 128 == 0, K % 512 == 0; the same bits), allocating the image here; ahead, its
     form with the decode one group ahead (image only). bf16_out (image only) writes `out` as (rows,
     N) uint16 bf16 bits from the epilogue (the float32 output's to_bf16 bits), adding the number of
-    non-finite values to `nonfinite` ((1,) uint32; allocated, zero, when None)."""
+    non-finite values to `nonfinite` ((1,) uint32; allocated, zero, when None). `sub` (image, ahead)
+    issues each group's wgmmas in batches of IMAGE_SUB tokens (image_sub; tokens=192 takes that form
+    only)."""
+    if sub is not None and not (image and ahead):
+        raise ValueError("sub: the wgmma batches are a form of the decode-ahead image kernel (image=True, ahead=True)")
     if ahead and not image:
         raise ValueError("ahead: the decode one group ahead is a form of the activation-image kernel (image=True)")
     if bf16_out and not image:
@@ -920,11 +952,17 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
         raise ValueError(f"resident: the resident-activation kernel takes K a multiple of {GROUP_K}, got K={prep.k}")
     if image and tokens is None:
         tokens = least_issue_tile(np.diff(offs), IMAGE_TILES, IMAGE_ISSUE)
-    plan = replace(_plan(prep, offs, tokens, token_blocks, 2 if smem_a or image else 1 if resident else warpgroups),
-                   promote=bool(promote))
     if image:
-        image_expression(plan.tokens)  # names the tile it lacks
-        plan = replace(plan, image=True, ahead=bool(ahead), bf16_out=bool(bf16_out))
+        image_expression(tokens, ahead=ahead, sub=sub)  # names the tile or batch it lacks
+    # (an image-only tile plans as the largest ring tile, then takes its own)
+    ring_tokens = min(tokens, TOKEN_TILES[-1]) if image else tokens
+    plan = replace(_plan(prep, offs, ring_tokens, token_blocks,
+                         2 if smem_a or image else 1 if resident else warpgroups), promote=bool(promote))
+    if image:
+        blocks = (min(-(-int(np.diff(offs).max(initial=0)) // tokens), 65535) if token_blocks is None
+                  else plan.token_blocks)
+        plan = replace(plan, tokens=int(tokens), token_blocks=blocks if plan.token_blocks else 0, image=True,
+                       ahead=bool(ahead), bf16_out=bool(bf16_out), sub=image_sub(tokens, sub))
     if smem_a:
         ss_expression(plan.tokens)  # names the tile it lacks
         plan = replace(plan, smem_a=True)
