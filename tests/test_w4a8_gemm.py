@@ -286,6 +286,21 @@ def test_each_plan_launches_its_instantiation(monkeypatch):
         launch(wg.GemmPlan(64, 1, warpgroups=2, bf16_out=True))
     with pytest.raises(ValueError, match="image: expected the W4A8Image image_workspace allocates"):
         launch(plan)
+    # the 192-token tile (wgmma batches of 64, shipped) and 128 in batches (a study's form: its own module)
+    rows192 = wg.image_rows(40, 3, 192)
+    image192 = wg.W4A8Image(192, np.empty((rows192, 512), np.uint8), np.empty((rows192, 4), np.float32))
+    sub = wg.GemmPlan(192, 1, warpgroups=2, image=True, ahead=True, sub=64)
+    assert launch(sub, image192) == [("lab_w4a8::w4a8_x_image<192>", False, (12, 1, 3), (256,), 0),
+                                     ("lab_w4a8::w4a8_gemm_image<192, 4, true, false, 64>", False, (2, 1, 3), (384,),
+                                      wg.image_smem_bytes(192))]
+    assert launch(replace(ahead, tokens=128, sub=64), image)[1][:2] == (
+        "lab_w4a8::w4a8_gemm_image<128, 4, true, false, 64>", True)
+    for bad_plan, match in ((replace(sub, sub=0), "sub: the image kernel's wgmma batch is 0"),
+                            (replace(sub, tokens=128, ahead=False), "sub: the wgmma batches are a form of the decode-ahead"),
+                            (replace(sub, ahead=False), "192: the decode-ahead form"),
+                            (wg.GemmPlan(64, 1, sub=64), "forms of the activation-image kernel")):
+        with pytest.raises(ValueError, match=match):
+            launch(bad_plan, image192)
     assert launch(wg.GemmPlan(8, 0)) == []
 
 

@@ -211,13 +211,12 @@ class W4A8Fused(W4A8):
         w, offs = layer.weights, layer.offsets_host
         ones = np.ones(layer.problem.experts, np.float32)
         # where the plain w13 would run the activation-image kernel, the fused one does too (its
-        # decode-ahead form at the same tile; its image written with the input)
+        # decode-ahead form at the same tile, or its largest; its image written with the input)
         plain = wg.plan_w4a8_gemm(self.w13, self.x8, self.s_x, offs, ones, None)
+        fused = dict(tokens=min(plain.tokens, wg.IMAGE_TILES[-1]), image=True, ahead=True) if plain.image else {}
         # alpha checked on the host: the device's ones are still being filled on the runner's stream
         self.plan13 = wg.plan_w4a8_gemm_swiglu(self.w13, self.x8, self.s_x, offs, ones, w.gate_global, w.up_global,
-                                               self.a8, self.s_a, runner.counter,
-                                               **(dict(tokens=plain.tokens, image=True, ahead=True) if plain.image
-                                                  else {}))
+                                               self.a8, self.s_a, runner.counter, **fused)
         self.image13 = image_buffers(runner, self.plan13, self.w13, layer.rows, "w13")
 
     def run(self, runner, layer) -> None:
