@@ -144,7 +144,8 @@ def profile_w4a8(cp, problem, args) -> int:
     plan2 = wg.plan_w4a8_gemm(w2, a8, s_a, offs, glob, out)
     # the fused w13 as w4a8-fused plans it: its image form where the plain w13 takes the image kernel
     fused = wg.plan_w4a8_gemm_swiglu(w13, x8, s_x, offs, ones, glob, glob, a8, s_a, count,
-                                     **(dict(tokens=plan13.tokens, image=True, ahead=True) if plan13.image else {}))
+                                     **(dict(tokens=min(plan13.tokens, wg.IMAGE_TILES[-1]), image=True, ahead=True)
+                                        if plan13.image else {}))
     log(TAG, f"largest expert {int(np.diff(offs).max(initial=0))} tokens; w13 {plan13}; w2 {plan2}; fused {fused}")
     wg.launch_w4a8_gemm(plan13, w13, x8, s_x, d_offs, ones, h32, stream, wg.image_workspace(plan13, w13, rows))
     wg.launch_swiglu_quant(h32, d_offs, glob, glob, a8, s_a, count, stream)
