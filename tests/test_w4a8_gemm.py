@@ -372,18 +372,46 @@ def test_default_plans_take_the_image_kernel_from_the_largest_ring_tile():
         offs = np.r_[0, np.cumsum(counts)]
         return wg._plan(prep, offs, kw.get("tokens"), kw.get("token_blocks"), None)
 
-    big = plan([300, 200, 0, 260])
-    assert big == wg.GemmPlan(128, 3, warpgroups=2, image=True, ahead=True)
+    big = plan([300, 200, 0, 260])  # at 192: 3 full blocks x 291 + 3 of at most 128 tokens x 239 < 8 x 222
+    assert big == wg.GemmPlan(192, 2, warpgroups=2, image=True, ahead=True, sub=64)
+    assert plan([120, 100, 0, 128]) == wg.GemmPlan(128, 1, warpgroups=2, image=True, ahead=True)  # 3 x 222 < 3 x 239
     assert plan([64, 60, 58, 64]) == wg.GemmPlan(64, 1, warpgroups=2, image=True, ahead=True)  # 4 x 182 < 4 x 222
     assert plan([300, 200, 0, 260], tokens=64, token_blocks=2) == wg.GemmPlan(64, 2, warpgroups=2, image=True,
                                                                               ahead=True)
+    assert plan([300, 200, 0, 260], tokens=192) == big
+    assert wg.image_issue([300, 200, 0, 260], 192) == 3 * 291 + 3 * 239
+    assert wg.image_issue([130, 0, 64], 192) == 291 + 239 and wg.image_issue([130, 0, 64], 128) == 3 * 222
     assert not plan([9, 4, 1, 12]).image and not plan([24, 20, 9, 31]).image
     odd = wg.prepare_w4a8_weights(*random_nvfp4(rng, 4, 128, 384))
     assert not wg._plan(odd, np.r_[0, np.cumsum([300, 200, 0, 260])], None, None, None).image
+    with pytest.raises(ValueError, match="tokens: 192 is a tile of the activation-image kernel only"):
+        wg._plan(odd, np.r_[0, np.cumsum([300, 200, 0, 260])], 192, None, None)
     assert wg.least_issue_tile([300, 200, 0, 260], wg.IMAGE_TILES, wg.IMAGE_AHEAD_ISSUE) == 128
     assert wg.image_workspace(plan([9, 4, 1, 12]), prep, 26) is None
     with pytest.raises(ValueError, match="tokens: the activation-image kernel takes a token tile of"):
         wg.image_expression(32)
+
+
+@needs_nvcc
+def test_the_192_token_tiles_loop_runs_its_wgmmas_in_batches():
+    """w4a8_gemm_image's 192-token tile (wgmma batches of 64 into two buffers in turn): its decode-
+    ahead loop takes two groups a trip with 24 QGMMA of N = 64 (three batches of four a group), no
+    copy, no CTA barrier and no serialized wgmma or spill. Its length pins IMAGE_BATCH_ISSUE: a
+    group's two-batch and three-batch paths share all but the third batch's branch (the loop holds
+    both paths: 2 x (two + three - common), common 197 a group on average, 204 and 190)."""
+    if sass.nvdisasm_path() is None:
+        pytest.skip("reading SASS needs nvdisasm")
+    expr = wg.image_expression(192, ahead=True)
+    assert expr == "lab_w4a8::w4a8_gemm_image<192, 4, true, false, 64>"
+    compiled_clean(expr, 168)
+    code = sass.kernel_sass(wg.GEMM_SOURCE, expr)
+    loops = sass.tensor_loops(code)
+    assert len(loops) == 1, loops
+    ops = [i.opcode for i in code[loops[0][0]: loops[0][1] + 1]]
+    assert ops.count("QGMMA.64x64x32.F32.E4M3.E4M3") == 24 and sum(o.startswith("QGMMA") for o in ops) == 24
+    assert not any(o.startswith(("LDGSTS", "UBLKCP", "BAR")) for o in ops), sorted(set(ops))
+    two, three = wg.IMAGE_BATCH_ISSUE[192]
+    assert len(ops) == 2 * (two + three - 197), len(ops)
 
 
 @needs_nvcc

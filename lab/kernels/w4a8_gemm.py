@@ -281,13 +281,37 @@ IMAGE_ISSUE = {64: 208, 128: 249}
 # default plans take (on an H100 it was 5-19% faster than the plain one at 128 and 512 tokens per
 # expert, results/studies/w4a8_image_ahead_h100.json).
 IMAGE_AHEAD_ISSUE = {64: 182, 128: 222}
+# The 192-token tile's (wgmma batches of 64): a group of a block with at most 128 tokens runs two
+# batches, of a fuller one three (static SASS of the two-group loop: 239 and 291 a group; a test
+# pins the loop).
+IMAGE_BATCH_ISSUE = {192: (239, 291)}
+
+
+def image_issue(counts, tokens: int) -> int:
+    """The decode-ahead image kernel's group-loop instructions over the experts' token `counts` at a
+    tile of IMAGE_AHEAD_TILES: blocks x IMAGE_AHEAD_ISSUE, or for a batched tile each block at its
+    own batches' count (IMAGE_BATCH_ISSUE)."""
+    counts = np.asarray(counts, np.int64)
+    if tokens not in IMAGE_BATCH_ISSUE:
+        return int((-(-counts // tokens)).sum()) * IMAGE_AHEAD_ISSUE[tokens]
+    two, three = IMAGE_BATCH_ISSUE[tokens]
+    full, rest = counts // tokens, counts % tokens
+    return int(full.sum()) * three + int((rest > 2 * IMAGE_SUB).sum()) * three + int(
+        ((rest > 0) & (rest <= 2 * IMAGE_SUB)).sum()) * two
+
+
+def image_tile(counts) -> int:
+    """The decode-ahead image kernel's default tile for the experts' token `counts`: of
+    IMAGE_AHEAD_TILES the one whose blocks issue least (image_issue), ties to the larger."""
+    cost = {t: image_issue(counts, t) for t in IMAGE_AHEAD_TILES}
+    return min(cost, key=lambda t: (cost[t], -t))
 
 
 def image_by_default(plan, prep, counts, tokens: int | None = None, token_blocks: int | None = None):
     """The plan a default launch takes where the ring CTA's tile has reached DEFAULT_MAX_TILE: the
-    activation-image kernel (N % 128 == 0, K % IMAGE_K == 0) at `tokens` if forced, else at the
-    tile of IMAGE_TILES whose blocks issue least (least_issue_tile over IMAGE_ISSUE: 128 once most
-    busy experts have more than 64 tokens). Any other plan is returned as it is. Against the
+    activation-image kernel in its decode-ahead form (N % 128 == 0, K % IMAGE_K == 0) at `tokens` if
+    forced, else at image_tile's (128 once most busy experts have more than 64 tokens, 192 in wgmma
+    batches once most have more than 128). Any other plan is returned as it is. Against the
     two-warpgroup ring CTA at 64 tokens on an H100 (results/studies/w4a8_image_h100.json), the
     128-token image kernel took w13 from 4161 to 2635 us at 128 tokens per expert and from 14846
     to 8455 at 512, w2 from 2112 to 1463 and 7531 to 4444, its pre-pass included."""
@@ -295,10 +319,10 @@ def image_by_default(plan, prep, counts, tokens: int | None = None, token_blocks
             or prep.n % (2 * ROWS) or prep.k % IMAGE_K):
         return plan
     counts = np.asarray(counts, np.int64)
-    t = plan.tokens if tokens is not None else least_issue_tile(counts, IMAGE_TILES, IMAGE_AHEAD_ISSUE)
+    t = int(tokens) if tokens is not None else image_tile(counts)
     blocks = min(-(-int(counts.max()) // t), 65535) if token_blocks is None else int(token_blocks)
     return replace(plan, tokens=t, token_blocks=blocks, warpgroups=2, resident=False, smem_a=False, image=True,
-                   ahead=True)
+                   ahead=True, sub=image_sub(t, None))
 
 
 @dataclass(frozen=True)
@@ -766,12 +790,18 @@ def _plan(prep: W4A8Weights, offs, tokens, token_blocks, warpgroups, image: bool
     """The default plan where warpgroups is None (the activation-image kernel where
     image_by_default takes it, unless `image` is False: a launch that has no image form)."""
     if warpgroups is None:
-        plan = gemm_plan(offs, tokens, token_blocks)
+        # an image-only tile (192) plans as the largest ring tile, then takes its own
+        image_only = image and tokens is not None and tokens not in TOKEN_TILES and tokens in IMAGE_AHEAD_TILES
+        plan = gemm_plan(offs, TOKEN_TILES[-1] if image_only else tokens, token_blocks)
         plan = replace(plan, warpgroups=wide_warpgroups(plan.tokens, prep.n))
         plan = replace(plan, resident=resident_by_default(plan, prep.k))
         if not image:
             return plan
-        return image_by_default(plan, prep, np.diff(np.asarray(offs, np.int64)), tokens, token_blocks)
+        plan = image_by_default(plan, prep, np.diff(np.asarray(offs, np.int64)), tokens, token_blocks)
+        if image_only and not plan.image:
+            raise ValueError(f"tokens: {tokens} is a tile of the activation-image kernel only, which takes N a "
+                             f"multiple of {2 * ROWS} and K of {IMAGE_K}, got N={prep.n}, K={prep.k}")
+        return plan
     _check_warpgroups(prep, warpgroups)
     return gemm_plan(offs, tokens, token_blocks, warpgroups)
 
