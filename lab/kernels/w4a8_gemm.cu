@@ -913,8 +913,8 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-// acc's sub-tile u (tokens U u .. U u + U - 1, U = 8 FU) += t x its tokens' scales, as the whole
-// tile's promotion does it (the same bits)
+// The promotion: acc's sub-tile u (tokens U u .. U u + U - 1, U = 8 FU; FU = F: the whole tile)
+// += t x its tokens' scales
 template <int F, int FU, int u>
 __device__ __forceinline__ void promote_sub(float (&acc)[F][4], const float (&t)[FU][4], const float* sx, int c) {
   static_assert(FU * (u + 1) <= F, "a sub-tile of the accumulator");
@@ -1104,15 +1104,7 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
 #pragma unroll
           for (int s = 0; s < STEPS; ++s)  // the A registers stay allocated until the wgmmas retire
             asm volatile("" ::"r"(a[s][0]), "r"(a[s][1]), "r"(a[s][2]), "r"(a[s][3]));
-          const St& st = ring[stg];
-#pragma unroll
-          for (int j = 0; j < F; ++j) {
-            const float s0 = st.sx[8 * j + 2 * c], s1 = st.sx[8 * j + 2 * c + 1];
-            acc[j][0] = fmaf(tmp[j][0], s0, acc[j][0]);
-            acc[j][1] = fmaf(tmp[j][1], s1, acc[j][1]);
-            acc[j][2] = fmaf(tmp[j][2], s0, acc[j][2]);
-            acc[j][3] = fmaf(tmp[j][3], s1, acc[j][3]);
-          }
+          promote_sub<F, F, 0>(acc, tmp, ring[stg].sx, c);
           lab_gemm::mbar_arrive(empty0 + 8 * stg);  // this thread is done with the stage
         }
       };
@@ -1165,14 +1157,7 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
 #pragma unroll
       for (int s = 0; s < STEPS; ++s)  // the A registers stay allocated until the wgmmas retire
         asm volatile("" ::"r"(a[s][0]), "r"(a[s][1]), "r"(a[s][2]), "r"(a[s][3]));
-#pragma unroll
-      for (int j = 0; j < F; ++j) {
-        const float s0 = st.sx[8 * j + 2 * c], s1 = st.sx[8 * j + 2 * c + 1];
-        acc[j][0] = fmaf(tmp[j][0], s0, acc[j][0]);
-        acc[j][1] = fmaf(tmp[j][1], s1, acc[j][1]);
-        acc[j][2] = fmaf(tmp[j][2], s0, acc[j][2]);
-        acc[j][3] = fmaf(tmp[j][3], s1, acc[j][3]);
-      }
+      promote_sub<F, F, 0>(acc, tmp, st.sx, c);
       lab_gemm::mbar_arrive(empty0 + 8 * stage);  // this thread is done with the stage
       if (++stage == STAGES) stage = 0;
     }
