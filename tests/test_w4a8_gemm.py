@@ -924,6 +924,22 @@ def test_the_resident_activation_kernel_gives_the_plain_kernels_bits(tokens, tok
         wg.w4a8_gemm(prep.to_device(), cp.asarray(x8), cp.asarray(s_x), offsets, alpha, resident=True)
 
 
+def check_bf16_output(cp, name, f32, prep_d, x8, s_x, offsets, alpha, **kw):
+    """The same launch with bf16_out into a guarded uint16 buffer, its counter pre-set to 5: the
+    bits to_bf16 gives the float32 output `f32`, nothing written outside, no non-finite counted."""
+    rows = x8.shape[0]
+    buf = cp.full((rows + 16, prep_d.n), 0xFFFF, cp.uint16)
+    bad = cp.full(1, 5, cp.uint32)
+    got = wg.w4a8_gemm(prep_d, cp.asarray(x8), cp.asarray(s_x), offsets, alpha, out=buf[8: 8 + rows], bf16_out=True,
+                       nonfinite=bad, **kw)
+    assert got.dtype == np.uint16
+    host = buf.get()
+    assert (host[:8] == 0xFFFF).all() and (host[8 + rows:] == 0xFFFF).all(), "written outside the output"
+    assert_bits_equal(f"{name} bf16 output", host[8: 8 + rows],
+                      f32.astype(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
+    assert int(bad.get()[0]) == 5, "non-finite outputs counted on finite ones"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("tokens", wg.IMAGE_TILES)
@@ -952,17 +968,8 @@ def test_the_activation_image_kernel_gives_the_wide_kernels_bits(tokens, token_b
         assert_within_bound(img, ref, mag)
         assert img.tobytes() == wide.tobytes(), k
         rows, n = x8.shape[0], prep.n
-        buf = cp.full((rows + 16, n), 0xFFFF, cp.uint16)
-        bad = cp.full(1, 5, cp.uint32)
-        got = wg.w4a8_gemm(prep_d, cp.asarray(x8), cp.asarray(s_x), offsets, alpha, out=buf[8: 8 + rows],
-                           tokens=tokens, token_blocks=token_blocks, image=True, ahead=ahead, bf16_out=True,
-                           nonfinite=bad)
-        assert got.dtype == np.uint16
-        host = buf.get()
-        assert (host[:8] == 0xFFFF).all() and (host[8 + rows:] == 0xFFFF).all(), "written outside the output"
-        assert_bits_equal(f"K={k} bf16 output", host[8: 8 + rows],
-                          img.astype(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
-        assert int(bad.get()[0]) == 5, "non-finite outputs counted on finite ones"
+        check_bf16_output(cp, f"K={k}", img, prep_d, x8, s_x, offsets, alpha, tokens=tokens,
+                          token_blocks=token_blocks, image=True, ahead=ahead)
     with pytest.raises(ValueError, match="out: a bf16_out launch expected"):
         wg.w4a8_gemm(prep_d, cp.asarray(x8), cp.asarray(s_x), offsets, alpha, out=cp.empty((rows, n), cp.float32),
                      tokens=tokens, image=True, bf16_out=True)
@@ -999,17 +1006,8 @@ def test_the_image_kernels_wgmma_batches_give_the_whole_tiles_bits(tokens, token
         assert np.isnan(guard).all()
         assert_within_bound(got, ref, mag)
         assert_bits_equal(f"K={k}", got.astype(np.float32), wide.astype(np.float32))
-        rows = x8.shape[0]
-        buf = cp.full((rows + 16, prep.n), 0xFFFF, cp.uint16)
-        bad = cp.full(1, 5, cp.uint32)
-        wg.w4a8_gemm(prep_d, cp.asarray(x8), cp.asarray(s_x), offsets, alpha, out=buf[8: 8 + rows], tokens=tokens,
-                     token_blocks=token_blocks, image=True, ahead=True, bf16_out=True, nonfinite=bad,
-                     sub=wg.IMAGE_SUB)
-        host = buf.get()
-        assert (host[:8] == 0xFFFF).all() and (host[8 + rows:] == 0xFFFF).all(), "written outside the output"
-        assert_bits_equal(f"K={k} bf16 output", host[8: 8 + rows],
-                          got.astype(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
-        assert int(bad.get()[0]) == 5, "non-finite outputs counted on finite ones"
+        check_bf16_output(cp, f"K={k}", got, prep_d, x8, s_x, offsets, alpha, tokens=tokens,
+                          token_blocks=token_blocks, image=True, ahead=True, sub=wg.IMAGE_SUB)
     with pytest.raises(ValueError, match="sub: the wgmma batches are a form of the decode-ahead image kernel"):
         wg.w4a8_gemm(prep_d, cp.asarray(x8), cp.asarray(s_x), offsets, alpha, tokens=128, image=True, sub=64)
     with pytest.raises(ValueError, match="sub: the image kernel's wgmma batch is 0"):
