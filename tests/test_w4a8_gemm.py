@@ -1607,7 +1607,8 @@ def test_w4a8_variant_stage_by_stage_and_end_to_end(problem, spec, x_dtype):
     if v.plan2.bf16_out:
         assert v.stages == ("w13", "act", "w2+out") and not v.fp32_out
         out = wg.w4a8_gemm(v.w2, v.a8, v.s_a, off, w.w2_global.astype(f32), tokens=v.plan2.tokens,
-                           token_blocks=v.plan2.token_blocks, image=True).get()
+                           token_blocks=v.plan2.token_blocks, image=True, ahead=v.plan2.ahead,
+                           sub=v.plan2.sub).get()
     else:
         out = layer.out.get()
     w2 = w4a8.convert_weights(w.w2_packed, w.w2_scales, p2).codes
