@@ -24,6 +24,15 @@ drawn at random in the kernel's layout (w4a8_gemm.random_prepared), so no layer 
     ncu --clock-control none -k regex:"w4a8|swiglu_quant|stream_read" --section SpeedOfLight \
         --section WarpStateStats --section SchedulerStats --section InstructionStats \
         python scripts/profile_kernels.py --w4a8 --mean-tokens 1
+
+From 64 tokens an expert the W4A8 GEMMs are the activation-image kernels (w4a8_gemm_image, and
+w4a8_gemm_image_swiglu for the fused w13); the fp8 wgmma pipe and the stall reasons by name (this
+ncu takes no regular expression for metrics):
+
+    ncu --clock-control none -k regex:"w4a8_gemm_image" --section SpeedOfLight --section WarpStateStats \
+        --metrics sm__pipe_tensor_op_hmma_type_hmma_hgmma_qgmma_cycles_active.avg.pct_of_peak_sustained_active,\
+smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio \
+        python scripts/profile_kernels.py --w4a8 --mean-tokens 512
 """
 
 from __future__ import annotations

@@ -202,6 +202,9 @@ def main(argv=None) -> int:
                     help="with --image, also time the decode-ahead form whose wgmmas run in batches of "
                          "w4a8_gemm.IMAGE_SUB tokens (labelled IAS, or T<t>IAS; a --tiles tile of 192 has only "
                          "that form); same bits as the whole-tile form required")
+    ap.add_argument("--image-stages", type=int, nargs="+", default=[], metavar="S",
+                    help="with --image-sub, also time each batched image run (IAS, T<t>IAS) with a ring of S "
+                         "stages (labelled <label>S<s>; 2 .. 8, as shared memory allows); same bits required")
     ap.add_argument("--layer", action="store_true",
                     help="also time the one-launch layer (w4a8_layer) at each of its token tiles (labelled L<t>); "
                          "their bf16 outputs must be equal bit for bit")
@@ -226,6 +229,11 @@ def main(argv=None) -> int:
             ap.error(f"--wide-stages: expected depths from 2 to 8, got {st}")
     if args.image_sub and not args.image:
         ap.error("--image-sub: a form of the activation-image kernel, so it needs --image")
+    if args.image_stages and not args.image_sub:
+        ap.error("--image-stages: times the batched image runs at other depths, so it needs --image-sub")
+    for st in args.image_stages:
+        if not 2 <= st <= 8:
+            ap.error(f"--image-stages: expected depths from 2 to 8, got {st}")
     for t in args.tiles:
         if t not in wg.TOKEN_TILES and not (args.image_sub and t in wg.IMAGE_AHEAD_TILES):
             ap.error(f"--tiles: expected tiles from {wg.TOKEN_TILES} (with --image-sub also "
@@ -274,7 +282,12 @@ def main(argv=None) -> int:
                              wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
             def image_run(plan):
                 work = wg.image_workspace(plan, prep, x8.shape[0], stream)
-                return lambda out: wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream, work)
+
+                def run(out):
+                    wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream, work)
+
+                run.plan = plan
+                return run
 
             image_ok = args.image and prep.n % (2 * wg.ROWS) == 0 and prep.k % wg.IMAGE_K == 0
             if image_ok and base.tokens in wg.IMAGE_TILES:
@@ -316,6 +329,11 @@ def main(argv=None) -> int:
                     if args.smem_a and t in wg.SS_TILES and prep.n % (2 * wg.ROWS) == 0:
                         runs[f"T{t}SS"] = (lambda out, plan=replace(tile_plan, warpgroups=2, smem_a=True):
                                            wg.launch_w4a8_gemm(plan, prep, x8, s_x, d_offs, alpha, out, stream))
+            for label in [k for k in runs if str(k).endswith("IAS")]:  # the batched runs at other depths
+                plan = runs[label].plan
+                for st in args.image_stages:
+                    if st != wg.IMAGE_STAGES and wg.image_smem_bytes(plan.tokens, st) <= wg.RES_MAX_SMEM:
+                        runs[f"{label}S{st}"] = image_run(replace(plan, stages=st))
             depths = list(runs)
             outs, times = {}, {s: [] for s in depths}
             with stream:  # poisoned on the launches' stream, so no fill lands after a launch's writes
@@ -331,11 +349,13 @@ def main(argv=None) -> int:
                     same[s] = bool(cp.array_equal(outs[s], outs[s[:-2] + "W2"]))
                 if re.fullmatch(r"T\d+(R|I|IA)", str(s)):  # a resident or image run against its tile's ring kernel
                     same[s] = bool(cp.array_equal(outs[s], outs[re.match(r"T\d+", s).group(0)]))
+                if re.fullmatch(r"(T\d+)?IASS\d", str(s)):  # another depth against the shipped one
+                    same[s] = bool(cp.array_equal(outs[s], outs[re.sub(r"S\d$", "", s)]))
                 if re.fullmatch(r"T\d+IAS", str(s)):  # batches against the tile's whole form (192: 128's)
                     whole = next((k for k in (s[:-1], f"T{wg.IMAGE_TILES[-1]}IA", "IA") if k in outs), ref_key)
                     same[s] = bool(cp.array_equal(outs[s], outs[whole]))
             equal = (all(v for s, v in same.items()
-                         if not str(s).startswith(("T", "base")) or re.fullmatch(r"T\d+(R|I|IA|IAS)", s))
+                         if not str(s).startswith(("T", "base")) or re.fullmatch(r"T\d+(R|I|IA|IAS|IASS\d)", s))
                      and bool(cp.isfinite(ref).all()))
             for _ in range(args.rounds):
                 for s in depths:
