@@ -865,7 +865,9 @@ __global__ void __launch_bounds__(THREADS, 1)
 // stage: one arrival a warp after __syncwarp is the same order, but racecheck reports it). A consumer waits on `full`, decodes, issues
 // the four wgmmas, retires them, promotes, and arrives on `empty`: no CTA barrier in the loop.
 // The same decode, wgmmas and promotion order as w4a8_gemm_wide<T>: the same bits. Needs
-// N % 128 == 0 and K % 512 == 0 (whole groups; a scale image row of 16-byte pieces).
+// N % 128 == 0 and K % 512 == 0 (whole groups; a scale image row of 16-byte pieces). Tiles 64 and
+// 128, and 192 in the decode-ahead form with each group's wgmmas in batches of 64 tokens
+// (image_body's U): fewer token blocks, so fewer decodes of the same weights.
 template <int T>
 struct __align__(128) ImageStage {
   uint2 ws[2 * STEPS * THREADS];
