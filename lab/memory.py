@@ -104,6 +104,22 @@ def check_host_parts(problem: MoEProblem, rows: int, tokens: int, sample_rows: i
             "run_layer: the unquantized float64 layer on the sample": sample_rows * (8 * h + 40 * i)}
 
 
+def w4a8_image_bytes(variants, rows: int, experts: int, hidden: int, intermediate: int) -> int:
+    """The W4A8 variants' activation images (lab/variants/w4a8.py image_buffers, runner buffers
+    shared by tile), at most: w13's and w2's at the largest image tile where `variants` has w4a8,
+    the fused w13's at the fused kernel's largest and w2's where it has w4a8-fused or w4a8-layer.
+    Each is image_rows x K bytes and K / 128 float scales."""
+    from .kernels import w4a8_gemm as wg
+
+    def image(tokens: int, k: int) -> int:
+        return wg.image_rows(rows, experts, tokens) * (k + 4 * (k // wg.GROUP_K))
+
+    big, fused = max(wg.IMAGE_AHEAD_TILES), wg.IMAGE_TILES[-1]
+    plain, other = "w4a8" in variants, bool(set(variants) & {"w4a8-fused", "w4a8-layer"})
+    return ((image(big, hidden) if plain else 0) + (image(big, intermediate) if plain or other else 0)
+            + (image(fused, hidden) if other else 0))
+
+
 def run_layer_memory(problem: MoEProblem, means, variants=(), check: bool = True, skew: float = 0.0,
                      check_rows: dict | None = None) -> RunMemory:
     """Host and device memory at the peak of run_layer's GPU run: weights, routings, one mean's
@@ -164,6 +180,7 @@ def run_layer_memory(problem: MoEProblem, means, variants=(), check: bool = True
         # the activation images of the image tiles (grouped_gemm.image_workspace): one per stream, the
         # runner's two, each at most twice its largest request (a launch's images of both problems)
         b += 2 * 2 * image_bytes(rows, e, h + i)
+        b += w4a8_image_bytes(variants, rows, e, h, i)
         for peer in variants & {"torch-bf16", "torch-fp8"}:  # x rows, h, a (and its fp32 copy), out
             b += rows * (h * 2 + 2 * i * 2 + i * (2 + 4) + h * 2) + (rows * (h + i) * 4 if peer == "torch-fp8" else 0)
         batch_dev = max(batch_dev, int(b))

@@ -94,6 +94,13 @@ def test_weight_bytes_of_the_study_and_the_layouts_variants_add():
     assert w4a8.device.parts["W4A8 weights (w4a8)"] == memory.weight_bytes(p)  # words and scales: the packed bytes
     assert w4a8.host.parts["W4A8 w13 prepared on the host (w4a8)"] == 288 * 2 * 2048 * 4096 * (0.5 + 1 / 16)
     assert w4a8.host.total > memory.run_layer_memory(p, [8], ["separate"]).host.total
+    # the W4A8 variants' activation images at 512 tokens per expert: w13's and w2's at 192, the fused w13's at 128
+    rows = 512 * 288
+    want = (rows + 288 * 192) * (4096 + 128 + 2048 + 64) + (rows + 288 * 128) * (4096 + 128)
+    assert memory.w4a8_image_bytes({"w4a8", "w4a8-fused"}, rows, 288, 4096, 2048) == want
+    assert memory.w4a8_image_bytes({"separate"}, rows, 288, 4096, 2048) == 0
+    batch = (lambda vs: memory.run_layer_memory(p, [512], vs).device.parts["one mean's batch"])
+    assert batch(["separate", "w4a8"]) - batch(["separate"]) > (rows + 288 * 192) * (4096 + 2048)
 
 
 @settings(deadline=None, max_examples=20, suppress_health_check=[HealthCheck.function_scoped_fixture])
