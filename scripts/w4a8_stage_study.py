@@ -224,16 +224,14 @@ def main(argv=None) -> int:
         ap.error("--smem-a: times a two-warpgroup CTA beside the register-A one, so it needs --wide")
     if args.wide_stages and not args.wide:
         ap.error("--wide-stages: times the two-warpgroup CTA, so it needs --wide")
-    for st in args.wide_stages:
-        if not 2 <= st <= 8:
-            ap.error(f"--wide-stages: expected depths from 2 to 8, got {st}")
     if args.image_sub and not args.image:
         ap.error("--image-sub: a form of the activation-image kernel, so it needs --image")
     if args.image_stages and not args.image_sub:
         ap.error("--image-stages: times the batched image runs at other depths, so it needs --image-sub")
-    for st in args.image_stages:
-        if not 2 <= st <= 8:
-            ap.error(f"--image-stages: expected depths from 2 to 8, got {st}")
+    for flag, depths in (("--wide-stages", args.wide_stages), ("--image-stages", args.image_stages)):
+        for st in depths:
+            if not 2 <= st <= 8:
+                ap.error(f"{flag}: expected depths from 2 to 8, got {st}")
     for t in args.tiles:
         if t not in wg.TOKEN_TILES and not (args.image_sub and t in wg.IMAGE_AHEAD_TILES):
             ap.error(f"--tiles: expected tiles from {wg.TOKEN_TILES} (with --image-sub also "
