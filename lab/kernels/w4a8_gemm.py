@@ -945,11 +945,12 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
     resident runs the one-warpgroup CTA with the activations resident in shared memory
     (w4a8_gemm_res; a tile of RES_TILES, promoted, K a multiple of 128; the same bits); with
     warpgroups None a plan at 8 tokens runs it anyway where resident_by_default says so. image runs
-    the two-warpgroup CTA fed from an activation image (w4a8_gemm_image; a tile of IMAGE_TILES, or of
-    IMAGE_AHEAD_TILES with ahead; promoted, N % 128 == 0, K % 512 == 0; the same bits), allocating the
-    image here; ahead, its form with the decode one group ahead (image only). bf16_out (image only) writes `out` as (rows,
-    N) uint16 bf16 bits from the epilogue (the float32 output's to_bf16 bits), adding the number of
-    non-finite values to `nonfinite` ((1,) uint32; allocated, zero, when None). `sub` (image, ahead)
+    the two-warpgroup CTA fed from an activation image (w4a8_gemm_image; a tile of IMAGE_TILES, or
+    of IMAGE_AHEAD_TILES with ahead; promoted, N % 128 == 0, K % 512 == 0; the same bits),
+    allocating the image here; ahead, its form with the decode one group ahead (image only).
+    bf16_out (image only) writes `out` as (rows, N) uint16 bf16 bits from the epilogue (the float32
+    output's to_bf16 bits), adding the number of non-finite values to `nonfinite` ((1,) uint32;
+    allocated, zero, when None). `sub` (image, ahead)
     issues each group's wgmmas in batches of IMAGE_SUB tokens (image_sub; tokens=192 takes that form
     only)."""
     if sub is not None and not (image and ahead):
