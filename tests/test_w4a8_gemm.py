@@ -296,7 +296,8 @@ def test_each_plan_launches_its_instantiation(monkeypatch):
     assert launch(replace(ahead, tokens=128, sub=64), image)[1][:2] == (
         "lab_w4a8::w4a8_gemm_image<128, 4, true, false, 64>", True)
     for bad_plan, match in ((replace(sub, sub=0), "sub: the image kernel's wgmma batch is 0"),
-                            (replace(sub, tokens=128, ahead=False), "sub: the wgmma batches are a form of the decode-ahead"),
+                            (replace(sub, tokens=128, ahead=False),
+                             "sub: the wgmma batches are a form of the decode-ahead"),
                             (replace(sub, ahead=False), "192: the decode-ahead form"),
                             (wg.GemmPlan(64, 1, sub=64), "forms of the activation-image kernel")):
         with pytest.raises(ValueError, match=match):

@@ -214,7 +214,8 @@ def image_sub(tokens: int, sub: int | None) -> int:
     registers; 0, the whole tile, below)."""
     if sub is None:
         return IMAGE_SUB if tokens > 128 else 0
-    if isinstance(sub, bool) or sub not in (0, IMAGE_SUB) or (sub and tokens <= IMAGE_SUB) or (tokens > 128 and not sub):
+    if (isinstance(sub, bool) or sub not in (0, IMAGE_SUB) or (sub and tokens <= IMAGE_SUB)
+            or (tokens > 128 and not sub)):
         raise ValueError(f"sub: the image kernel's wgmma batch is 0 (the whole tile, up to 128 tokens) or "
                          f"{IMAGE_SUB} (tiles above {IMAGE_SUB}), got {sub!r} at a {tokens}-token tile")
     return int(sub)
@@ -879,7 +880,8 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
     if plan.image:
         _check_image(plan, prep, x8, image)
     elif plan.ahead or plan.bf16_out or plan.sub:
-        raise ValueError("plan: `ahead`, `bf16_out` and `sub` are forms of the activation-image kernel (GemmPlan.image)")
+        raise ValueError("plan: `ahead`, `bf16_out` and `sub` are forms of the activation-image kernel "
+                         "(GemmPlan.image)")
     if plan.bf16_out:
         _check_bf16_out(prep, x8, out, nonfinite)
     if plan.token_blocks == 0:
