@@ -348,8 +348,9 @@ def test_the_image_kernels_decode_ahead_loop_holds_two_groups(tokens):
 @needs_nvcc
 @pytest.mark.parametrize("expr", wg.FUSED_IMAGE_EXPRESSIONS)
 def test_the_fused_image_kernels_group_loop_is_the_image_kernels(expr):
-    """w4a8_gemm_image_swiglu: the SwiGLU epilogue leaves the group loop as the plain image
-    kernel's (same length at the same tile and form), with no CTA barrier in it, and no spill."""
+    """w4a8_gemm_image_swiglu: the SwiGLU epilogue leaves the group loop no longer than the plain
+    image kernel's at the same tile and form (ptxas schedules it 5-14 instructions shorter since
+    each token's inverse is computed once), with no CTA barrier in it, and no spill."""
     if sass.nvdisasm_path() is None:
         pytest.skip("reading SASS needs nvdisasm")
     tokens, ahead = (64, False) if expr.endswith("<64>") else (int(expr.split("<")[1].split(",")[0]), True)
@@ -359,7 +360,7 @@ def test_the_fused_image_kernels_group_loop_is_the_image_kernels(expr):
     (fa, fb), = sass.tensor_loops(fused)
     (pa, pb), = sass.tensor_loops(plain)
     assert not any(i.opcode.startswith("BAR") for i in fused[fa: fb + 1])
-    assert fb - fa == pb - pa, (fb - fa + 1, pb - pa + 1)
+    assert fb - fa <= pb - pa, (fb - fa + 1, pb - pa + 1)
 
 
 def test_default_plans_take_the_image_kernel_from_the_largest_ring_tile():

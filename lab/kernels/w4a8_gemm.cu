@@ -1238,6 +1238,7 @@ struct ImageSwiglu {
   float (*part)[T];    // [8 warps][T] shared
   float (*mine)[T];    // [2][T] shared: this CTA's maximum per token, by block parity
   float (*theirs)[T];  // [2][T] shared: the peer's, written by the peer
+  float (*invs)[T];    // [2][T] shared: 448 / amax per token, by its owner thread (tid < T)
   uint64_t* xbar;      // [2] shared: the peer's T arrivals
   uint32_t k;          // token blocks done
   uint32_t bad;
@@ -1302,19 +1303,23 @@ struct ImageSwiglu {
             : "=r"(done) : "r"(bar), "r"(parity) : "memory");
       } while (!done);
     }
+    // Each token's scale and inverse once, by its owner thread, for the 64 threads that hold its
+    // values (a round-to-nearest division is ~15 instructions: 32 a thread a block otherwise)
     const int G = I / 128, gi = b / CLUSTER;
+    if (tid < T) {
+      const float amax = fmaxf(fmaxf(0.0f, fmaxf(mine[buf][tid], theirs[buf][tid])), 0x1p-116f);
+      invs[buf][tid] = __fdiv_rn(448.0f, amax);
+      if (b % CLUSTER == 0 && tid < valid) s_a[(row0 + tid) * G + gi] = __fdiv_rn(amax, 448.0f);
+    }
+    lab_gemm::named_bar_sync<1, 2 * THREADS>();  // invs written
 #pragma unroll
     for (int j = 0; j < F; ++j)
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
         const int t = 8 * j + 2 * c + q;
-        const float amax = fmaxf(fmaxf(0.0f, fmaxf(mine[buf][t], theirs[buf][t])), 0x1p-116f);
-        const float inv = __fdiv_rn(448.0f, amax);
-        if (t < valid) {
-          a8[(row0 + t) * I + i] =
-              (lab_w4a8_act::uint8_t)(lab_w4a8_act::e4m3x2(lab_w4a8_act::times_inv(a[j][q], inv), 0.0f) & 0xFFu);
-          if (b % CLUSTER == 0 && warp == 0 && g == 0) s_a[(row0 + t) * G + gi] = __fdiv_rn(amax, 448.0f);
-        }
+        if (t < valid)
+          a8[(row0 + t) * I + i] = (lab_w4a8_act::uint8_t)(
+              lab_w4a8_act::e4m3x2(lab_w4a8_act::times_inv(a[j][q], invs[buf][t]), 0.0f) & 0xFFu);
       }
     ++k;
   }
@@ -1332,9 +1337,9 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(AHEAD ? IMAGE_AHEAD_
                            const float* __restrict__ up_global, uint8_t* __restrict__ a8, float* __restrict__ s_a,
                            uint32_t* __restrict__ nonfinite) {
   __shared__ float part[8][T];
-  __shared__ float mine[2][T], theirs[2][T];
+  __shared__ float mine[2][T], theirs[2][T], invs[2][T];
   __shared__ __align__(8) uint64_t xbar[2];
-  ImageSwiglu<T> epi{a8, s_a, nonfinite, gate_global, up_global, N / 2, part, mine, theirs, xbar, 0u, 0u};
+  ImageSwiglu<T> epi{a8, s_a, nonfinite, gate_global, up_global, N / 2, part, mine, theirs, invs, xbar, 0u, 0u};
   image_body<T, STAGES, AHEAD>(words, scales, tables, table_of, p, alpha, ximg, sximg, offsets, N, K, epi);
 }
 
