@@ -1390,6 +1390,8 @@ def test_swiglu_quant_writes_w2s_image_as_the_pre_pass_does(tokens):
     and the image's token rows and scales as launch_x_image writes them from those a8 and s_a, on
     experts of 0, 9, 1, 2T + 44 (a partial third block) and 70 tokens, I = 512 and 2048; the
     padding rows keep what they held (poisoned here: they are never written)."""
+    from test_w4a8 import random_swiglu_input
+
     from lab.gpu import require_gpu
 
     cp = require_gpu("test")
