@@ -175,7 +175,7 @@ class W4A8:
                                 self.image13, write_image=False)
         with runner.stage("act", s):
             wg.launch_swiglu_quant(layer.h, layer.offsets, w.gate_global, w.up_global, self.a8, self.s_a,
-                                   runner.counter, s, image=self.image2 if self.act_image else None)
+                                   runner.counter, s, image=self.image2)
         self.run_w2(runner, layer)
 
     def run_w2(self, runner, layer) -> None:
