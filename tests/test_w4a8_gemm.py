@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 import subprocess
 from dataclasses import replace
-from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
@@ -393,25 +392,6 @@ def test_default_plans_take_the_image_kernel_from_the_largest_ring_tile():
     assert wg.image_workspace(plan([9, 4, 1, 12]), prep, 26) is None
     with pytest.raises(ValueError, match="tokens: the activation-image kernel takes a token tile of"):
         wg.image_expression(32)
-
-
-def test_the_act_stage_launch_passes_w2s_image(monkeypatch):
-    """launch_swiglu_quant's arguments in swiglu_quant's order, the image's x, sx and tile last
-    (null pointers and 0 without one), with the compiler stubbed out."""
-    import contextlib
-
-    calls = []
-    monkeypatch.setattr(wg, "_kernel", lambda name, exprs, expr: (lambda grid, block, args: calls.append(args)))
-    h, offs, g = np.zeros((40, 1024), np.float32), np.zeros(4, np.int32), np.ones(3, np.float32)
-    a8, s_a, bad = np.zeros((40, 512), np.uint8), np.zeros((40, 4), np.float32), np.zeros(1, np.uint32)
-    image = wg.W4A8Image(192, np.empty((wg.image_rows(40, 3, 192), 512), np.uint8),
-                         np.empty((wg.image_rows(40, 3, 192), 4), np.float32))
-    wg.launch_swiglu_quant(h, offs, g, g, a8, s_a, bad, contextlib.nullcontext(), image=image)
-    wg.launch_swiglu_quant(h, offs, g, g, a8, s_a, bad, contextlib.nullcontext())
-    with_image, without = calls
-    assert len(with_image) == 14 and with_image[7] is a8 and with_image[10] is bad
-    assert with_image[11] is image.x and with_image[12] is image.sx and int(with_image[13]) == 192
-    assert [int(v) for v in without[11:]] == [0, 0, 0]
 
 
 @needs_nvcc
@@ -1381,57 +1361,6 @@ def test_swiglu_quant_kernel_is_bit_exact(i):
     assert bad == 0
     assert_bits_equal("a8 without a_out", a8b, a8_want)
     assert_bits_equal("s_a without a_out", s_b, s_want)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", wg.IMAGE_AHEAD_TILES)
-def test_swiglu_quant_writes_w2s_image_as_the_pre_pass_does(tokens):
-    """The act stage with w2's image (launch_swiglu_quant(..., image=)): a8 and s_a as without it,
-    and the image's token rows and scales as launch_x_image writes them from those a8 and s_a, on
-    experts of 0, 9, 1, 2T + 44 (a partial third block) and 70 tokens, I = 512 and 2048; the
-    padding rows keep what they held (poisoned here: they are never written)."""
-    from test_w4a8 import random_swiglu_input
-
-    from lab.gpu import require_gpu
-
-    cp = require_gpu("test")
-    for i in (512, 2048):
-        rng = np.random.default_rng(70 + tokens + i)
-        counts = np.array([0, 9, 1, 2 * tokens + 44, 70])
-        h, offsets, gate, up = random_swiglu_input(rng, counts, i)
-        offsets = offsets.astype(np.int32)
-        rows, e = h.shape[0], len(counts)
-        _, a8_want, s_want, _ = run_swiglu(cp, h, offsets, gate, up, with_a=False)
-        plan = wg.GemmPlan(tokens, 3, warpgroups=2, image=True, ahead=True, sub=wg.image_sub(tokens, None))
-        n = wg.image_rows(rows, e, tokens)
-        img = wg.W4A8Image(tokens, cp.full((n, i), 0xAB, cp.uint8), cp.full((n, i // 128), np.nan, cp.float32))
-        a8 = cp.full((rows, i), 0xFF, cp.uint8)
-        s_a = cp.full((rows, i // 128), np.nan, cp.float32)
-        bad = cp.zeros(1, cp.uint32)
-        d_offs = cp.asarray(offsets)
-        stream = cp.cuda.get_current_stream()
-        wg.launch_swiglu_quant(cp.asarray(h), d_offs, cp.asarray(gate), cp.asarray(up), a8, s_a, bad, stream,
-                               image=img)
-        want = wg.W4A8Image(tokens, cp.zeros((n, i), cp.uint8), cp.zeros((n, i // 128), cp.float32))
-        wg.launch_x_image(plan, SimpleNamespace(k=i, experts=e), cp.asarray(a8_want), cp.asarray(s_want), d_offs,
-                          want, stream)
-        stream.synchronize()
-        assert int(bad.get()[0]) == 0
-        assert_bits_equal(f"I={i} a8", a8.get(), a8_want)
-        assert_bits_equal(f"I={i} s_a", s_a.get(), s_want)
-        x, sx, wx, wsx = img.x.get(), img.sx.get(), want.x.get(), want.sx.get()
-        blocks = [(offsets[k] + k * tokens + b * tokens, min(tokens, counts[k] - b * tokens))
-                  for k in range(e) for b in range(-(-counts[k] // tokens))]
-        for r, valid in blocks:  # a block's bytes interleave its tokens: compare token by token
-            g = i // 128
-            xb, wb = x[r: r + tokens].reshape(-1), wx[r: r + tokens].reshape(-1)
-            tok = ((np.arange(tokens * i) % (tokens * 128)) % (tokens * 16)) // 16  # the token of each byte
-            assert_bits_equal(f"I={i} block at {r} codes", xb[tok < valid], wb[tok < valid])
-            assert (xb[tok >= valid] == 0xAB).all(), "a padding token's bytes written"
-            sb, wsb = sx[r: r + tokens].reshape(-1), wsx[r: r + tokens].reshape(-1)
-            stok = np.arange(tokens * g) % tokens
-            assert_bits_equal(f"I={i} block at {r} scales", sb[stok < valid], wsb[stok < valid])
-            assert np.isnan(sb[stok >= valid]).all(), "a padding token's scale written"
 
 
 @pytest.mark.gpu

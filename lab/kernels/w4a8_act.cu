@@ -76,18 +76,11 @@ __global__ void quantize_act(const T* __restrict__ x, int rows, int K, uint8_t* 
 // are passed over). a_out, when not null, receives a (rows, I) float32 for checks. Each thread
 // adds to *nonfinite the number of its columns with NaN or Inf in h_gate, h_up or a.
 // Layout: I % 4 == 0; a8 (rows, I) uint8; s_a (rows, ceil(I / 128)) float32.
-// With ximg (T > 0; I % 512 == 0) the same codes and scales also go into w2's activation image
-// as w4a8_gemm.cu's w4a8_x_image lays it out for a T-token tile (token block tb of expert e at
-// image row offsets[e] + e T + tb T; a group's bytes as [step][half][token][16 bytes], lane l's
-// four bytes chunk l % 8 of step l / 8: half (l % 8) & 1, slot (l % 8) >> 1), so w2 needs no
-// pre-pass. Only rows with tokens are written: the padding rows keep what they hold (zeros where
-// the image was cleared once; they feed only token columns the GEMM's epilogue discards).
 
 __global__ void swiglu_quant(const float* __restrict__ h, const int* __restrict__ offsets, int experts, int rows,
                              int I, const float* __restrict__ gate_global, const float* __restrict__ up_global,
                              uint8_t* __restrict__ a8, float* __restrict__ s_a, float* __restrict__ a_out,
-                             uint32_t* __restrict__ nonfinite, uint8_t* __restrict__ ximg = nullptr,
-                             float* __restrict__ sximg = nullptr, int T = 0) {
+                             uint32_t* __restrict__ nonfinite) {
   const int G = (I + 127) / 128;
   const long long unit = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   if (unit >= (long long)rows * G) return;  // whole warps: the group's shuffles see all 32 lanes
@@ -117,15 +110,6 @@ __global__ void swiglu_quant(const float* __restrict__ h, const int* __restrict_
     if (a_out) *reinterpret_cast<float4*>(a_out + row * I + col) = make_float4(a[0], a[1], a[2], a[3]);
   }
   quantize_group(a, m, live, lane, row, I, col, G, gi, a8, s_a);
-  if (ximg != nullptr) {  // each lane reads back what it wrote just above (quantize_group's word, lane 0's scale)
-    const int r0 = offsets[e], j = ((int)row - r0) % T;
-    const size_t img = (size_t)row + (size_t)e * T - j;  // the token block's first image row
-    const int chunk = lane & 7;
-    const uint32_t word = *reinterpret_cast<const uint32_t*>(a8 + row * I + col);
-    *reinterpret_cast<uint32_t*>(ximg + img * I + (size_t)gi * (T * 128) + (lane >> 3) * (T * 32) +
-                                 (chunk & 1) * (T * 16) + j * 16 + (chunk >> 1) * 4) = word;
-    if (lane == 0) sximg[img * G + (size_t)gi * T + j] = s_a[row * G + gi];
-  }
   if (bad) atomicAdd(nonfinite, bad);
 }
 

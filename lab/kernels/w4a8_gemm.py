@@ -1136,24 +1136,18 @@ def swiglu_quant_gpu(h, offsets, gate_global, up_global, a8=None, s_a=None, nonf
     return a8, s_a, nonfinite
 
 
-def launch_swiglu_quant(h, offsets, gate_global, up_global, a8, s_a, nonfinite, stream, a_out=None,
-                        image: W4A8Image | None = None) -> None:
+def launch_swiglu_quant(h, offsets, gate_global, up_global, a8, s_a, nonfinite, stream, a_out=None) -> None:
     """One launch on `stream` with no checks, host reads or allocation, for arguments that
-    check_swiglu_args accepted (a layer variant checks them once, in prepare). With `image` (the
-    workspace of w2's image plan, checked by the caller: image_workspace's for these rows and K = I)
-    the codes and scales also go into it as launch_x_image would write them, its padding rows
-    aside, so w2 launches with write_image=False."""
+    check_swiglu_args accepted (a layer variant checks them once, in prepare)."""
     rows, i = h.shape[0], h.shape[1] // 2
     units = rows * -(-i // GROUP_K)
     if units == 0:
         return
     fn = _kernel(ACT_SOURCE, ACT_EXPRESSIONS, SWIGLU_EXPRESSION)
-    img = ((image.x, image.sx, np.int32(image.tokens)) if image is not None
-           else (np.uint64(0), np.uint64(0), np.int32(0)))
     with stream:
         fn((-(-units // ACT_WARPS),), (32 * ACT_WARPS,),
            (h, offsets, np.int32(offsets.shape[0] - 1), np.int32(rows), np.int32(i), gate_global, up_global, a8,
-            s_a, a_out if a_out is not None else np.uint64(0), nonfinite) + img)
+            s_a, a_out if a_out is not None else np.uint64(0), nonfinite))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -102,7 +102,6 @@ class W4A8:
 
     paired = False  # w13 in the fused epilogue's row order
     image13 = None  # w13's activation image, where its plan is the image kernel's (plan_w13)
-    act_image = True  # the act stage writes w2's activation image (no pre-pass before w2)
     # the stages before w2's; prepare sets `stages`: then w2 with the bf16 output in its epilogue
     # where it runs the activation-image kernel ("w2+out"), else w2 and the conversion
     head_stages = ("w13", "act")
@@ -134,10 +133,6 @@ class W4A8:
         self.fp32_out = not self.plan2.bf16_out
         self.stages = self.head_stages + (("w2+out",) if self.plan2.bf16_out else ("w2", "out"))
         self.image2 = image_buffers(runner, self.plan2, self.w2, rows, "w2")
-        if self.image2 is not None:  # cleared once: where the act stage writes it, its padding rows stay zero
-            with s:
-                self.image2.x.fill(0)
-                self.image2.sx.fill(0)
         self.plan_w13(runner, layer)
         self.quantize_input(runner, layer)
 
@@ -175,7 +170,7 @@ class W4A8:
                                 self.image13, write_image=False)
         with runner.stage("act", s):
             wg.launch_swiglu_quant(layer.h, layer.offsets, w.gate_global, w.up_global, self.a8, self.s_a,
-                                   runner.counter, s, image=self.image2)
+                                   runner.counter, s)
         self.run_w2(runner, layer)
 
     def run_w2(self, runner, layer) -> None:
@@ -192,13 +187,12 @@ class W4A8:
 
     def launch_w2(self, runner, layer) -> None:
         """w2's launch: the bf16 output where the plan writes it, else the float32 one."""
-        written = self.act_image  # w2's image, by the act stage
         if self.plan2.bf16_out:
             wg.launch_w4a8_gemm(self.plan2, self.w2, self.a8, self.s_a, layer.offsets, self.w2_global,
-                                layer.out_bf16, runner.stream, self.image2, runner.counter, write_image=not written)
+                                layer.out_bf16, runner.stream, self.image2, runner.counter)
         else:
             wg.launch_w4a8_gemm(self.plan2, self.w2, self.a8, self.s_a, layer.offsets, self.w2_global, layer.out,
-                                runner.stream, self.image2, write_image=not written)
+                                runner.stream, self.image2)
 
 
 class W4A8Fused(W4A8):
@@ -209,7 +203,6 @@ class W4A8Fused(W4A8):
     quantize functions). Needs I % 128 == 0."""
 
     name = "w4a8-fused"
-    act_image = False  # its epilogue writes a8 and s_a; w2's pre-pass writes the image
     stages = ("w13+act", "w2", "out")
     head_stages = ("w13+act",)
     paired = True
