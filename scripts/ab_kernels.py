@@ -68,16 +68,6 @@ BF16_POISON = 0xFFFF  # a NaN's bits: no finite product of finite inputs rounds 
 SCALE_POISON = 0xFF  # an e4m3 NaN: no block scale takes it (the largest is 448, 0x7E)
 
 
-def parse_tree(text: str) -> tuple[str, Path]:
-    """--tree's value: NAME=DIR, DIR laid out as lab/kernels."""
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path or not name.replace("-", "").replace("_", "").isalnum():
-        raise argparse.ArgumentTypeError(f"--tree: expected NAME=DIR (NAME letters, digits, - or _), got {text!r}")
-    if not (Path(path) / "grouped_gemm.cu").is_file():
-        raise argparse.ArgumentTypeError(f"--tree {name}: {path} is not laid out as lab/kernels (no grouped_gemm.cu)")
-    return name, Path(path).resolve()
-
-
 def compare_rounds(ms: dict[str, list[float]], base: str) -> dict[str, dict]:
     """Each tree's rounds against the base's: the fastest round and its ratio ("ms", "x_base"), the
     median round and its ratio, and whether the two trees' rounds overlap (then the difference is
@@ -198,7 +188,7 @@ def trees_of(given: list[tuple[str, Path]]) -> dict[str, Path]:
 
 def main(argv=None) -> int:
     ap = study_parser(__doc__, [512], 20)
-    ap.add_argument("--tree", type=parse_tree, action="append", default=[],
+    ap.add_argument("--tree", type=jit.parse_tree, action="append", default=[],
                     help="NAME=DIR, a kernel tree laid out as lab/kernels; repeat (the first is the base)")
     ap.add_argument("--prepass", action="append", default=[], metavar="NAME",
                     help="the tree NAME writes the activation image with the pre-pass kernel even on the tiles that "

@@ -169,17 +169,9 @@ def compare(trees: list[tuple[str, Path]], expressions: list[str], jobs: int = 1
         return list(pool.map(one, expressions))
 
 
-def parse_tree(text: str) -> tuple[str, Path]:
-    name, sep, path = text.partition("=")
-    if not sep or not name or not (Path(path) / SOURCE).is_file():
-        raise argparse.ArgumentTypeError(f"--tree: expected NAME=DIR, DIR laid out as lab/kernels (holding {SOURCE}), "
-                                         f"got {text!r}")
-    return name, Path(path).resolve()
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    ap.add_argument("--tree", type=parse_tree, action="append", required=True,
+    ap.add_argument("--tree", type=jit.parse_tree, action="append", required=True,
                     help="NAME=DIR: a kernel tree laid out as lab/kernels (two or more)")
     ap.add_argument("--only", action="append", default=[],
                     help="compare only the instantiations whose expression contains this text (repeatable: any)")

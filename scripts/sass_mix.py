@@ -53,14 +53,6 @@ from lab.problem import make_routing, tokens_for_mean  # noqa: E402
 CLASS_COLUMNS = ("tensor", "fp16", "convert", "integer", "uniform", "shared", "sync", "branch")
 
 
-def parse_tree(text: str) -> tuple[str, Path]:
-    name, sep, path = text.partition("=")
-    if not sep or not name or not (Path(path) / gg.SOURCE).is_file():
-        raise argparse.ArgumentTypeError(f"--tree: expected NAME=DIR, DIR laid out as lab/kernels "
-                                         f"(holding {gg.SOURCE}), got {text!r}")
-    return name, Path(path).resolve()
-
-
 def heuristic_tiles(means, experts=288, top_k=8, n=4096, k=4096) -> list[gc.GemmConfig]:
     """The heuristic's w13 tile at each mean (the study's shape, seeded ragged routing)."""
     tiles = []
@@ -141,7 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument("--act", choices=(*gc.ACTS, "fp8"), default="nvfp4",
                     help="the activations of --config tiles; fp8: the W4A8 GEMM's instantiations instead (no --config)")
     ap.add_argument("--tokens", type=int, nargs="+", help="only the loops of these wgmma N (8 x fragments)")
-    ap.add_argument("--tree", type=parse_tree, action="append", default=[],
+    ap.add_argument("--tree", type=jit.parse_tree, action="append", default=[],
                     help="NAME=DIR: compile from this kernel tree (repeatable; default: lab/kernels)")
     ap.add_argument("--prepass", action="store_true",
                     help="the 128- and 160-token tiles as they run with the pre-pass (default: the in-kernel image)")

@@ -4,6 +4,9 @@ peers a user would pick instead, all measured in one process against both ceilin
     python scripts/token_axis.py --json results/token_axis.json
     python scripts/token_axis.py --mean-tokens 8 128 512 --no-peers
     python scripts/token_axis.py --model qwen3-30b-a3b --skew 0.4
+    mkdir -p /tmp/base && git archive HEAD lab/kernels | tar -x -C /tmp/base
+    python scripts/token_axis.py --mean-tokens 128 512 --no-peers --tree base=/tmp/base/lab/kernels \
+        --variants w4a8 w4a8@base w4a8-fused w4a8-fused@base
 
 First the ceilings: the flat streaming read (GB/s) and the dense tensor peaks, fp16 through
 cuBLAS and fp8 through cuBLASLt (TFLOP/s; lab/ceilings.py). Then, for each mean tokens per
@@ -19,6 +22,12 @@ peer; each output with a float64 layer on unquantized activations (the error a u
 seeded sample of experts. The GEMM rows are separate's and the peers' w13 and w2 stages. A peer
 that runs out of device memory beside the others (large means on an 80 GB board) is timed alone
 after them, once the lab's arrays are dropped, and named as such ("alone") in the tables.
+
+--tree LABEL=DIR names a kernel source tree (a directory laid out as lab/kernels, as in the last
+example above); a variant given as NAME@LABEL then runs with every kernel compiled from DIR, beside
+NAME in the same rounds (lab/variants/from_tree.py): the layer-level A/B of a kernel edit. Its
+output is checked bit for bit against NAME's where NAME runs before it (an edit that keeps the
+sums keeps the bits). Only the kernels come from DIR; the launches are this checkout's.
 """
 
 from __future__ import annotations
@@ -39,10 +48,12 @@ from lab import checks, memory, models, reference, roofline  # noqa: E402
 from lab.device_info import setup_info  # noqa: E402
 from lab.gemm_bench import log, study_parser, write_json  # noqa: E402
 from lab.gpu import require_gpu, run_script  # noqa: E402
+from lab.kernels import jit  # noqa: E402
 from lab.problem import (heavy_tailed_weights, make_routing, random_activations,  # noqa: E402
                          random_weights, tokens_for_mean)
 from lab.timing import Timing  # noqa: E402
 from lab.variants import NAMES as LAB_NAMES  # noqa: E402
+from lab.variants import from_tree  # noqa: E402
 from lab.variants import make as make_variant  # noqa: E402
 
 TAG = "token_axis"
@@ -70,7 +81,12 @@ def build_parser():
     ap.add_argument("--df", type=float, default=4.0, help="degrees of freedom of --weights student-t")
     ap.add_argument("--check-experts", type=int, default=4,
                     help="experts (seeded sample) whose rows are compared with the float64 layer")
+    ap.add_argument("--tree", type=jit.parse_tree, action="append", default=[], metavar="LABEL=DIR",
+                    help="a kernel source tree (a directory laid out as lab/kernels, e.g. another commit's from "
+                         "`git archive`): --variants NAME@LABEL then runs NAME with its kernels from DIR, in the "
+                         "same process, its output checked bitwise against NAME's where NAME runs before it")
     return ap
+
 
 
 def bf16_rows(layer, rows) -> np.ndarray:
@@ -119,12 +135,13 @@ def _free_device_memory(runner) -> None:
     runner.cp.get_default_memory_pool().free_all_blocks()
 
 
-def _prepare_and_check(runner, layer, point, name, is_peer, ref_rows, ref_out, base, alone=False):
+def _prepare_and_check(runner, layer, point, name, is_peer, ref_rows, ref_out, base, alone=False, trees=None,
+                       keep=()):
     """Prepare one implementation, run it once and check it (bitwise against separate for the
     lab's variants, against the float64 layer for all); its entry in point["impls"]. Returns the
     prepared implementation, None where it was skipped or failed, or OUT_OF_MEMORY for a peer
     whose preparation ran out of device memory beside the others (timed alone later)."""
-    v = peers.make(name) if is_peer else make_variant(name)
+    v = peers.make(name) if is_peer else make_variant(name, trees)
     entry = point["impls"][name] = {"expect": v.expect, "peer": is_peer, "check": None, "skipped": None,
                                     "error": None, "e2e_rel": None, "tensor": getattr(v, "tensor", "fp16")}
     try:
@@ -174,8 +191,14 @@ def _prepare_and_check(runner, layer, point, name, is_peer, ref_rows, ref_out, b
         elif name in W4A8_FORMS and "w4a8" in base:
             same = bool(runner.cp.array_equal(layer.out_bf16, base["w4a8"]))
             entry["check"] = {"ok": same, "detail": "approx; bitwise equal to w4a8" if same else "MISMATCH with w4a8"}
+        elif from_tree.split(name)[0] in base:  # a variant from another tree: its own bits in lab/kernels
+            same = bool(runner.cp.array_equal(layer.out_bf16, base[from_tree.split(name)[0]]))
+            entry["check"] = {"ok": same, "detail": f"{v.expect}; bitwise equal to {from_tree.split(name)[0]}" if same
+                              else f"MISMATCH with {from_tree.split(name)[0]}"}
         else:
             entry["check"] = {"ok": None, "detail": v.expect}
+        if name in keep:  # its output, for the same variant from another tree
+            base[name] = layer.out_bf16.copy()
     log(TAG, f"  {name}: {entry['check']['detail'] if entry['check'] else 'peer'}"
              f"{' (alone)' if alone else ''}; vs float64 (unquantized activations) {checks.format_rel(entry['e2e_rel'])}")
     return v
@@ -244,8 +267,10 @@ def measure_mean(args, problem, dweights, mean: float, ceilings: dict, seed: int
     lab_names = ["separate"] + [n for n in args.variants if n != "separate"]
     peer_names = [] if args.no_peers else list(peers.NAMES)
     timed, apart, base = {}, [], {}
+    keep = {from_tree.split(n)[0] for n in lab_names if from_tree.split(n)[1]}  # variants run from another tree too
     for name in lab_names + peer_names:
-        v = _prepare_and_check(runner, layer, point, name, name in peer_names, ref_rows, ref_out, base)
+        v = _prepare_and_check(runner, layer, point, name, name in peer_names, ref_rows, ref_out, base,
+                               trees=args.trees, keep=keep)
         if v is OUT_OF_MEMORY:
             apart.append(name)
         elif v is not None:
@@ -328,9 +353,18 @@ def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     problem = models.resolve_shape(args, ap)
+    args.trees = dict(args.tree)
+    if len(args.trees) < len(args.tree):
+        ap.error("--tree: each LABEL once")
     for name in args.variants:
-        if name not in LAB_NAMES:
-            ap.error(f"--variants: unknown {name!r}; known: {' '.join(LAB_NAMES)}")
+        try:
+            base, label = from_tree.split(name)
+        except ValueError as exc:
+            ap.error(f"--variants: {exc}")
+        if base not in LAB_NAMES:
+            ap.error(f"--variants: unknown {base!r}; known: {' '.join(LAB_NAMES)}")
+        if label is not None and label not in args.trees:
+            ap.error(f"--variants {name}: no --tree labelled {label!r}")
     if not (np.isfinite(args.df) and args.df > 0):
         ap.error(f"--df: expected degrees of freedom > 0, got {args.df:g}")
     for m in args.mean_tokens:

@@ -57,10 +57,10 @@ def test_use_tree_switches_and_restores(tmp_path):
 def test_tree_arguments(tmp_path):
     ab = load_script()
     tree = edited_tree(tmp_path, "m")
-    assert ab.parse_tree(f"base={tree}") == ("base", tree.resolve())
-    for bad in ("base", f"={tree}", "base=", f"b a={tree}", f"base={tmp_path}"):
-        with pytest.raises(argparse.ArgumentTypeError, match="--tree"):
-            ab.parse_tree(bad)
+    assert jit.parse_tree(f"base={tree}") == ("base", tree.resolve())
+    for bad in ("base", f"={tree}", "base=", f"b a={tree}", f"base={tmp_path}", f"a@b={tree}"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--tree: expected NAME=DIR"):
+            jit.parse_tree(bad)
     assert ab.trees_of([]) == {"work": jit.KERNEL_DIR, "work-again": jit.KERNEL_DIR}  # the noise floor
     with pytest.raises(ValueError, match="two or more"):
         ab.trees_of([("a", tree)])

@@ -156,7 +156,7 @@ def test_help_defaults_read_as_typed(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["sass_mix", "ab_kernels"])
+@pytest.mark.parametrize("name", ["sass_mix", "ab_kernels", "token_axis"])
 def test_tree_examples_name_trees_that_exist_or_that_a_shown_line_makes(name, tmp_path):
     doc = load(name).__doc__
     made = re.findall(r"^\s*(mkdir -p (\S+) && git archive HEAD lab/kernels \| tar -x -C (\S+))\s*$", doc, re.M)

@@ -9,6 +9,7 @@ tests can check registers, stack and spills, and `sass.py` can read the machine 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import os
@@ -53,6 +54,17 @@ def source(name: str, tree: Path | None = None) -> str:
 _TREES = [KERNEL_DIR]
 
 
+def parse_tree(text: str) -> tuple[str, Path]:
+    """A script's --tree value, NAME=DIR: (NAME, DIR resolved), DIR laid out as lab/kernels (it
+    holds grouped_gemm.cu) and NAME of letters, digits, - or _; argparse's error otherwise."""
+    name, sep, path = text.partition("=")
+    if (not sep or not name or not path or not name.replace("-", "").replace("_", "").isalnum()
+            or not (Path(path) / "grouped_gemm.cu").is_file()):
+        raise argparse.ArgumentTypeError(f"--tree: expected NAME=DIR (NAME of letters, digits, - or _; DIR laid out as "
+                                         f"lab/kernels, holding grouped_gemm.cu), got {text!r}")
+    return name, Path(path).resolve()
+
+
 @contextlib.contextmanager
 def use_tree(path):
     """Within the block, kernel() compiles every kernel from `path`, a directory laid out as
@@ -66,6 +78,11 @@ def use_tree(path):
         yield tree
     finally:
         _TREES.pop()
+
+
+def current_tree() -> Path:
+    """The tree kernels compile from now: lab/kernels, or the innermost use_tree's."""
+    return _TREES[-1]
 
 
 @functools.lru_cache(maxsize=None)

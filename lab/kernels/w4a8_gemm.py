@@ -638,12 +638,14 @@ def unprepare_w4a8_weights(prep: W4A8Weights) -> tuple[np.ndarray, np.ndarray]:
 
 
 @functools.lru_cache(maxsize=None)
-def _module(name: str, expressions: tuple[str, ...]):
+def _module(name: str, expressions: tuple[str, ...], tree=jit.KERNEL_DIR):
+    """The module of `expressions` from source `name` of `tree` (lab/kernels, or the tree that
+    jit.use_tree names: one module per tree, for same-process A/Bs of kernel edits)."""
     import cupy as cp
 
     # decode_fp8.cuh includes <cstdint> for its host build; NVRTC has no C++ standard library,
     # and on the device the header's types come from ptx.cuh (included before it).
-    code = jit.source(name).replace("#include <cstdint>\n", "")
+    code = jit.source(name, tree).replace("#include <cstdint>\n", "")
     return cp.RawModule(code=code, options=jit.ARCH_OPTIONS, name_expressions=expressions)
 
 
@@ -660,7 +662,7 @@ def _kernel(name: str, expressions: tuple[str, ...], expression: str):
     from lab.gpu import require_gpu
 
     require_gpu(f"compiling {expression}")
-    return _module(name, expressions).get_function(expression)
+    return _module(name, expressions, jit.current_tree()).get_function(expression)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ the same runner contract.
 
 from __future__ import annotations
 
-from . import chunked, cuda_graph, fold_b, fused_layer, fused_out, fused_swiglu, one_launch_2g, separate, w4a8, w4a16
+from . import (chunked, cuda_graph, fold_b, from_tree, fused_layer, fused_out, fused_swiglu, one_launch_2g, separate, w4a8,
+               w4a16)
 
 # name -> factory, in the order the layer table lists them
 REGISTRY = {
@@ -60,10 +61,17 @@ ON_REQUEST: tuple[str, ...] = ("fused-layer-classes", "fused-layer-swiglu", "w4a
 DEFAULT = tuple(n for n in NAMES if n not in ON_REQUEST)
 
 
-def make(name: str):
-    """A fresh variant by name; ValueError listing the known names otherwise."""
+def make(name: str, trees: dict | None = None):
+    """A fresh variant by name; ValueError listing the known names otherwise. "<name>@<label>" is
+    that variant with its kernels compiled from trees[label] (from_tree.FromTree)."""
+    base, label = from_tree.split(name)
     try:
-        factory = REGISTRY[name]
+        factory = REGISTRY[base]
     except KeyError:
-        raise ValueError(f"unknown variant {name!r}; known: {', '.join(NAMES)}") from None
-    return factory()
+        raise ValueError(f"unknown variant {base!r}; known: {', '.join(NAMES)}") from None
+    if label is None:
+        return factory()
+    if not trees or label not in trees:
+        raise ValueError(f"variant {name!r}: no kernel tree labelled {label!r}; "
+                         f"known: {', '.join(trees or {}) or 'none (token_axis.py --tree LABEL=DIR)'}")
+    return from_tree.FromTree(factory(), label, trees[label])
