@@ -191,10 +191,10 @@ def _prepare_and_check(runner, layer, point, name, is_peer, ref_rows, ref_out, b
         elif name in W4A8_FORMS and "w4a8" in base:
             same = bool(runner.cp.array_equal(layer.out_bf16, base["w4a8"]))
             entry["check"] = {"ok": same, "detail": "approx; bitwise equal to w4a8" if same else "MISMATCH with w4a8"}
-        elif from_tree.split(name)[0] in base:  # a variant from another tree: its own bits in lab/kernels
-            same = bool(runner.cp.array_equal(layer.out_bf16, base[from_tree.split(name)[0]]))
-            entry["check"] = {"ok": same, "detail": f"{v.expect}; bitwise equal to {from_tree.split(name)[0]}" if same
-                              else f"MISMATCH with {from_tree.split(name)[0]}"}
+        elif isinstance(v, from_tree.FromTree) and v.inner.name in base:  # its own bits from lab/kernels
+            same = bool(runner.cp.array_equal(layer.out_bf16, base[v.inner.name]))
+            entry["check"] = {"ok": same, "detail": f"{v.expect}; bitwise equal to {v.inner.name}" if same
+                              else f"MISMATCH with {v.inner.name}"}
         else:
             entry["check"] = {"ok": None, "detail": v.expect}
         if name in keep:  # its output, for the same variant from another tree
