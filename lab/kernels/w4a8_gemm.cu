@@ -884,6 +884,9 @@ constexpr int IMAGE_THREADS = 2 * THREADS + 32;  // two consumer warpgroups and 
 // With the decode ahead the producer is a whole warpgroup, whose registers setmaxnreg hands to the
 // consumers (ptxas budgets wgmma kernels by warpgroups: 168 a thread at 288 threads as at 384)
 constexpr int IMAGE_AHEAD_THREADS = 3 * THREADS, IMAGE_PRODUCER_REGS = 56, IMAGE_CONSUMER_REGS = 224;
+// Token octets of a batch whose scales the decode-ahead form reads before the batch's wgmmas retire
+// (scales_ahead): 2 P registers a thread, live across the wait.
+constexpr int IMAGE_SX_AHEAD = 4;
 
 // The pre-pass. Grid (ceil(T x K / 32 / 256), token blocks, E), 256 threads: piece i of a block is
 // token i % T's step i / T (32 bytes: two 16-byte loads, two 16-byte stores), consecutive threads
@@ -927,6 +930,31 @@ __device__ __forceinline__ void promote_sub(float (&acc)[F][4], const float (&t)
     acc[FU * u + j][1] = fmaf(t[j][1], s1, acc[FU * u + j][1]);
     acc[FU * u + j][2] = fmaf(t[j][2], s0, acc[FU * u + j][2]);
     acc[FU * u + j][3] = fmaf(t[j][3], s1, acc[FU * u + j][3]);
+  }
+}
+
+// The scales of sub-tile u's first P token octets (this thread's two tokens of each), read before
+// its wgmmas retire: the promotion's first FMAs then wait on no shared-memory load (ncu put those
+// waits at ~8% of the image kernel's stall samples at 192 tokens; notes/w4a8.md).
+template <int FU, int u, int P>
+__device__ __forceinline__ void scales_ahead(float2 (&pre)[P], const float* sx, int c) {
+  static_assert(P <= FU, "octets of the sub-tile");
+#pragma unroll
+  for (int j = 0; j < P; ++j) pre[j] = *reinterpret_cast<const float2*>(sx + 8 * (FU * u + j) + 2 * c);
+}
+
+// promote_sub with the first P octets' scales from scales_ahead
+template <int F, int FU, int u, int P>
+__device__ __forceinline__ void promote_sub(float (&acc)[F][4], const float (&t)[FU][4], const float* sx, int c,
+                                            const float2 (&pre)[P]) {
+  static_assert(FU * (u + 1) <= F && P <= FU, "a sub-tile of the accumulator");
+#pragma unroll
+  for (int j = 0; j < FU; ++j) {
+    const float2 s = j < P ? pre[j < P ? j : 0] : *reinterpret_cast<const float2*>(sx + 8 * (FU * u + j) + 2 * c);
+    acc[FU * u + j][0] = fmaf(t[j][0], s.x, acc[FU * u + j][0]);
+    acc[FU * u + j][1] = fmaf(t[j][1], s.y, acc[FU * u + j][1]);
+    acc[FU * u + j][2] = fmaf(t[j][2], s.x, acc[FU * u + j][2]);
+    acc[FU * u + j][3] = fmaf(t[j][3], s.y, acc[FU * u + j][3]);
   }
 }
 
@@ -1080,33 +1108,39 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
         if constexpr (U < T) {
           const St& st = ring[stg];
           const bool third = NS > 2 && nsv > 2;
+          float2 pre[IMAGE_SX_AHEAD];
+          scales_ahead<FU, 0>(pre, st.sx, c);
           lab_gemm::wgmma_wait<1>();
           lab_gemm::fence_acc(tb0);
-          promote_sub<F, FU, 0>(acc, tb0, st.sx, c);
+          promote_sub<F, FU, 0>(acc, tb0, st.sx, c, pre);
+          scales_ahead<FU, 1>(pre, st.sx, c);
           if (third) {  // (one branch: ptxas does not correlate two tests of `third`)
             issue_sub(a, 2, tb0, stg);
             lab_gemm::wgmma_wait<1>();
             lab_gemm::fence_acc(tb1);
-            promote_sub<F, FU, 1>(acc, tb1, st.sx, c);
+            promote_sub<F, FU, 1>(acc, tb1, st.sx, c, pre);
+            scales_ahead<FU, 2 % NS>(pre, st.sx, c);
             lab_gemm::wgmma_wait<0>();
             lab_gemm::fence_acc(tb0);
-            promote_sub<F, FU, 2 % NS>(acc, tb0, st.sx, c);
+            promote_sub<F, FU, 2 % NS>(acc, tb0, st.sx, c, pre);
           } else {
             lab_gemm::wgmma_wait<0>();
             lab_gemm::fence_acc(tb1);
-            promote_sub<F, FU, 1>(acc, tb1, st.sx, c);
+            promote_sub<F, FU, 1>(acc, tb1, st.sx, c, pre);
           }
 #pragma unroll
           for (int s = 0; s < STEPS; ++s)  // the A registers stay allocated until the wgmmas retire
             asm volatile("" ::"r"(a[s][0]), "r"(a[s][1]), "r"(a[s][2]), "r"(a[s][3]));
           lab_gemm::mbar_arrive(empty0 + 8 * stg);
         } else {
+          float2 pre[IMAGE_SX_AHEAD];
+          scales_ahead<F, 0>(pre, ring[stg].sx, c);
           lab_gemm::wgmma_wait<0>();
           lab_gemm::fence_acc(tmp);
 #pragma unroll
           for (int s = 0; s < STEPS; ++s)  // the A registers stay allocated until the wgmmas retire
             asm volatile("" ::"r"(a[s][0]), "r"(a[s][1]), "r"(a[s][2]), "r"(a[s][3]));
-          promote_sub<F, F, 0>(acc, tmp, ring[stg].sx, c);
+          promote_sub<F, F, 0>(acc, tmp, ring[stg].sx, c, pre);
           lab_gemm::mbar_arrive(empty0 + 8 * stg);  // this thread is done with the stage
         }
       };
