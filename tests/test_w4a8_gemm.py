@@ -619,6 +619,28 @@ def test_the_shared_memory_a_kernel_compiles_to_descriptor_wgmmas(tokens):
     assert sum(i.opcode.startswith("STS.128") for i in code) >= 8
 
 
+@needs_nvcc
+@pytest.mark.parametrize("expr", wg.SPLIT_EXPRESSIONS)
+def test_the_split_roles_kernel_compiles_clean_with_both_operands_by_descriptor(expr):
+    """w4a8_gemm_split: no spills, wgmma not serialized (the consumer loop's shape is what keeps
+    them asynchronous), setmaxnreg honoured, its ring and decoded groups within shared memory, and
+    every QGMMA an m64n64 batch with A by descriptor (the decoder's shared stores, no A registers)."""
+    info = compiled_clean(expr)
+    assert not info.setmaxnreg_ignored, info
+    tokens = int(expr.split("<")[1].split(",")[0])
+    assert wg.split_smem_bytes(tokens) + info.smem_static <= 227 * 1024
+    if sass.nvdisasm_path() is None:
+        pytest.skip("reading SASS needs nvdisasm")
+    code = sass.kernel_sass(wg.GEMM_SOURCE, expr)
+    gmma = [i for i in code if "GMMA" in i.opcode]
+    # whole batches of four k32 steps: the first two before the loop and at its end, at 192 the
+    # third in it (ptxas may duplicate a block of the loop: at least these)
+    assert len(gmma) % 4 == 0 and len(gmma) >= 4 * (2 + 2 + (tokens // wg.IMAGE_SUB - 2)), len(gmma)
+    assert {i.opcode for i in gmma} == {"QGMMA.64x64x32.F32.E4M3.E4M3"}
+    assert all(i.operands.split(", ")[1].startswith("gdesc[") for i in gmma), [i.operands for i in gmma]
+    assert sum(i.opcode.startswith("STS.128") for i in code) >= 8
+
+
 def test_a_body_fragment_goes_in_at_each_include_and_a_header_once(tmp_path):
     (tmp_path / "part.inc").write_text("int fragment_line;\n")
     (tmp_path / "part.cuh").write_text("#pragma once\nint header_line;\n")
@@ -1017,6 +1039,37 @@ def test_the_image_kernels_wgmma_batches_give_the_whole_tiles_bits(tokens, token
     with pytest.raises(ValueError, match="sub: the image kernel's wgmma batch is 0"):
         wg.w4a8_gemm(prep_d, cp.asarray(x8), cp.asarray(s_x), offsets, alpha, tokens=192, image=True, ahead=True,
                       sub=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", wg.SPLIT_TILES)
+@pytest.mark.parametrize("token_blocks", [None, 2])
+def test_the_split_roles_kernel_gives_the_image_kernels_bits(tokens, token_blocks):
+    """w4a8_gemm_split (a decoder warpgroup writes each group's weights into shared memory, the
+    consumers' wgmmas read both operands there): the image kernel's bits at the same tile (the
+    same m64n64 batches in the same order), on experts of 1, 23, 100, 150 and 2T + 44 tokens and an
+    empty one, at grid heights 1 and 2, K = 512 (one round of the ring and of the decoded groups)
+    and 2048; nothing written outside the output; its bf16 output the float32 one's bits."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    for k in (512, 2048):
+        rng = np.random.default_rng(1300 + tokens + k)
+        prep, x8, s_x, offsets, alpha, ref, mag = make_problem(rng, [1, 0, 23, 100, 150, 2 * tokens + 44], 256, k)
+        prep_d = prep.to_device()
+        base, _ = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
+                           image=True, ahead=True, sub=wg.IMAGE_SUB)
+        got, guard = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
+                              image=True, split=True)
+        assert np.isnan(guard).all()
+        assert_within_bound(got, ref, mag)
+        assert_bits_equal(f"K={k}", got.astype(np.float32), base.astype(np.float32))
+        check_bf16_output(cp, f"K={k}", got, prep_d, x8, s_x, offsets, alpha, tokens=tokens,
+                          token_blocks=token_blocks, image=True, split=True)
+    with pytest.raises(ValueError, match="split: the split-roles kernel is a form of the activation-image kernel"):
+        wg.w4a8_gemm(prep_d, cp.asarray(x8), cp.asarray(s_x), offsets, alpha, tokens=tokens, split=True)
+    with pytest.raises(ValueError, match="tokens: the split-roles kernel takes a token tile of"):
+        wg.w4a8_gemm(prep_d, cp.asarray(x8), cp.asarray(s_x), offsets, alpha, tokens=64, image=True, split=True)
 
 
 @pytest.mark.gpu

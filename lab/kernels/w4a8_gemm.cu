@@ -348,8 +348,9 @@ constexpr int SS_ABUF = 4 * ROWS * 32;  // one warpgroup's decoded group: 8 KiB
 
 // Group gi's 64 rows of this warpgroup, decoded into `abuf` (its buffer): the thread's two rows of
 // step s, four words each.
-template <int T>
-__device__ __forceinline__ void decode_to_smem(const Stage<T, 2>& st, const uint2* table, uint32_t abuf, int wg,
+// (St: the ring's Stage<T, 2>, or the image kernels' ImageStage<T>: the same words and scales first)
+template <class St>
+__device__ __forceinline__ void decode_to_smem(const St& st, const uint2* table, uint32_t abuf, int wg,
                                                int warp, int lane) {
   const int gr = lane & 7, s = lane >> 3;
   const uint4* src = reinterpret_cast<const uint4*>(&st.ws[(wg * STEPS + s) * THREADS + 32 * warp + 4 * gr]);
@@ -1239,6 +1240,8 @@ __global__ void __launch_bounds__(AHEAD ? IMAGE_AHEAD_THREADS : IMAGE_THREADS, 1
     image_body<T, STAGES, AHEAD, decltype(epi), U>(words, scales, tables, table_of, p, alpha, ximg, sximg, offsets, N, K, epi);
   }
 }
+
+#include "w4a8_split.inc"
 
 // The SwiGLU + quantize epilogue on the image kernel (w4a8-fused's w13 at large batches): as
 // SwigluQuant (the same a8 and s_a bits), with the cluster's exchange on mbarriers among the

@@ -270,6 +270,28 @@ def image_smem_bytes(tokens: int, stages: int | None = None) -> int:
     return (IMAGE_STAGES if stages is None else int(stages)) * image_stage_bytes(tokens)
 
 
+SPLIT_TILES = (128, 192)  # the split-roles kernel's tiles (wgmma batches of IMAGE_SUB tokens)
+SPLIT_ABUFS = 3  # its decoded groups in shared memory (w4a8_gemm.cu SPLIT_ABUFS)
+SPLIT_THREADS = 4 * THREADS  # two consumer warpgroups, a decoder and a producer warpgroup
+
+
+def split_expression(tokens: int, bf16: bool = False) -> str:
+    """The split-roles CTA (w4a8_gemm.cu w4a8_gemm_split; GemmPlan.split): the activation image's
+    producer and ring, a decoder warpgroup writing each group's e4m3 weights into shared memory, two
+    consumer warpgroups whose wgmmas read both operands from there; `bf16` its bf16 epilogue."""
+    if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens not in SPLIT_TILES:
+        raise ValueError(f"tokens: the split-roles kernel takes a token tile of {SPLIT_TILES}, got {tokens!r}")
+    return f"lab_w4a8::w4a8_gemm_split<{tokens}, {str(bool(bf16)).lower()}>"
+
+
+def split_smem_bytes(tokens: int) -> int:
+    """The dynamic shared memory of a split-roles launch: the image kernel's ring, then its decoded
+    groups (SPLIT_ABUFS x 128 rows x 128 bytes)."""
+    return image_smem_bytes(tokens) + SPLIT_ABUFS * 2 * SS_ABUF
+
+
+SPLIT_EXPRESSIONS = tuple(split_expression(t, b) for b in (False, True) for t in SPLIT_TILES)
+
 IMAGE_EXPRESSIONS = (tuple(image_expression(t, ahead=a, bf16=b) for b in (False, True) for a in (False, True)
                            for t in IMAGE_TILES)
                      + tuple(image_expression(t, ahead=True, bf16=b) for b in (False, True)
@@ -754,6 +776,7 @@ class GemmPlan:
     ahead: bool = False  # (image) its form with the decode one group ahead, a producer warpgroup
     bf16_out: bool = False  # (image) the output written as bf16 bits (uint16) by the epilogue
     sub: int = 0  # (image, ahead) each group's wgmmas in batches of this many tokens (0: the whole tile)
+    split: bool = False  # (image) the split-roles CTA: a decoder warpgroup, A from shared memory (w4a8_gemm_split)
 
 
 def gemm_plan(offsets, tokens: int | None = None, token_blocks: int | None = None, warpgroups: int = 1) -> GemmPlan:
@@ -814,7 +837,12 @@ def _check_image(plan: GemmPlan, prep: W4A8Weights, x8, image) -> None:
     N % 128 == 0, K % 512 == 0, and a workspace of the plan's tile sized for x8's rows."""
     if plan.warpgroups != 2 or not plan.promote or plan.smem_a or plan.resident:
         raise ValueError("plan: the activation-image kernel is the two-warpgroup CTA, promoted")
-    image_expression(plan.tokens, plan.stages, plan.ahead, plan.bf16_out, plan.sub)
+    if plan.split:
+        if plan.ahead or plan.sub or plan.stages is not None:
+            raise ValueError("plan: the split-roles kernel has its own batches and ring (no `ahead`, `sub` or `stages`)")
+        split_expression(plan.tokens, plan.bf16_out)
+    else:
+        image_expression(plan.tokens, plan.stages, plan.ahead, plan.bf16_out, plan.sub)
     if prep.n % (2 * ROWS) or prep.k % IMAGE_K:
         raise ValueError(f"plan: the activation-image kernel takes N a multiple of {2 * ROWS} and K a multiple of "
                          f"{IMAGE_K}, got N={prep.n}, K={prep.k}")
@@ -843,15 +871,15 @@ def _launch_image(fn, plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, image
                   write_image: bool, args: tuple) -> None:
     """An image kernel's launch (plain or fused): its ring's shared memory, the pre-pass unless
     the caller wrote the image, then the grid (128-row blocks of N, token blocks, experts) of
-    288 threads, or 384 for the decode-ahead form's producer warpgroup."""
-    smem = image_smem_bytes(plan.tokens, plan.stages)
+    288 threads, 384 for the decode-ahead form's producer warpgroup, or SPLIT_THREADS."""
+    smem = split_smem_bytes(plan.tokens) if plan.split else image_smem_bytes(plan.tokens, plan.stages)
     if fn.max_dynamic_shared_size_bytes < smem:
         fn.max_dynamic_shared_size_bytes = smem
     if write_image:
         launch_x_image(plan, prep, x8, s_x, offsets, image, stream)
     with stream:
-        fn((prep.n // (2 * ROWS), plan.token_blocks, prep.experts), (3 * THREADS if plan.ahead else 2 * THREADS + 32,),
-           args, shared_mem=smem)
+        threads = SPLIT_THREADS if plan.split else 3 * THREADS if plan.ahead else 2 * THREADS + 32
+        fn((prep.n // (2 * ROWS), plan.token_blocks, prep.experts), (threads,), args, shared_mem=smem)
 
 
 def _check_bf16_out(prep: W4A8Weights, x8, out, nonfinite) -> None:
@@ -881,8 +909,8 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
     non-finite values it wrote to `nonfinite` ((1,) uint32)."""
     if plan.image:
         _check_image(plan, prep, x8, image)
-    elif plan.ahead or plan.bf16_out or plan.sub:
-        raise ValueError("plan: `ahead`, `bf16_out` and `sub` are forms of the activation-image kernel "
+    elif plan.ahead or plan.bf16_out or plan.sub or plan.split:
+        raise ValueError("plan: `ahead`, `bf16_out`, `sub` and `split` are forms of the activation-image kernel "
                          "(GemmPlan.image)")
     if plan.bf16_out:
         _check_bf16_out(prep, x8, out, nonfinite)
@@ -890,8 +918,11 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
         return
     w, smem = plan.warpgroups, 0
     if plan.image:
-        fn = _shipped_or_study(IMAGE_EXPRESSIONS, plan.stages,
-                               lambda s: image_expression(plan.tokens, s, plan.ahead, plan.bf16_out, plan.sub))
+        if plan.split:
+            fn = _kernel(GEMM_SOURCE, SPLIT_EXPRESSIONS, split_expression(plan.tokens, plan.bf16_out))
+        else:
+            fn = _shipped_or_study(IMAGE_EXPRESSIONS, plan.stages,
+                                   lambda s: image_expression(plan.tokens, s, plan.ahead, plan.bf16_out, plan.sub))
         _launch_image(fn, plan, prep, x8, s_x, offsets, image, stream, write_image,
                       (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, image.x, image.sx, offsets,
                        out, np.int32(prep.n), np.int32(prep.k), nonfinite if plan.bf16_out else np.uint64(0)))
@@ -934,7 +965,7 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
 def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None, tokens: int | None = None,
               token_blocks: int | None = None, promote: bool = True, warpgroups: int | None = None,
               smem_a: bool = False, resident: bool = False, image: bool = False, ahead: bool = False,
-              bf16_out: bool = False, nonfinite=None, sub: int | None = None):
+              bf16_out: bool = False, nonfinite=None, sub: int | None = None, split: bool = False):
     """Launch the W4A8 grouped GEMM on `stream` (a CuPy stream, None for the current one) and
     return `out` (allocated on that stream when None). `tokens` forces the token tile (one of
     TOKEN_TILES); by default token_tile's (the one that issues least over the experts' blocks).
@@ -956,7 +987,11 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
     output's to_bf16 bits), adding the number of non-finite values to `nonfinite` ((1,) uint32;
     allocated, zero, when None). `sub` (image, ahead)
     issues each group's wgmmas in batches of IMAGE_SUB tokens (image_sub; tokens=192 takes that form
-    only)."""
+    only). `split` (image) runs the split-roles CTA (w4a8_gemm_split: a decoder warpgroup writes the
+    weights into shared memory; a tile of SPLIT_TILES, 192 by default; the same bits)."""
+    if split and (not image or ahead or sub is not None):
+        raise ValueError("split: the split-roles kernel is a form of the activation-image kernel (image=True), "
+                         "with its own batches (no ahead, no sub)")
     if sub is not None and not (image and ahead):
         raise ValueError("sub: the wgmma batches are a form of the decode-ahead image kernel (image=True, ahead=True)")
     if ahead and not image:
@@ -985,9 +1020,13 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
         raise ValueError("resident: the resident-activation kernel is the one-warpgroup CTA, promoted")
     if resident and prep.k % GROUP_K:
         raise ValueError(f"resident: the resident-activation kernel takes K a multiple of {GROUP_K}, got K={prep.k}")
+    if split and tokens is None:
+        tokens = SPLIT_TILES[-1]
     if image and tokens is None:
         tokens = least_issue_tile(np.diff(offs), IMAGE_TILES, IMAGE_ISSUE)
-    if image:
+    if split:
+        split_expression(tokens)  # names the tile it lacks
+    elif image:
         image_expression(tokens, ahead=ahead, sub=sub)  # names the tile or batch it lacks
     # (an image-only tile plans as the largest ring tile, then takes its own)
     ring_tokens = min(tokens, TOKEN_TILES[-1]) if image else tokens
@@ -997,7 +1036,8 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
         blocks = (min(-(-int(np.diff(offs).max(initial=0)) // tokens), 65535) if token_blocks is None
                   else plan.token_blocks)
         plan = replace(plan, tokens=int(tokens), token_blocks=blocks if plan.token_blocks else 0, image=True,
-                       ahead=bool(ahead), bf16_out=bool(bf16_out), sub=image_sub(tokens, sub))
+                       ahead=bool(ahead), bf16_out=bool(bf16_out), sub=0 if split else image_sub(tokens, sub),
+                       split=bool(split))
     if smem_a:
         ss_expression(plan.tokens)  # names the tile it lacks
         plan = replace(plan, smem_a=True)
