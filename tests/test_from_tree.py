@@ -115,3 +115,32 @@ def test_token_axis_takes_each_tree_label_once(tmp_path, capsys):
     with pytest.raises(SystemExit):
         ta.main(["--tree", f"base={tree}", "--tree", f"base={tree}", "--variants", "w4a8@base"])
     assert "--tree: each LABEL once" in capsys.readouterr().err
+
+
+def test_a_variant_from_another_tree_gets_its_own_activation_image(tmp_path):
+    """The image buffers a W4A8 variant allocates in prepare are keyed by the tree its kernels come
+    from: w13's image is written in prepare by the tree's own pre-pass, so a shared buffer would
+    hand the other variant an image in the other tree's layout."""
+    import numpy as np
+
+    from lab.variants import w4a8 as v
+
+    class Runner:
+        def __init__(self):
+            self.names = []
+
+        def buffer(self, name, shape, dtype):
+            self.names.append(name)
+            return np.empty(0, dtype)
+
+    tree = kernel_tree(tmp_path)
+    plan = wg.GemmPlan(128, 1, warpgroups=2, image=True, ahead=True)
+    prep = wg.W4A8Weights(None, None, None, None, None, 4, 256, 512)
+    here, there = Runner(), Runner()
+    v.image_buffers(here, plan, prep, 100, "w13")
+    with jit.use_tree(tree):
+        v.image_buffers(there, plan, prep, 100, "w13")
+    assert here.names == ["w4a8/w13_image128", "w4a8/w13_image128_sx"]
+    assert len(there.names) == 2 and not set(there.names) & set(here.names)
+    assert all(n.startswith("w4a8/w13_image128@") for n in there.names), there.names
+    assert jit.current_tree_key() == "" and v.image_buffers(here, wg.GemmPlan(8, 1), prep, 100, "w13") is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import hashlib
 import os
 import re
 import shutil
@@ -83,6 +84,14 @@ def use_tree(path):
 def current_tree() -> Path:
     """The tree kernels compile from now: lab/kernels, or the innermost use_tree's."""
     return _TREES[-1]
+
+
+def current_tree_key() -> str:
+    """"" in lab/kernels, else "@" and 8 hex digits of the current tree's path: a suffix for buffers
+    a tree's kernels lay out (an activation image written in prepare and read in run), so that a
+    variant from another tree, whose layout may differ, never shares them with this checkout's."""
+    tree = current_tree()
+    return "" if tree == KERNEL_DIR.resolve() else "@" + hashlib.sha1(str(tree).encode()).hexdigest()[:8]
 
 
 @functools.lru_cache(maxsize=None)

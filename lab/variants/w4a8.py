@@ -31,6 +31,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from lab.kernels import jit
 from lab.kernels import swiglu_quant as sq
 from lab.kernels import w4a8_gemm as wg
 
@@ -86,12 +87,15 @@ def prepared_weights(weights, paired: bool = False) -> tuple[wg.W4A8Weights, wg.
 def image_buffers(runner, plan, prep, rows: int, name: str):
     """The activation image an image plan launches with (w4a8_gemm.image_workspace), as runner
     buffers, so that it is allocated in prepare and every variant of one layer shares it; None
-    for any other plan."""
+    for any other plan. A variant whose kernels come from another tree (token_axis --tree) gets
+    its own (jit.current_tree_key): that tree's pre-pass may lay the image out differently, and
+    w13's image is written in prepare, before any variant runs."""
     if not plan.image:
         return None
     n = wg.image_rows(rows, prep.experts, plan.tokens)
-    return wg.W4A8Image(plan.tokens, runner.buffer(f"w4a8/{name}_image{plan.tokens}", (n, prep.k), np.uint8),
-                        runner.buffer(f"w4a8/{name}_image{plan.tokens}_sx", (n, prep.k // wg.GROUP_K), np.float32))
+    key = f"w4a8/{name}_image{plan.tokens}{jit.current_tree_key()}"
+    return wg.W4A8Image(plan.tokens, runner.buffer(key, (n, prep.k), np.uint8),
+                        runner.buffer(f"{key}_sx", (n, prep.k // wg.GROUP_K), np.float32))
 
 
 class W4A8:
