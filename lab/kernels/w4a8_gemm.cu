@@ -931,23 +931,27 @@ __global__ void __launch_bounds__(256)
 
 // The promotion: acc's sub-tile u (tokens U u .. U u + U - 1, U = 8 FU; FU = F: the whole tile)
 // += t x its tokens' scales
-// (sx: the stage's scales in sx_slot order; one float4 holds this thread's scales of octets 2m, 2m + 1)
+// acc's octets 2m and 2m + 1 of sub-tile u += t's times their scales s (one float4 of the stage's
+// scales in sx_slot order: this thread's two tokens of each octet)
+template <int F, int FU, int u>
+__device__ __forceinline__ void promote_pair(float (&acc)[F][4], const float (&t)[FU][4], int m, const float4& s) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int j = 2 * m + h;
+    const float s0 = h ? s.z : s.x, s1 = h ? s.w : s.y;
+    acc[FU * u + j][0] = fmaf(t[j][0], s0, acc[FU * u + j][0]);
+    acc[FU * u + j][1] = fmaf(t[j][1], s1, acc[FU * u + j][1]);
+    acc[FU * u + j][2] = fmaf(t[j][2], s0, acc[FU * u + j][2]);
+    acc[FU * u + j][3] = fmaf(t[j][3], s1, acc[FU * u + j][3]);
+  }
+}
+
 template <int F, int FU, int u>
 __device__ __forceinline__ void promote_sub(float (&acc)[F][4], const float (&t)[FU][4], const float* sx, int c) {
   static_assert(FU * (u + 1) <= F && FU % 2 == 0, "a sub-tile of the accumulator, whole octet pairs");
 #pragma unroll
-  for (int m = 0; m < FU / 2; ++m) {
-    const float4 s = *reinterpret_cast<const float4*>(sx + 8 * (FU * u + 2 * m) + 4 * c);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int j = 2 * m + h;
-      const float s0 = h ? s.z : s.x, s1 = h ? s.w : s.y;
-      acc[FU * u + j][0] = fmaf(t[j][0], s0, acc[FU * u + j][0]);
-      acc[FU * u + j][1] = fmaf(t[j][1], s1, acc[FU * u + j][1]);
-      acc[FU * u + j][2] = fmaf(t[j][2], s0, acc[FU * u + j][2]);
-      acc[FU * u + j][3] = fmaf(t[j][3], s1, acc[FU * u + j][3]);
-    }
-  }
+  for (int m = 0; m < FU / 2; ++m)
+    promote_pair<F, FU, u>(acc, t, m, *reinterpret_cast<const float4*>(sx + 8 * (FU * u + 2 * m) + 4 * c));
 }
 
 // The scales of sub-tile u's first P token octets (this thread's two tokens of each), read before
@@ -967,19 +971,9 @@ __device__ __forceinline__ void promote_sub(float (&acc)[F][4], const float (&t)
                                             const float4 (&pre)[PP]) {
   static_assert(FU * (u + 1) <= F && 2 * PP <= FU && FU % 2 == 0, "a sub-tile of the accumulator");
 #pragma unroll
-  for (int m = 0; m < FU / 2; ++m) {
-    const float4 s = m < PP ? pre[m < PP ? m : 0]
-                               : *reinterpret_cast<const float4*>(sx + 8 * (FU * u + 2 * m) + 4 * c);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int j = 2 * m + h;
-      const float s0 = h ? s.z : s.x, s1 = h ? s.w : s.y;
-      acc[FU * u + j][0] = fmaf(t[j][0], s0, acc[FU * u + j][0]);
-      acc[FU * u + j][1] = fmaf(t[j][1], s1, acc[FU * u + j][1]);
-      acc[FU * u + j][2] = fmaf(t[j][2], s0, acc[FU * u + j][2]);
-      acc[FU * u + j][3] = fmaf(t[j][3], s1, acc[FU * u + j][3]);
-    }
-  }
+  for (int m = 0; m < FU / 2; ++m)
+    promote_pair<F, FU, u>(acc, t, m, m < PP ? pre[m < PP ? m : 0]
+                                             : *reinterpret_cast<const float4*>(sx + 8 * (FU * u + 2 * m) + 4 * c));
 }
 
 // The image kernels' body, their epilogue aside: Epi::setup(tid) runs with the CTA's barrier
