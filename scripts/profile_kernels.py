@@ -18,7 +18,9 @@ variants' w13 launches), after the NVFP4 ones, so one profile compares the two f
 
 `--w4a8` launches the W4A8 layer's kernels instead, each once, as its variants launch them: w13
 (w4a8), the act stage, w2, the fused w13 (w4a8-fused), the one-launch layer (w4a8-layer, where
-the largest expert fits its tiles), then the flat read of w13's weight bytes. Their weights are
+the largest expert fits its tiles), then the flat read of w13's weight bytes. With `--split`, w13
+runs a second time on the split-roles kernel (its image plan's tile), so one profile compares the
+two (shared-memory wavefronts: `l1tex__data_pipe_lsu_wavefronts_mem_shared.sum`). Their weights are
 drawn at random in the kernel's layout (w4a8_gemm.random_prepared), so no layer is converted:
 
     ncu --clock-control none -k regex:"w4a8|swiglu_quant|stream_read" --section SpeedOfLight \
@@ -67,9 +69,14 @@ def main(argv=None) -> int:
     ap.add_argument("--w4a8", action="store_true",
                     help="the W4A8 kernels instead (w13, act, w2, fused w13, the one-launch layer; random "
                          "prepared weights), then the flat read")
+    ap.add_argument("--split", action="store_true",
+                    help="with --w4a8: w13 once more on the split-roles kernel (w4a8_gemm_split), where its plan "
+                         "is an image plan of a tile that kernel has, right after the default w13")
     ap.add_argument("--skew", type=float, default=0.0, help="routing skew: 0 uniform, else p ~ 1/rank**skew")
     ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights, routing and activations")
     args = ap.parse_args(argv)
+    if args.split and not args.w4a8:
+        ap.error("--split: a form of the W4A8 w13 (give --w4a8 too)")
     if not args.mean_tokens > 0:
         ap.error(f"--mean-tokens: must be > 0, got {args.mean_tokens}")
     if not args.skew >= 0:
@@ -124,6 +131,8 @@ def main(argv=None) -> int:
 
 def profile_w4a8(cp, problem, args) -> int:
     """The W4A8 kernels once each, on random prepared weights and activations (module docstring)."""
+    from dataclasses import replace
+
     import numpy as np
 
     from lab.kernels import w4a8_gemm as wg
@@ -156,7 +165,15 @@ def profile_w4a8(cp, problem, args) -> int:
                                      **(dict(tokens=min(plan13.tokens, wg.IMAGE_TILES[-1]), image=True, ahead=True)
                                         if plan13.image else {}))
     log(TAG, f"largest expert {int(np.diff(offs).max(initial=0))} tokens; w13 {plan13}; w2 {plan2}; fused {fused}")
-    wg.launch_w4a8_gemm(plan13, w13, x8, s_x, d_offs, ones, h32, stream, wg.image_workspace(plan13, w13, rows))
+    image13 = wg.image_workspace(plan13, w13, rows)
+    wg.launch_w4a8_gemm(plan13, w13, x8, s_x, d_offs, ones, h32, stream, image13)
+    if args.split:
+        if not (plan13.image and plan13.tokens in wg.SPLIT_TILES):
+            raise ValueError(f"--split: w13's plan at this mean is not an image plan of a split-roles tile "
+                             f"{wg.SPLIT_TILES}: {plan13}")
+        split = replace(plan13, split=True, ahead=False, sub=0)
+        log(TAG, f"w13 split {split}")
+        wg.launch_w4a8_gemm(split, w13, x8, s_x, d_offs, ones, h32, stream, image13)
     wg.launch_swiglu_quant(h32, d_offs, glob, glob, a8, s_a, count, stream)
     wg.launch_w4a8_gemm(plan2, w2, a8, s_a, d_offs, glob, out, stream, wg.image_workspace(plan2, w2, rows))
     wg.launch_w4a8_gemm_swiglu(fused, w13, x8, s_x, d_offs, ones, glob, glob, a8, s_a, count, stream,

@@ -93,6 +93,12 @@ def test_profile_kernels_says_it_needs_a_gpu():
         load("profile_kernels").main(["--mean-tokens", "8"])
 
 
+def test_profile_kernels_refuses_split_without_w4a8_before_touching_a_gpu(capsys):
+    with pytest.raises(SystemExit) as exc:
+        load("profile_kernels").main(["--split", "--mean-tokens", "512"])
+    assert exc.value.code == 2 and "--split: a form of the W4A8 w13 (give --w4a8 too)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("value", ["-1", "nan", "90000"])
 def test_bench_gemm_refuses_a_bad_sustain_before_touching_a_gpu(capsys, value):
     bg = load("bench_gemm")
