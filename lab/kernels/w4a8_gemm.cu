@@ -559,9 +559,7 @@ struct SwigluQuant {
     for (int j = 0; j < F; ++j)
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
-        // the h the act stage takes: the plain kernel's, rounded to bf16 (lab/w4a8.py round_bf16)
-        const float hg = lab_w4a8_act::round_bf16(acc[j][q] * factor);
-        const float hu = lab_w4a8_act::round_bf16(acc[j][2 + q] * factor);
+        const float hg = acc[j][q] * factor, hu = acc[j][2 + q] * factor;  // the plain kernel's h
         a[j][q] = lab_w4a8_act::swiglu_f32(hg, hu, gs, us);
         const bool live = 8 * j + 2 * c + q < valid;
         bad += live && !(lab_w4a8_act::finite(hg) && lab_w4a8_act::finite(hu) && lab_w4a8_act::finite(a[j][q]));
@@ -1310,9 +1308,7 @@ struct ImageSwiglu {
     for (int j = 0; j < F; ++j)
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
-        // the h the act stage takes: the plain kernel's, rounded to bf16 (lab/w4a8.py round_bf16)
-        const float hg = lab_w4a8_act::round_bf16(acc[j][q] * factor);
-        const float hu = lab_w4a8_act::round_bf16(acc[j][2 + q] * factor);
+        const float hg = acc[j][q] * factor, hu = acc[j][2 + q] * factor;  // the plain kernel's h
         a[j][q] = lab_w4a8_act::swiglu_f32(hg, hu, gs, us);
         const bool live = 8 * j + 2 * c + q < valid;
         bad += live && !(lab_w4a8_act::finite(hg) && lab_w4a8_act::finite(hu) && lab_w4a8_act::finite(a[j][q]));
@@ -1540,9 +1536,7 @@ __global__ void __launch_bounds__(2 * THREADS, 2)  // two CTAs an SM: 128 regist
         for (int j = 0; j < F; ++j)
 #pragma unroll
           for (int q = 0; q < 2; ++q) {  // SwigluQuant's arithmetic, on the h the plain kernel writes
-            // the h the act stage takes: the plain kernel's, rounded to bf16 (lab/w4a8.py round_bf16)
-            const float hg = lab_w4a8_act::round_bf16(acc[j][q] * factor);
-            const float hu = lab_w4a8_act::round_bf16(acc[j][2 + q] * factor);
+            const float hg = acc[j][q] * factor, hu = acc[j][2 + q] * factor;
             a[h][j][q] = lab_w4a8_act::swiglu_f32(hg, hu, gs, us);
             const bool live = 8 * j + 2 * c + q < valid;
             bad += live && !(lab_w4a8_act::finite(hg) && lab_w4a8_act::finite(hu) && lab_w4a8_act::finite(a[h][j][q]));
