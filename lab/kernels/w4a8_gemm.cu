@@ -959,6 +959,47 @@ __device__ __forceinline__ void promote_sub(float (&acc)[F][4], const float (&t)
   }
 }
 
+// The image kernels' producer (one thread): per token block of this CTA and per group, once every
+// reader has released the stage (`empty`, from the ring's second round), six bulk copies into it
+// on its `full` barrier: both 64-row blocks' words and block scales, the group's activations and
+// their scales from the image. The split-roles kernel's producer is the same.
+template <int T, int STAGES>
+__device__ __forceinline__ void image_produce(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
+                                              const uint8_t* __restrict__ ximg, const float* __restrict__ sximg,
+                                              int e, int b, size_t img0, int blocks, int G, int KS, int NB, int K,
+                                              uint32_t ring0, uint32_t full0, uint32_t empty0) {
+  using St = ImageStage<T>;
+  constexpr uint32_t WBYTES = STEPS * THREADS * 8, SBYTES = ROWS * 8;
+  constexpr uint32_t XS = 2 * WBYTES + 2 * SBYTES, SX = XS + T * GROUP_K;  // St's members
+  const uint8_t* w0 = reinterpret_cast<const uint8_t*>(words + (size_t)(e * NB + 2 * b) * KS * THREADS);
+  const uint8_t* s0 = scales + (size_t)(e * NB + 2 * b) * G * SBYTES;
+  const size_t wstride = (size_t)KS * THREADS * 8, sstride = (size_t)G * SBYTES;  // the next 64-row block's
+  int stage = 0;
+  uint32_t phase = 0;  // bit s: the parity of stage s's next `empty` completion
+  bool first = true;   // the ring's first round: nothing to wait for
+  for (int tb = blockIdx.y; tb < blocks; tb += gridDim.y) {
+    const size_t img = img0 + (size_t)tb * T;
+    for (int gi = 0; gi < G; ++gi) {
+      if (!first) {
+        lab_gemm::mbar_wait(empty0 + 8 * stage, (phase >> stage) & 1u);
+        phase ^= 1u << stage;
+      }
+      const uint32_t dst = ring0 + stage * (uint32_t)sizeof(St), bar = full0 + 8 * stage;
+      lab_gemm::mbar_arrive_expect_tx(bar, 2 * WBYTES + 2 * SBYTES + T * GROUP_K + 4 * T);
+      lab_gemm::bulk_copy(dst, w0 + (size_t)gi * WBYTES, WBYTES, bar);
+      lab_gemm::bulk_copy(dst + WBYTES, w0 + wstride + (size_t)gi * WBYTES, WBYTES, bar);
+      lab_gemm::bulk_copy(dst + 2 * WBYTES, s0 + (size_t)gi * SBYTES, SBYTES, bar);
+      lab_gemm::bulk_copy(dst + 2 * WBYTES + SBYTES, s0 + sstride + (size_t)gi * SBYTES, SBYTES, bar);
+      lab_gemm::bulk_copy(dst + XS, ximg + img * K + (size_t)gi * (T * GROUP_K), T * GROUP_K, bar);
+      lab_gemm::bulk_copy(dst + SX, sximg + img * G + (size_t)gi * T, 4 * T, bar);
+      if (++stage == STAGES) {
+        stage = 0;
+        first = false;
+      }
+    }
+  }
+}
+
 // The image kernels' body, their epilogue aside: Epi::setup(tid) runs with the CTA's barrier
 // setup (before its one CTA-wide barrier), Epi::start() once after it, Epi::store per token block
 // (as gemm_body's epilogues), Epi::finish() once a consumer thread is done.
@@ -1007,35 +1048,8 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
   const uint32_t ring0 = lab_gemm::smem_addr(ring);
   if (tid >= 2 * THREADS) {  // the producer warp: its lane 0 issues every copy
     if constexpr (AHEAD) lab_gemm::setmaxnreg_dec<IMAGE_PRODUCER_REGS>();
-    if (tid == 2 * THREADS) {
-      const uint8_t* w0 = reinterpret_cast<const uint8_t*>(words + (size_t)(e * NB + 2 * b) * KS * THREADS);
-      const uint8_t* s0 = scales + (size_t)(e * NB + 2 * b) * G * SBYTES;
-      const size_t wstride = (size_t)KS * THREADS * 8, sstride = (size_t)G * SBYTES;  // the next 64-row block's
-      int stage = 0;
-      uint32_t phase = 0;  // bit s: the parity of stage s's next `empty` completion
-      bool first = true;   // the ring's first round: nothing to wait for
-      for (int tb = blockIdx.y; tb < blocks; tb += gridDim.y) {
-        const size_t img = img0 + (size_t)tb * T;
-        for (int gi = 0; gi < G; ++gi) {
-          if (!first) {
-            lab_gemm::mbar_wait(empty0 + 8 * stage, (phase >> stage) & 1u);
-            phase ^= 1u << stage;
-          }
-          const uint32_t dst = ring0 + stage * (uint32_t)sizeof(St), bar = full0 + 8 * stage;
-          lab_gemm::mbar_arrive_expect_tx(bar, 2 * WBYTES + 2 * SBYTES + T * GROUP_K + 4 * T);
-          lab_gemm::bulk_copy(dst, w0 + (size_t)gi * WBYTES, WBYTES, bar);
-          lab_gemm::bulk_copy(dst + WBYTES, w0 + wstride + (size_t)gi * WBYTES, WBYTES, bar);
-          lab_gemm::bulk_copy(dst + 2 * WBYTES, s0 + (size_t)gi * SBYTES, SBYTES, bar);
-          lab_gemm::bulk_copy(dst + 2 * WBYTES + SBYTES, s0 + sstride + (size_t)gi * SBYTES, SBYTES, bar);
-          lab_gemm::bulk_copy(dst + XS, ximg + img * K + (size_t)gi * (T * GROUP_K), T * GROUP_K, bar);
-          lab_gemm::bulk_copy(dst + SX, sximg + img * G + (size_t)gi * T, 4 * T, bar);
-          if (++stage == STAGES) {
-            stage = 0;
-            first = false;
-          }
-        }
-      }
-    }
+    if (tid == 2 * THREADS)
+      image_produce<T, STAGES>(words, scales, ximg, sximg, e, b, img0, blocks, G, KS, NB, K, ring0, full0, empty0);
     return;
   }
 
