@@ -1417,6 +1417,13 @@ def test_swiglu_quant_kernel_is_bit_exact(i):
     assert bad == 0
     assert_bits_equal("a8 without a_out", a8b, a8_want)
     assert_bits_equal("s_a without a_out", s_b, s_want)
+    # h as bf16 bits (what w13's image epilogue writes): the same a, a8 and s_a
+    h16 = (w4a8.round_bf16(h).view(np.uint32) >> 16).astype(np.uint16)
+    a16, a8c, s_c, bad = run_swiglu(cp, h16, offsets, gate, up)
+    assert bad == 0
+    assert_bits_equal("a from bf16 h", a16, a_want)
+    assert_bits_equal("a8 from bf16 h", a8c, a8_want)
+    assert_bits_equal("s_a from bf16 h", s_c, s_want)
 
 
 @pytest.mark.gpu
@@ -1450,8 +1457,10 @@ def test_swiglu_checks_name_the_argument():
     cp = require_gpu("test")
     h = cp.zeros((3, 256), cp.float32)
     offs, g = cp.asarray(np.array([0, 3], np.int32)), cp.ones(1, cp.float32)
-    with pytest.raises(ValueError, match="h: expected"):
+    with pytest.raises(ValueError, match="h: expected a \\(rows, 2I\\) float32 or uint16"):
         wg.swiglu_quant_gpu(h.astype(cp.float64), offs, g, g)
+    with pytest.raises(ValueError, match="h: must start on a 8-byte boundary"):
+        wg.swiglu_quant_gpu(cp.zeros(3 * 256 + 1, cp.uint16)[1:].reshape(3, 256), offs, g, g)
     with pytest.raises(ValueError, match="h: 2I=260"):
         wg.swiglu_quant_gpu(cp.zeros((3, 260), cp.float32), offs, g, g)
     with pytest.raises(ValueError, match="offsets: expected"):

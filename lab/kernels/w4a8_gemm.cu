@@ -559,7 +559,9 @@ struct SwigluQuant {
     for (int j = 0; j < F; ++j)
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
-        const float hg = acc[j][q] * factor, hu = acc[j][2 + q] * factor;  // the plain kernel's h
+        // the h the act stage takes: the plain kernel's, rounded to bf16 (lab/w4a8.py round_bf16)
+        const float hg = lab_w4a8_act::round_bf16(acc[j][q] * factor);
+        const float hu = lab_w4a8_act::round_bf16(acc[j][2 + q] * factor);
         a[j][q] = lab_w4a8_act::swiglu_f32(hg, hu, gs, us);
         const bool live = 8 * j + 2 * c + q < valid;
         bad += live && !(lab_w4a8_act::finite(hg) && lab_w4a8_act::finite(hu) && lab_w4a8_act::finite(a[j][q]));
@@ -1339,7 +1341,9 @@ struct ImageSwiglu {
     for (int j = 0; j < F; ++j)
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
-        const float hg = acc[j][q] * factor, hu = acc[j][2 + q] * factor;  // the plain kernel's h
+        // the h the act stage takes: the plain kernel's, rounded to bf16 (lab/w4a8.py round_bf16)
+        const float hg = lab_w4a8_act::round_bf16(acc[j][q] * factor);
+        const float hu = lab_w4a8_act::round_bf16(acc[j][2 + q] * factor);
         a[j][q] = lab_w4a8_act::swiglu_f32(hg, hu, gs, us);
         const bool live = 8 * j + 2 * c + q < valid;
         bad += live && !(lab_w4a8_act::finite(hg) && lab_w4a8_act::finite(hu) && lab_w4a8_act::finite(a[j][q]));
@@ -1567,7 +1571,9 @@ __global__ void __launch_bounds__(2 * THREADS, 2)  // two CTAs an SM: 128 regist
         for (int j = 0; j < F; ++j)
 #pragma unroll
           for (int q = 0; q < 2; ++q) {  // SwigluQuant's arithmetic, on the h the plain kernel writes
-            const float hg = acc[j][q] * factor, hu = acc[j][2 + q] * factor;
+            // the h the act stage takes: the plain kernel's, rounded to bf16 (lab/w4a8.py round_bf16)
+            const float hg = lab_w4a8_act::round_bf16(acc[j][q] * factor);
+            const float hu = lab_w4a8_act::round_bf16(acc[j][2 + q] * factor);
             a[h][j][q] = lab_w4a8_act::swiglu_f32(hg, hu, gs, us);
             const bool live = 8 * j + 2 * c + q < valid;
             bad += live && !(lab_w4a8_act::finite(hg) && lab_w4a8_act::finite(hu) && lab_w4a8_act::finite(a[h][j][q]));
