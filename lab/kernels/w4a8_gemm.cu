@@ -559,7 +559,9 @@ struct SwigluQuant {
     for (int j = 0; j < F; ++j)
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
-        const float hg = acc[j][q] * factor, hu = acc[j][2 + q] * factor;  // the plain kernel's h
+        // the h the act stage takes: the plain kernel's, rounded to bf16 (lab/w4a8.py round_bf16)
+        const float hg = lab_w4a8_act::round_bf16(acc[j][q] * factor);
+        const float hu = lab_w4a8_act::round_bf16(acc[j][2 + q] * factor);
         a[j][q] = lab_w4a8_act::swiglu_f32(hg, hu, gs, us);
         const bool live = 8 * j + 2 * c + q < valid;
         bad += live && !(lab_w4a8_act::finite(hg) && lab_w4a8_act::finite(hu) && lab_w4a8_act::finite(a[j][q]));
@@ -856,7 +858,8 @@ __global__ void __launch_bounds__(THREADS, 1)
 // two blocks overlap and no host reads the counts), group gi's bytes at (that row) x K + gi T 128,
 // laid out as [step s][half h][token j][16 bytes] (16-byte piece 2s + h of the group holds half h
 // of step s in the tensor core's k order: logical chunks h, h + 2, h + 4, h + 6), zeros for
-// tokens past the count; its scales at (that row) x G + gi T + j. So a stage's activations are
+// tokens past the count; its scales at (that row) x G + gi T + sx_slot(j) (token octets in pairs:
+// a thread's four scales of two octets side by side, one 16-byte load). So a stage's activations are
 // one contiguous bulk copy, and wgmma's K-major B descriptor has LBO = 16 T (the other half) and
 // SBO = 128 (the next 8 tokens).
 // CTA: warpgroups 0 and 1 consume (rows 64 (2b + wg) .. + 63, as w4a8_gemm_wide), warp 8's lane
@@ -889,6 +892,15 @@ constexpr int IMAGE_AHEAD_THREADS = 3 * THREADS, IMAGE_PRODUCER_REGS = 56, IMAGE
 // (scales_ahead): 2 P registers a thread, live across the wait.
 constexpr int IMAGE_SX_AHEAD = 4;
 
+// Where token j's scale sits among a group's T in the image (T a multiple of 16): octets 2m and
+// 2m + 1 share 16 floats, lane c's four (tokens 2c, 2c + 1 of each octet) at 4c .. 4c + 3, so the
+// promotion reads a thread's scales of two octets with one LDS.128 (ncu: the promotion's 24 LDS.64
+// a thread a group at 192 tokens were ~8% of the image kernel's stall samples and ~20% of its
+// shared-memory wavefronts).
+__device__ __forceinline__ int sx_slot(int j) {
+  return 16 * (j >> 4) + 4 * ((j & 7) >> 1) + 2 * ((j >> 3) & 1) + (j & 1);
+}
+
 // The pre-pass. Grid (ceil(T x K / 32 / 256), token blocks, E), 256 threads: piece i of a block is
 // token i % T's step i / T (32 bytes: two 16-byte loads, two 16-byte stores), consecutive threads
 // consecutive tokens; pieces below T x G also copy token i % T's scale of group i / T.
@@ -915,18 +927,20 @@ __global__ void __launch_bounds__(256)
       *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.z, hi.x, hi.z);
       *reinterpret_cast<uint4*>(dst + T * 16) = make_uint4(lo.y, lo.w, hi.y, hi.w);
     }
-    if (ks < G) sximg[img * G + ks * T + j] = in ? s_x[row * G + ks] : 0.0f;
+    if (ks < G) sximg[img * G + ks * T + sx_slot(j)] = in ? s_x[row * G + ks] : 0.0f;
   }
 }
 
 // The promotion: acc's sub-tile u (tokens U u .. U u + U - 1, U = 8 FU; FU = F: the whole tile)
 // += t x its tokens' scales
+// acc's octets 2m and 2m + 1 of sub-tile u += t's times their scales s (one float4 of the stage's
+// scales in sx_slot order: this thread's two tokens of each octet)
 template <int F, int FU, int u>
-__device__ __forceinline__ void promote_sub(float (&acc)[F][4], const float (&t)[FU][4], const float* sx, int c) {
-  static_assert(FU * (u + 1) <= F, "a sub-tile of the accumulator");
+__device__ __forceinline__ void promote_pair(float (&acc)[F][4], const float (&t)[FU][4], int m, const float4& s) {
 #pragma unroll
-  for (int j = 0; j < FU; ++j) {
-    const float s0 = sx[8 * (FU * u + j) + 2 * c], s1 = sx[8 * (FU * u + j) + 2 * c + 1];
+  for (int h = 0; h < 2; ++h) {
+    const int j = 2 * m + h;
+    const float s0 = h ? s.z : s.x, s1 = h ? s.w : s.y;
     acc[FU * u + j][0] = fmaf(t[j][0], s0, acc[FU * u + j][0]);
     acc[FU * u + j][1] = fmaf(t[j][1], s1, acc[FU * u + j][1]);
     acc[FU * u + j][2] = fmaf(t[j][2], s0, acc[FU * u + j][2]);
@@ -934,29 +948,34 @@ __device__ __forceinline__ void promote_sub(float (&acc)[F][4], const float (&t)
   }
 }
 
+template <int F, int FU, int u>
+__device__ __forceinline__ void promote_sub(float (&acc)[F][4], const float (&t)[FU][4], const float* sx, int c) {
+  static_assert(FU * (u + 1) <= F && FU % 2 == 0, "a sub-tile of the accumulator, whole octet pairs");
+#pragma unroll
+  for (int m = 0; m < FU / 2; ++m)
+    promote_pair<F, FU, u>(acc, t, m, *reinterpret_cast<const float4*>(sx + 8 * (FU * u + 2 * m) + 4 * c));
+}
+
 // The scales of sub-tile u's first P token octets (this thread's two tokens of each), read before
 // its wgmmas retire: the promotion's first FMAs then wait on no shared-memory load (ncu put those
 // waits at ~8% of the image kernel's stall samples at 192 tokens; notes/w4a8.md).
-template <int FU, int u, int P>
-__device__ __forceinline__ void scales_ahead(float2 (&pre)[P], const float* sx, int c) {
-  static_assert(P <= FU, "octets of the sub-tile");
+// (pre: PP octet pairs, each one float4 as promote_sub reads it)
+template <int FU, int u, int PP>
+__device__ __forceinline__ void scales_ahead(float4 (&pre)[PP], const float* sx, int c) {
+  static_assert(2 * PP <= FU, "whole octet pairs of the sub-tile");
 #pragma unroll
-  for (int j = 0; j < P; ++j) pre[j] = *reinterpret_cast<const float2*>(sx + 8 * (FU * u + j) + 2 * c);
+  for (int m = 0; m < PP; ++m) pre[m] = *reinterpret_cast<const float4*>(sx + 8 * (FU * u + 2 * m) + 4 * c);
 }
 
-// promote_sub with the first P octets' scales from scales_ahead
-template <int F, int FU, int u, int P>
+// promote_sub with the first PP octet pairs' scales from scales_ahead
+template <int F, int FU, int u, int PP>
 __device__ __forceinline__ void promote_sub(float (&acc)[F][4], const float (&t)[FU][4], const float* sx, int c,
-                                            const float2 (&pre)[P]) {
-  static_assert(FU * (u + 1) <= F && P <= FU, "a sub-tile of the accumulator");
+                                            const float4 (&pre)[PP]) {
+  static_assert(FU * (u + 1) <= F && 2 * PP <= FU && FU % 2 == 0, "a sub-tile of the accumulator");
 #pragma unroll
-  for (int j = 0; j < FU; ++j) {
-    const float2 s = j < P ? pre[j < P ? j : 0] : *reinterpret_cast<const float2*>(sx + 8 * (FU * u + j) + 2 * c);
-    acc[FU * u + j][0] = fmaf(t[j][0], s.x, acc[FU * u + j][0]);
-    acc[FU * u + j][1] = fmaf(t[j][1], s.y, acc[FU * u + j][1]);
-    acc[FU * u + j][2] = fmaf(t[j][2], s.x, acc[FU * u + j][2]);
-    acc[FU * u + j][3] = fmaf(t[j][3], s.y, acc[FU * u + j][3]);
-  }
+  for (int m = 0; m < FU / 2; ++m)
+    promote_pair<F, FU, u>(acc, t, m, m < PP ? pre[m < PP ? m : 0]
+                                             : *reinterpret_cast<const float4*>(sx + 8 * (FU * u + 2 * m) + 4 * c));
 }
 
 // The image kernels' producer (one thread): per token block of this CTA and per group, once every
@@ -1123,7 +1142,7 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
         if constexpr (U < T) {
           const St& st = ring[stg];
           const bool third = NS > 2 && nsv > 2;
-          float2 pre[IMAGE_SX_AHEAD];
+          float4 pre[IMAGE_SX_AHEAD / 2];
           scales_ahead<FU, 0>(pre, st.sx, c);
           lab_gemm::wgmma_wait<1>();
           lab_gemm::fence_acc(tb0);
@@ -1148,7 +1167,7 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
             asm volatile("" ::"r"(a[s][0]), "r"(a[s][1]), "r"(a[s][2]), "r"(a[s][3]));
           lab_gemm::mbar_arrive(empty0 + 8 * stg);
         } else {
-          float2 pre[IMAGE_SX_AHEAD];
+          float4 pre[IMAGE_SX_AHEAD / 2];
           scales_ahead<F, 0>(pre, ring[stg].sx, c);
           lab_gemm::wgmma_wait<0>();
           lab_gemm::fence_acc(tmp);
@@ -1322,7 +1341,9 @@ struct ImageSwiglu {
     for (int j = 0; j < F; ++j)
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
-        const float hg = acc[j][q] * factor, hu = acc[j][2 + q] * factor;  // the plain kernel's h
+        // the h the act stage takes: the plain kernel's, rounded to bf16 (lab/w4a8.py round_bf16)
+        const float hg = lab_w4a8_act::round_bf16(acc[j][q] * factor);
+        const float hu = lab_w4a8_act::round_bf16(acc[j][2 + q] * factor);
         a[j][q] = lab_w4a8_act::swiglu_f32(hg, hu, gs, us);
         const bool live = 8 * j + 2 * c + q < valid;
         bad += live && !(lab_w4a8_act::finite(hg) && lab_w4a8_act::finite(hu) && lab_w4a8_act::finite(a[j][q]));
@@ -1550,7 +1571,9 @@ __global__ void __launch_bounds__(2 * THREADS, 2)  // two CTAs an SM: 128 regist
         for (int j = 0; j < F; ++j)
 #pragma unroll
           for (int q = 0; q < 2; ++q) {  // SwigluQuant's arithmetic, on the h the plain kernel writes
-            const float hg = acc[j][q] * factor, hu = acc[j][2 + q] * factor;
+            // the h the act stage takes: the plain kernel's, rounded to bf16 (lab/w4a8.py round_bf16)
+            const float hg = lab_w4a8_act::round_bf16(acc[j][q] * factor);
+            const float hu = lab_w4a8_act::round_bf16(acc[j][2 + q] * factor);
             a[h][j][q] = lab_w4a8_act::swiglu_f32(hg, hu, gs, us);
             const bool live = 8 * j + 2 * c + q < valid;
             bad += live && !(lab_w4a8_act::finite(hg) && lab_w4a8_act::finite(hu) && lab_w4a8_act::finite(a[h][j][q]));

@@ -299,15 +299,15 @@ IMAGE_EXPRESSIONS = (tuple(image_expression(t, ahead=a, bf16=b) for b in (False,
                      + tuple(x_image_expression(t) for t in IMAGE_AHEAD_TILES))
 # A consumer warp's group loop in the activation-image kernel (static SASS; a test pins them): the
 # issue model that picks its tile (image_by_default), as GROUP_ISSUE does the ring kernels'.
-IMAGE_ISSUE = {64: 208, 128: 249}
-# The same for its decode-ahead form, whose loop takes two groups a trip (363 and 443): the form
+IMAGE_ISSUE = {64: 204, 128: 241}
+# The same for its decode-ahead form, whose loop takes two groups a trip (355 and 427): the form
 # default plans take (on an H100 it was 5-19% faster than the plain one at 128 and 512 tokens per
 # expert, results/studies/w4a8_image_ahead_h100.json).
-IMAGE_AHEAD_ISSUE = {64: 182, 128: 222}
+IMAGE_AHEAD_ISSUE = {64: 178, 128: 214}
 # The 192-token tile's (wgmma batches of 64): a group of a block with at most 128 tokens runs two
-# batches, of a fuller one three (static SASS of the two-group loop: 239 and 291 a group; a test
+# batches, of a fuller one three (static SASS of the two-group loop: 231 and 279 a group; a test
 # pins the loop).
-IMAGE_BATCH_ISSUE = {192: (239, 291)}
+IMAGE_BATCH_ISSUE = {192: (231, 279)}
 
 
 def image_issue(counts, tokens: int) -> int:
@@ -406,8 +406,9 @@ def image_swiglu_expression(tokens: int, ahead: bool = False) -> str:
 
 FUSED_IMAGE_EXPRESSIONS = (image_swiglu_expression(64),) + tuple(image_swiglu_expression(t, True) for t in IMAGE_TILES)
 ACT_EXPRESSIONS = ("lab_w4a8_act::quantize_act<float>", "lab_w4a8_act::quantize_act<lab_w4a8_act::uint16_t>",
-                   "lab_w4a8_act::swiglu_quant")
-SWIGLU_EXPRESSION = ACT_EXPRESSIONS[2]
+                   "lab_w4a8_act::swiglu_quant<float>", "lab_w4a8_act::swiglu_quant<lab_w4a8_act::uint16_t>")
+SWIGLU_EXPRESSION = ACT_EXPRESSIONS[2]  # h float32 (rounded to bf16 as it is read)
+SWIGLU_BF16_EXPRESSION = ACT_EXPRESSIONS[3]  # h as bf16 bits (w13's image kernels write it so)
 
 
 # The largest tile token_tile picks. 128 (two warpgroups' worth of accumulators in one: 191
@@ -1126,16 +1127,16 @@ def check_swiglu_args(h, offsets, gate_global, up_global, a8, s_a, nonfinite, a_
     from lab.gpu import require_gpu
 
     cp = require_gpu("the W4A8 SwiGLU quantizer")
-    if not isinstance(h, cp.ndarray) or h.ndim != 2 or h.dtype != np.float32:
-        raise ValueError(f"h: expected a (rows, 2I) float32 CuPy array, got {getattr(h, 'shape', type(h))} "
-                         f"{getattr(h, 'dtype', '')}")
+    if not isinstance(h, cp.ndarray) or h.ndim != 2 or h.dtype not in (np.float32, np.uint16):
+        raise ValueError(f"h: expected a (rows, 2I) float32 or uint16 (bf16 bits) CuPy array, got "
+                         f"{getattr(h, 'shape', type(h))} {getattr(h, 'dtype', '')}")
     rows, two_i = h.shape
     if two_i % 8 or two_i == 0:
         raise ValueError(f"h: 2I={two_i} must be a positive multiple of 8 (I a multiple of 4)")
     i = two_i // 2
-    _check_device_array(cp, "h", h, (rows, two_i), np.float32)
-    if h.data.ptr % 16:
-        raise ValueError("h: must start on a 16-byte boundary (the kernel loads 16-byte pieces)")
+    _check_device_array(cp, "h", h, (rows, two_i), h.dtype)
+    if h.data.ptr % (4 * h.itemsize):
+        raise ValueError(f"h: must start on a {4 * h.itemsize}-byte boundary (the kernel loads four values at once)")
     if not isinstance(offsets, cp.ndarray) or offsets.ndim != 1 or offsets.shape[0] < 2:
         raise ValueError(f"offsets: expected an (E+1,) int32 CuPy array with E >= 1, got "
                          f"{getattr(offsets, 'shape', type(offsets))}")
@@ -1155,7 +1156,8 @@ def check_swiglu_args(h, offsets, gate_global, up_global, a8, s_a, nonfinite, a_
 
 def swiglu_quant_gpu(h, offsets, gate_global, up_global, a8=None, s_a=None, nonfinite=None, a_out=None,
                      stream=None):
-    """lab/w4a8.py swiglu_quant on the GPU, bit for bit: h (rows, 2I) float32 grouped by offsets
+    """lab/w4a8.py swiglu_quant on the GPU, bit for bit: h (rows, 2I) float32 (rounded to bf16 as it
+    is read) or uint16 bf16 bits, grouped by offsets
     (E+1,) int32 (on the device; they must rise from 0 to rows, which the caller checked on the
     host: they are not read back here), gate/up globals (E,) float32 -> (a8 (rows, I) uint8, s_a
     (rows, ceil(I/128)) float32, nonfinite (1,) uint32). Outputs are allocated on `stream` when
@@ -1185,7 +1187,7 @@ def launch_swiglu_quant(h, offsets, gate_global, up_global, a8, s_a, nonfinite, 
     units = rows * -(-i // GROUP_K)
     if units == 0:
         return
-    fn = _kernel(ACT_SOURCE, ACT_EXPRESSIONS, SWIGLU_EXPRESSION)
+    fn = _kernel(ACT_SOURCE, ACT_EXPRESSIONS, SWIGLU_EXPRESSION if h.dtype == np.float32 else SWIGLU_BF16_EXPRESSION)
     with stream:
         fn((-(-units // ACT_WARPS),), (32 * ACT_WARPS,),
            (h, offsets, np.int32(offsets.shape[0] - 1), np.int32(rows), np.int32(i), gate_global, up_global, a8,
