@@ -374,15 +374,15 @@ def test_default_plans_take_the_image_kernel_from_the_largest_ring_tile():
         offs = np.r_[0, np.cumsum(counts)]
         return wg._plan(prep, offs, kw.get("tokens"), kw.get("token_blocks"), None)
 
-    big = plan([300, 200, 0, 260])  # at 192: 3 full blocks x 279 + 3 of at most 128 tokens x 231 < 8 x 214
+    big = plan([300, 200, 0, 260])  # at 192: 3 full blocks x 280 + 3 of at most 128 tokens x 232 < 8 x 215
     assert big == wg.GemmPlan(192, 2, warpgroups=2, image=True, ahead=True, sub=64)
-    assert plan([120, 100, 0, 128]) == wg.GemmPlan(128, 1, warpgroups=2, image=True, ahead=True)  # 3 x 214 < 3 x 231
-    assert plan([64, 60, 58, 64]) == wg.GemmPlan(64, 1, warpgroups=2, image=True, ahead=True)  # 4 x 178 < 4 x 214
+    assert plan([120, 100, 0, 128]) == wg.GemmPlan(128, 1, warpgroups=2, image=True, ahead=True)  # 3 x 215 < 3 x 232
+    assert plan([64, 60, 58, 64]) == wg.GemmPlan(64, 1, warpgroups=2, image=True, ahead=True)  # 4 x 179 < 4 x 215
     assert plan([300, 200, 0, 260], tokens=64, token_blocks=2) == wg.GemmPlan(64, 2, warpgroups=2, image=True,
                                                                               ahead=True)
     assert plan([300, 200, 0, 260], tokens=192) == big
-    assert wg.image_issue([300, 200, 0, 260], 192) == 3 * 279 + 3 * 231
-    assert wg.image_issue([130, 0, 64], 192) == 279 + 231 and wg.image_issue([130, 0, 64], 128) == 3 * 214
+    assert wg.image_issue([300, 200, 0, 260], 192) == 3 * 280 + 3 * 232
+    assert wg.image_issue([130, 0, 64], 192) == 280 + 232 and wg.image_issue([130, 0, 64], 128) == 3 * 215
     assert not plan([9, 4, 1, 12]).image and not plan([24, 20, 9, 31]).image
     odd = wg.prepare_w4a8_weights(*random_nvfp4(rng, 4, 128, 384))
     assert not wg._plan(odd, np.r_[0, np.cumsum([300, 200, 0, 260])], None, None, None).image
@@ -398,11 +398,13 @@ def test_default_plans_take_the_image_kernel_from_the_largest_ring_tile():
 def test_the_192_token_tiles_loop_runs_its_wgmmas_in_batches():
     """w4a8_gemm_image's 192-token tile (wgmma batches of 64 into two buffers in turn): its decode-
     ahead loop takes two groups a trip with 24 QGMMA of N = 64 (three batches of four a group), no
-    copy, no CTA barrier and no serialized wgmma or spill. Its length is pinned (630: both groups'
+    copy, no CTA barrier and no serialized wgmma or spill. Its length is pinned (632: both groups'
     two-batch and three-batch paths, which share all but the third batch's branch). That is a
-    check on the sum only: IMAGE_BATCH_ISSUE's split into two (231) and three (279) batches was
-    read off the loop's branches (with the scales of two octets a 16-byte load: common parts 201
-    and 190, the else paths 36 and 36, the third batch's 84 and 83, so 231.5 and 279; 658 with
+    check on the sum only: IMAGE_BATCH_ISSUE's split into two (232) and three (280) batches was
+    read off the loop's branches (with the table's copy offset read from the thread index once a
+    group, one S2R in each group's common part: 232.5 and 280; 630 before the table copies, 231.5
+    and 279; with the scales of two octets a 16-byte load: common parts 201
+    and 190, the else paths 36 and 36, the third batch's 84 and 83; 658 with
     8-byte loads, 208 and 195, 38, 90 and 89; 666 before the scales were read ahead), so a change
     to the loop fails here and asks for that split to be read again."""
     if sass.nvdisasm_path() is None:
@@ -416,7 +418,7 @@ def test_the_192_token_tiles_loop_runs_its_wgmmas_in_batches():
     ops = [i.opcode for i in code[loops[0][0]: loops[0][1] + 1]]
     assert ops.count("QGMMA.64x64x32.F32.E4M3.E4M3") == 24 and sum(o.startswith("QGMMA") for o in ops) == 24
     assert not any(o.startswith(("LDGSTS", "UBLKCP", "BAR")) for o in ops), sorted(set(ops))
-    assert len(ops) == 630, len(ops)
+    assert len(ops) == 632, len(ops)
 
 
 @needs_nvcc

@@ -884,6 +884,17 @@ template <int T>
 struct ImageStages {
   static constexpr int value = 4;
 };
+// The image kernels keep 16 copies of the decode table, interleaved: lane pair q = 2g + c / 2 of a
+// warp (the lanes that share a block scale) reads copy q, whose rows all sit in banks 2q, 2q + 1, so
+// the 16 rows one lookup gathers never share a bank (one copy: 16 random rows of 8 bytes fall ~3
+// deep on the busiest bank pair). 16 KiB of shared memory beside the ring.
+constexpr int TABLE_COPIES = 16;
+// The row of code (the low 7 bits of `code`) in the copy at byte offset q8 (8 q): a byte offset
+// built by shift and mask-or, so the load takes the table's base as its uniform operand.
+__device__ __forceinline__ uint2 table_row(const uint2* table, uint32_t code, uint32_t q8) {
+  const uint32_t off = ((code & 0x7Fu) * (8u * TABLE_COPIES)) | q8;
+  return *reinterpret_cast<const uint2*>(reinterpret_cast<const uint8_t*>(table) + off);
+}
 constexpr int IMAGE_THREADS = 2 * THREADS + 32;  // two consumer warpgroups and the producer warp
 // With the decode ahead the producer is a whole warpgroup, whose registers setmaxnreg hands to the
 // consumers (ptxas budgets wgmma kernels by warpgroups: 168 a thread at 288 threads as at 384)
@@ -1036,7 +1047,7 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
   using St = ImageStage<T>;
   extern __shared__ __align__(128) uint8_t image_smem[];
   St* const ring = reinterpret_cast<St*>(image_smem);
-  __shared__ uint2 table[128];
+  __shared__ uint2 table[128 * TABLE_COPIES];  // row x of copy q at x * TABLE_COPIES + q
   __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
 
   const int e = blockIdx.z, b = blockIdx.x;
@@ -1047,7 +1058,10 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
   const int tid = threadIdx.x;
   const int G = K / GROUP_K, KS = K / STEP_K, NB = N / ROWS, blocks = (count + T - 1) / T;
   const size_t img0 = (size_t)r0 + (size_t)e * T;  // the expert's first image row
-  if (tid < 128) table[tid] = tables[(size_t)table_of[e] * 128 + tid];
+  {
+    const uint2* const src = tables + (size_t)table_of[e] * 128;
+    for (int i = tid; i < 128 * TABLE_COPIES; i += blockDim.x) table[i] = src[i / TABLE_COPIES];
+  }
   const uint32_t full0 = lab_gemm::smem_addr(&full[0]), empty0 = lab_gemm::smem_addr(&empty[0]);
   epi.setup(tid);  // (before the fence below, which publishes its barriers' initialization too)
   if (tid == 0) {
@@ -1076,6 +1090,9 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
   const int wg = tid / THREADS, wt = tid % THREADS;
   const int warp = wt >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
   const int bw = 2 * b + wg;
+  uint32_t tq;  // the byte offset of this lane pair's copy (q = 2g + c / 2), opaque to the compiler so
+  // that each lookup's offset is one shift and one mask-or (it would mask tq again, knowing its bits)
+  asm("mov.b32 %0, %1;" : "=r"(tq) : "r"(8 * (lane >> 1)));
   const float factor = ldexpf(alpha[e], p[e]);
   // B of stage 0, step 0: halves 16 T bytes apart (LBO), token octets 128 (SBO); a step adds 32 T
   const uint64_t desc0 = lab_gemm::smem_desc(ring0 + XS, 16 * T, 128);
@@ -1103,8 +1120,8 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
 #pragma unroll
         for (int s = 0; s < STEPS; ++s) {
           const uint2 w = st.ws[(wg * STEPS + s) * THREADS + wt];
-          const uint2 t0w = table[(b0[s >> 1] >> (16 * (s & 1))) & 0x7Fu];
-          const uint2 t1w = table[(b1[s >> 1] >> (16 * (s & 1))) & 0x7Fu];
+          const uint2 t0w = table_row(table, b0[s >> 1] >> (16 * (s & 1)), tq);
+          const uint2 t1w = table_row(table, b1[s >> 1] >> (16 * (s & 1)), tq);
           lab_gemm::decode_fp8_word(w.x, t0w.x, t0w.y, a[s][0], a[s][2]);
           lab_gemm::decode_fp8_word(w.y, t1w.x, t1w.y, a[s][1], a[s][3]);
         }
@@ -1212,8 +1229,8 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
 #pragma unroll
       for (int s = 0; s < STEPS; ++s) {
         const uint2 w = st.ws[(wg * STEPS + s) * THREADS + wt];
-        const uint2 t0w = table[(b0[s >> 1] >> (16 * (s & 1))) & 0x7Fu];
-        const uint2 t1w = table[(b1[s >> 1] >> (16 * (s & 1))) & 0x7Fu];
+        const uint2 t0w = table_row(table, b0[s >> 1] >> (16 * (s & 1)), tq);
+        const uint2 t1w = table_row(table, b1[s >> 1] >> (16 * (s & 1)), tq);
         lab_gemm::decode_fp8_word(w.x, t0w.x, t0w.y, a[s][0], a[s][2]);
         lab_gemm::decode_fp8_word(w.y, t1w.x, t1w.y, a[s][1], a[s][3]);
       }
