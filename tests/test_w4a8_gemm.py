@@ -305,6 +305,83 @@ def test_each_plan_launches_its_instantiation(monkeypatch):
     assert launch(wg.GemmPlan(8, 0)) == []
 
 
+@pytest.mark.parametrize("tokens", wg.IMAGE_AHEAD_TILES)
+def test_the_image_layout_is_what_the_b_descriptor_reads_and_its_copies_stop_at_the_tokens(tokens):
+    """x_image_host, the image's definition, against wgmma's view of a stage (K-major B, no
+    swizzle; LBO 128, SBO 1024, step s 256 bytes in): tensor-core k of step s for token n of a
+    block is the byte at octet n / 8, half k / 16, row n % 8, column k % 16, and holds the token's
+    logical k 8c + 4h + k % 4 of that step (c = k % 16 / 4, h = k / 16: lane c's A fragment). Each
+    block writes exactly its ceil(count / 8) octets a group (zeros past the count), i.e. the
+    prefix the producer copies, and its scales at sx_slot up to whole octet pairs; nothing of the
+    padding past that."""
+    rng = np.random.default_rng(tokens)
+    K = 512
+    counts = np.array([1, 0, 23, tokens + 44 - tokens % 16 + 3, 8, tokens])
+    offsets = np.r_[0, np.cumsum(counts)].astype(np.int32)
+    rows, G = int(counts.sum()), K // wg.GROUP_K
+    x8 = rng.integers(0, 256, (rows, K), dtype=np.uint8)
+    s_x = rng.uniform(0.5, 2.0, (rows, G)).astype(np.float32)
+    x, sx, xw, sxw = wg.x_image_host(x8, s_x, offsets, tokens)
+    flat, flat_w, sflat, sflat_w = x.reshape(-1), xw.reshape(-1), sx.reshape(-1), sxw.reshape(-1)
+    k = np.arange(32)
+    logical = 8 * ((k % 16) // 4) + 4 * (k // 16) + k % 4  # of the step, for tensor-core k
+    for e, count in enumerate(counts):
+        for b in range(-(-int(count) // tokens)):
+            img, valid = int(offsets[e]) + e * tokens + b * tokens, min(tokens, int(count) - b * tokens)
+            base = img * K
+            for g in range(G):
+                grp = base + g * tokens * wg.GROUP_K
+                octets = -(-valid // 8)
+                assert flat_w[grp: grp + octets * 1024].all() and not flat_w[grp + octets * 1024:
+                                                                              grp + tokens * wg.GROUP_K].any()
+                for s in range(wg.GROUP_K // wg.STEP_K):
+                    for n in range(octets * 8):
+                        at = grp + (n // 8) * 1024 + s * 256 + (k // 16) * 128 + (n % 8) * 16 + k % 16
+                        want = (x8[int(offsets[e]) + b * tokens + n, (4 * g + s) * 32 + logical] if n < valid
+                                else np.zeros(32, np.uint8))
+                        assert (flat[at] == want).all(), (e, b, g, s, n)
+                slots = img * G + g * tokens + wg.sx_slot(np.arange(tokens))
+                pairs = -(-valid // 16) * 16
+                assert sflat_w[slots[:pairs]].all() and not sflat_w[slots[pairs:]].any()
+                assert (sflat[slots[:valid]] == s_x[int(offsets[e]) + b * tokens: int(offsets[e]) + b * tokens + valid,
+                                                    g]).all()
+                assert (sflat[slots[valid:pairs]] == 0).all()
+    assert sorted(set(wg.sx_slot(np.arange(tokens)).tolist())) == list(range(tokens))  # a permutation
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", wg.IMAGE_AHEAD_TILES)
+def test_the_pre_pass_writes_the_image_definition_and_nothing_past_its_copies(tokens):
+    """w4a8_x_image on a poisoned workspace: every byte and scale x_image_host says it writes is
+    that definition's, and every other one is still poison (the padding octets the producer never
+    copies are never written either)."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    rng = np.random.default_rng(70 + tokens)
+    K = 1024
+    counts = np.array([1, 0, 23, 2 * tokens + 44, 8, tokens, 17])
+    offsets = np.r_[0, np.cumsum(counts)].astype(np.int32)
+    rows, G = int(counts.sum()), K // wg.GROUP_K
+    x = rng.standard_normal((rows, K)).astype(np.float32) * np.exp2(rng.integers(-8, 8, (rows, 1))).astype(np.float32)
+    x8, s_x = w4a8.quantize_act(x)
+    packed, scales = random_nvfp4(rng, counts.size, 256, K)
+    prep = wg.prepare_w4a8_weights(packed, scales)
+    plan = wg.GemmPlan(tokens, -(-int(counts.max()) // tokens), warpgroups=2, image=True, ahead=True,
+                       sub=wg.image_sub(tokens, None))
+    image = wg.image_workspace(plan, prep, rows)
+    image.x.fill(0xA5)
+    image.sx.fill(np.float32(np.nan))
+    wg.launch_x_image(plan, prep, cp.asarray(x8), cp.asarray(s_x), cp.asarray(offsets), image,
+                      cp.cuda.get_current_stream())
+    got_x, got_sx = image.x.get(), image.sx.get()
+    want_x, want_sx, xw, sxw = wg.x_image_host(x8, s_x, offsets, tokens)
+    assert (got_x[xw] == want_x[xw]).all(), "image bytes differ from the definition"
+    assert (got_x[~xw] == 0xA5).all(), "the pre-pass wrote past the octets a stage copies"
+    assert_bits_equal("image scales", got_sx[sxw], want_sx[sxw])
+    assert np.isnan(got_sx[~sxw]).all(), "the pre-pass wrote scales past the pairs a stage copies"
+
+
 @needs_nvcc
 @pytest.mark.parametrize("tokens", wg.IMAGE_TILES)
 def test_the_image_kernels_consumers_copy_nothing_and_never_wait_for_each_other(tokens):

@@ -856,12 +856,19 @@ __global__ void __launch_bounds__(THREADS, 1)
 // A pre-pass (w4a8_x_image) writes the activations once more, as each stage wants them: token
 // block tb of expert e at image row offsets[e] + e T + tb T (each expert padded by T rows, so no
 // two blocks overlap and no host reads the counts), group gi's bytes at (that row) x K + gi T 128,
-// laid out as [step s][half h][token j][16 bytes] (16-byte piece 2s + h of the group holds half h
-// of step s in the tensor core's k order: logical chunks h, h + 2, h + 4, h + 6), zeros for
-// tokens past the count; its scales at (that row) x G + gi T + sx_slot(j) (token octets in pairs:
-// a thread's four scales of two octets side by side, one 16-byte load). So a stage's activations are
-// one contiguous bulk copy, and wgmma's K-major B descriptor has LBO = 16 T (the other half) and
-// SBO = 128 (the next 8 tokens).
+// laid out as [token octet o][step s][half h][token j % 8][16 bytes] (16-byte piece 2s + h of a
+// token holds half h of step s in the tensor core's k order: logical chunks h, h + 2, h + 4, h + 6),
+// zeros for the tokens past the count in the last octet that holds any; its scales at (that row) x
+// G + gi T + sx_slot(j) (token octets in pairs: a thread's four scales of two octets side by side,
+// one 16-byte load), zeros past the count up to the next pair of octets. Octets past those are
+// neither written nor copied: a block's tokens are a prefix of each group, so a stage's activations
+// are one bulk copy of its ceil(valid / 8) octets (1 KiB each) and its scales one of ceil(valid /
+// 16) x 64 bytes. Why: a padded block copied T tokens from L2 for every group, and the copies are
+// as many bytes as the weights at 64 tokens (at 32 tokens per expert a 64-token block holds ~36 on
+// average; at 128, a 192-token block ~130). wgmma's K-major B descriptor has LBO = 128 (the other
+// half) and SBO = 1024 (the next octet); step s starts 256 s bytes in, a 64-token batch 8 KiB in.
+// The wgmmas still read all T tokens of a stage: the columns of tokens past the count see stale
+// bytes and are never stored.
 // CTA: warpgroups 0 and 1 consume (rows 64 (2b + wg) .. + 63, as w4a8_gemm_wide), warp 8's lane
 // 0 produces: per group, six bulk copies (each warpgroup's 4 KiB of words and 512 bytes of block
 // scales, the group's activations and scales) into the stage's `full` barrier, once every
@@ -911,6 +918,17 @@ constexpr int IMAGE_SX_AHEAD = 4;
 __device__ __forceinline__ int sx_slot(int j) {
   return 16 * (j >> 4) + 4 * ((j & 7) >> 1) + 2 * ((j >> 3) & 1) + (j & 1);
 }
+// The image's B layout in a stage (above): a token octet's bytes of a group, and of one of its steps
+constexpr uint32_t IMAGE_OCTET_BYTES = 8 * GROUP_K, IMAGE_STEP_BYTES = 8 * STEP_K;
+// B's descriptor for a stage's activations at smem address xs; step s and U-token batch u add
+// image_b_offset(s, u) (in the descriptor's 16-byte units)
+__device__ __forceinline__ uint64_t image_b_desc(uint32_t xs) {
+  return lab_gemm::smem_desc(xs, IMAGE_STEP_BYTES / 2, IMAGE_OCTET_BYTES);
+}
+template <int U>
+__device__ __forceinline__ constexpr uint32_t image_b_offset(int s, int u) {
+  return (s * IMAGE_STEP_BYTES + u * (U / 8) * IMAGE_OCTET_BYTES) / 16;
+}
 
 // The pre-pass. Grid (ceil(T x K / 32 / 256), token blocks, E), 256 threads: piece i of a block is
 // token i % T's step i / T (32 bytes: two 16-byte loads, two 16-byte stores), consecutive threads
@@ -934,11 +952,15 @@ __global__ void __launch_bounds__(256)
         hi = __ldg(src + 1);
       }
       // half 0: logical chunks 0, 2, 4, 6 of the step; half 1: 1, 3, 5, 7
-      uint8_t* dst = ximg + img * K + (ks >> 2) * (T * GROUP_K) + (2 * (ks & 3)) * (T * 16) + j * 16;
-      *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.z, hi.x, hi.z);
-      *reinterpret_cast<uint4*>(dst + T * 16) = make_uint4(lo.y, lo.w, hi.y, hi.w);
+      uint8_t* dst = ximg + img * K + (ks >> 2) * (T * GROUP_K) + (j >> 3) * IMAGE_OCTET_BYTES +
+                     (ks & 3) * IMAGE_STEP_BYTES + (j & 7) * 16;
+      if (j < ((count - tb * T + 7) & ~7)) {  // the octets a stage copies
+        *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.z, hi.x, hi.z);
+        *reinterpret_cast<uint4*>(dst + 128) = make_uint4(lo.y, lo.w, hi.y, hi.w);
+      }
     }
-    if (ks < G) sximg[img * G + ks * T + sx_slot(j)] = in ? s_x[row * G + ks] : 0.0f;
+    if (ks < G && j < ((count - tb * T + 15) & ~15))  // the scales a stage copies
+      sximg[img * G + ks * T + sx_slot(j)] = in ? s_x[row * G + ks] : 0.0f;
   }
 }
 
@@ -996,8 +1018,8 @@ __device__ __forceinline__ void promote_sub(float (&acc)[F][4], const float (&t)
 template <int T, int STAGES>
 __device__ __forceinline__ void image_produce(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
                                               const uint8_t* __restrict__ ximg, const float* __restrict__ sximg,
-                                              int e, int b, size_t img0, int blocks, int G, int KS, int NB, int K,
-                                              uint32_t ring0, uint32_t full0, uint32_t empty0) {
+                                              int e, int b, size_t img0, int count, int G, int KS, int NB,
+                                              int K, uint32_t ring0, uint32_t full0, uint32_t empty0) {
   using St = ImageStage<T>;
   constexpr uint32_t WBYTES = STEPS * THREADS * 8, SBYTES = ROWS * 8;
   constexpr uint32_t XS = 2 * WBYTES + 2 * SBYTES, SX = XS + T * GROUP_K;  // St's members
@@ -1007,21 +1029,23 @@ __device__ __forceinline__ void image_produce(const uint2* __restrict__ words, c
   int stage = 0;
   uint32_t phase = 0;  // bit s: the parity of stage s's next `empty` completion
   bool first = true;   // the ring's first round: nothing to wait for
-  for (int tb = blockIdx.y; tb < blocks; tb += gridDim.y) {
+  for (int tb = blockIdx.y; tb * T < count; tb += gridDim.y) {
     const size_t img = img0 + (size_t)tb * T;
+    const int valid = min(T, count - tb * T);  // the block's tokens: its octets, its octet pairs' scales
+    const uint32_t xbytes = ((valid + 7) >> 3) * IMAGE_OCTET_BYTES, sxbytes = ((valid + 15) >> 4) * 64;
     for (int gi = 0; gi < G; ++gi) {
       if (!first) {
         lab_gemm::mbar_wait(empty0 + 8 * stage, (phase >> stage) & 1u);
         phase ^= 1u << stage;
       }
       const uint32_t dst = ring0 + stage * (uint32_t)sizeof(St), bar = full0 + 8 * stage;
-      lab_gemm::mbar_arrive_expect_tx(bar, 2 * WBYTES + 2 * SBYTES + T * GROUP_K + 4 * T);
+      lab_gemm::mbar_arrive_expect_tx(bar, 2 * WBYTES + 2 * SBYTES + xbytes + sxbytes);
       lab_gemm::bulk_copy(dst, w0 + (size_t)gi * WBYTES, WBYTES, bar);
       lab_gemm::bulk_copy(dst + WBYTES, w0 + wstride + (size_t)gi * WBYTES, WBYTES, bar);
       lab_gemm::bulk_copy(dst + 2 * WBYTES, s0 + (size_t)gi * SBYTES, SBYTES, bar);
       lab_gemm::bulk_copy(dst + 2 * WBYTES + SBYTES, s0 + sstride + (size_t)gi * SBYTES, SBYTES, bar);
-      lab_gemm::bulk_copy(dst + XS, ximg + img * K + (size_t)gi * (T * GROUP_K), T * GROUP_K, bar);
-      lab_gemm::bulk_copy(dst + SX, sximg + img * G + (size_t)gi * T, 4 * T, bar);
+      lab_gemm::bulk_copy(dst + XS, ximg + img * K + (size_t)gi * (T * GROUP_K), xbytes, bar);
+      lab_gemm::bulk_copy(dst + SX, sximg + img * G + (size_t)gi * T, sxbytes, bar);
       if (++stage == STAGES) {
         stage = 0;
         first = false;
@@ -1082,7 +1106,7 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
   if (tid >= 2 * THREADS) {  // the producer warp: its lane 0 issues every copy
     if constexpr (AHEAD) lab_gemm::setmaxnreg_dec<IMAGE_PRODUCER_REGS>();
     if (tid == 2 * THREADS)
-      image_produce<T, STAGES>(words, scales, ximg, sximg, e, b, img0, blocks, G, KS, NB, K, ring0, full0, empty0);
+      image_produce<T, STAGES>(words, scales, ximg, sximg, e, b, img0, count, G, KS, NB, K, ring0, full0, empty0);
     return;
   }
 
@@ -1094,8 +1118,7 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
   // that each lookup's offset is one shift and one mask-or (it would mask tq again, knowing its bits)
   asm("mov.b32 %0, %1;" : "=r"(tq) : "r"(8 * (lane >> 1)));
   const float factor = ldexpf(alpha[e], p[e]);
-  // B of stage 0, step 0: halves 16 T bytes apart (LBO), token octets 128 (SBO); a step adds 32 T
-  const uint64_t desc0 = lab_gemm::smem_desc(ring0 + XS, 16 * T, 128);
+  const uint64_t desc0 = image_b_desc(ring0 + XS);  // B of stage 0 (image_b_offset: a step's, a batch's)
   float tmp[F][4];
   zero_frags(tmp);
   int stage = 0;
@@ -1137,10 +1160,10 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
       zero_frags(tb1);
       const int nsv = U < T ? (valid + U - 1) / U : 1;  // batches with tokens (>= 1)
       auto issue_sub = [&](const uint32_t(&a)[STEPS][4], int u, float(&t)[FU][4], int stg) {
-        const uint64_t desc = desc0 + stg * (uint32_t)(sizeof(St) / 16) + u * U;  // + U x 16 bytes
+        const uint64_t desc = desc0 + stg * (uint32_t)(sizeof(St) / 16) + image_b_offset<U>(0, u);
         lab_gemm::wgmma_fence();
 #pragma unroll
-        for (int s = 0; s < STEPS; ++s) WgmmaE4M3<FU>::run(t, a[s], desc + s * (T * 2), s);
+        for (int s = 0; s < STEPS; ++s) WgmmaE4M3<FU>::run(t, a[s], desc + image_b_offset<U>(s, 0), s);
         lab_gemm::wgmma_commit();
       };
       auto issue = [&](const uint32_t(&a)[STEPS][4]) {
@@ -1151,7 +1174,7 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
           const uint64_t desc = desc0 + stage * (uint32_t)(sizeof(St) / 16);
           lab_gemm::wgmma_fence();
 #pragma unroll
-          for (int s = 0; s < STEPS; ++s) WgmmaE4M3<F>::run(tmp, a[s], desc + s * (T * 2), s);
+          for (int s = 0; s < STEPS; ++s) WgmmaE4M3<F>::run(tmp, a[s], desc + image_b_offset<T>(s, 0), s);
           lab_gemm::wgmma_commit();
         }
       };
@@ -1237,7 +1260,7 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
       const uint64_t desc = desc0 + stage * (uint32_t)(sizeof(St) / 16);
       lab_gemm::wgmma_fence();
 #pragma unroll
-      for (int s = 0; s < STEPS; ++s) WgmmaE4M3<F>::run(tmp, a[s], desc + s * (T * 2), s);
+      for (int s = 0; s < STEPS; ++s) WgmmaE4M3<F>::run(tmp, a[s], desc + image_b_offset<T>(s, 0), s);
       lab_gemm::wgmma_commit();
       lab_gemm::wgmma_wait<0>();
       lab_gemm::fence_acc(tmp);

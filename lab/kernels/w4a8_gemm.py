@@ -258,6 +258,53 @@ def x_image_expression(tokens: int) -> str:
     return f"lab_w4a8::w4a8_x_image<{tokens}>"
 
 
+def sx_slot(j):
+    """Where token j of a block sits among a group's scales in the image (w4a8_gemm.cu sx_slot):
+    token octets in pairs, each thread's four scales of two octets side by side."""
+    j = np.asarray(j)
+    return 16 * (j >> 4) + 4 * ((j & 7) >> 1) + 2 * ((j >> 3) & 1) + (j & 1)
+
+
+def x_image_host(x8, s_x, offsets, tokens: int):
+    """The activation image the pre-pass writes (w4a8_gemm.cu w4a8_x_image), defined in NumPy: x8
+    (rows, K) uint8 and s_x (rows, K / 128) of rows grouped by `offsets` -> (x, sx, x_written,
+    sx_written), arrays shaped as W4A8Image's x and sx with zeros where nothing is written, and the
+    masks of the bytes and scales the pre-pass writes. Expert e's token block b starts at image row
+    offsets[e] + e T + b T and is read as one T x K byte run: group g at g T 128, token octet o of
+    it at o 1024, step s at s 256, half h at h 128, token j % 8 at 16 (j % 8); half 0 holds the
+    step's 4-byte words 0, 2, 4, 6, half 1 the odd ones (the tensor core's k order). Written: the
+    octets that hold any of the block's tokens (zeros past the count), and the scales at sx_slot
+    up to the next whole pair of octets (zeros past the count)."""
+    x8, s_x = np.asarray(x8, np.uint8), np.asarray(s_x, np.float32)
+    offsets = np.asarray(offsets, np.int64)
+    T, (rows, K) = int(tokens), x8.shape
+    G, E = K // GROUP_K, offsets.size - 1
+    n = image_rows(rows, E, T)
+    x, sx = np.zeros(n * K, np.uint8), np.zeros(n * G, np.float32)
+    xw, sxw = np.zeros(n * K, bool), np.zeros(n * G, bool)
+    steps = np.arange(K // 4).reshape(G, GROUP_K // STEP_K, 8)  # a step's eight 4-byte words of a row
+    halves = np.stack([steps[..., 0::2], steps[..., 1::2]], axis=2)  # [group][step][half][4 words]
+    for e in range(E):
+        r0, count = int(offsets[e]), int(offsets[e + 1] - offsets[e])
+        for b in range(-(-count // T)):
+            img, valid = r0 + e * T + b * T, min(T, count - b * T)
+            for j in range(-(-valid // 8) * 8):
+                row = x8[r0 + b * T + j].view(np.uint32) if j < valid else np.zeros(K // 4, np.uint32)
+                for g in range(G):
+                    for s in range(GROUP_K // STEP_K):
+                        for h in range(2):
+                            at = img * K + g * T * GROUP_K + (j >> 3) * 8 * GROUP_K + s * 8 * STEP_K + h * 128 \
+                                + (j & 7) * 16
+                            x[at: at + 16] = row[halves[g, s, h]].view(np.uint8)
+                            xw[at: at + 16] = True
+            for j in range(-(-valid // 16) * 16):
+                for g in range(G):
+                    at = img * G + g * T + int(sx_slot(j))
+                    sx[at] = s_x[r0 + b * T + j, g] if j < valid else 0.0
+                    sxw[at] = True
+    return x.reshape(n, K), sx.reshape(n, G), xw.reshape(n, K), sxw.reshape(n, G)
+
+
 def image_stage_bytes(tokens: int) -> int:
     """One stage of the activation-image kernel's ring (ImageStage<T>): both warpgroups' words and
     block scales (9 KiB), the group's T x 128 activation bytes and T scales, 128-byte aligned."""
