@@ -401,6 +401,34 @@ def test_the_image_kernels_consumers_copy_nothing_and_never_wait_for_each_other(
 
 
 @needs_nvcc
+@pytest.mark.parametrize("expr", wg.MULTICAST_EXPRESSIONS)
+def test_the_multicast_form_keeps_the_image_kernels_consumer_loop(expr):
+    """w4a8_gemm_image_mc: no spill, wgmma asynchronous, setmaxnreg honoured, and its consumers'
+    group loop the image kernel's (the same wgmmas, the same length within the few instructions by
+    which ptxas schedules two kernels differently: measured 357 / 429-435 / 629-632 against the
+    image kernel's at 64 / 128 / 192); its producer copies activations and scales with multicast bulk copies, and arrives on
+    and waits for the peer's barrier."""
+    if sass.nvdisasm_path() is None:
+        pytest.skip("reading SASS needs nvdisasm")
+    info = jit.ptxas_report(wg.GEMM_SOURCE, expr)
+    assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
+    assert not info.wgmma_serialized and not info.setmaxnreg_ignored, info
+    plain = expr.replace("w4a8_gemm_image_mc", "w4a8_gemm_image")
+    t = int(expr.split("<")[1].split(",")[0])
+    if t not in wg.IMAGE_BATCH_ISSUE:  # (the plain form's name drops its batch where it is the tile)
+        plain = plain.rsplit(",", 1)[0] + ">"
+    mc, one = sass.kernel_sass(wg.GEMM_SOURCE, expr), sass.kernel_sass(wg.GEMM_SOURCE, plain)
+    (lm,), (lo,) = sass.tensor_loops(mc), sass.tensor_loops(one)
+    loop_mc, loop_one = mc[lm[0]: lm[1] + 1], one[lo[0]: lo[1] + 1]
+    assert [i.opcode for i in loop_mc if "GMMA" in i.opcode] == [i.opcode for i in loop_one if "GMMA" in i.opcode]
+    assert not any(i.opcode.startswith(("UBLKCP", "BAR", "UCGABAR")) for i in loop_mc), "a copy or a barrier"
+    assert abs(len(loop_mc) - len(loop_one)) <= 8, (len(loop_mc), len(loop_one))  # (ptxas schedules each kernel anew)
+    ops = [i.opcode for i in mc]
+    assert sum(".MULTICAST" in o.upper() for o in ops) == 2, sorted(o for o in set(ops) if "BLK" in o)
+    assert not any(".MULTICAST" in o.upper() for o in (i.opcode for i in one))
+
+
+@needs_nvcc
 @pytest.mark.parametrize("tokens", wg.IMAGE_TILES)
 def test_the_image_kernels_decode_ahead_loop_holds_two_groups(tokens):
     """w4a8_gemm_image's `ahead` form: its loop takes two groups a trip (the A registers alternate),
@@ -1120,6 +1148,36 @@ def test_the_image_kernels_wgmma_batches_give_the_whole_tiles_bits(tokens, token
     with pytest.raises(ValueError, match="sub: the image kernel's wgmma batch is 0"):
         wg.w4a8_gemm(prep_d, cp.asarray(x8), cp.asarray(s_x), offsets, alpha, tokens=192, image=True, ahead=True,
                       sub=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", wg.IMAGE_AHEAD_TILES)
+@pytest.mark.parametrize("token_blocks", [None, 2])
+def test_the_multicast_image_kernel_gives_the_image_kernels_bits(tokens, token_blocks):
+    """w4a8_gemm_image_mc (clusters of two CTAs along N, each producer copying half of every group's
+    activation octets and scale pairs into both): the decode-ahead image kernel's bits at the same
+    tile, float32 and bf16 outputs, on experts of 1 token (one octet: rank 1 copies nothing), 0, 23,
+    9, 100 and 2T + 44 tokens, at grid heights 1 and 2 (the peers' phases carried across blocks),
+    K 512 and 2048, N 512 (two clusters a row of the grid); nothing written outside the output;
+    N not a multiple of 256 refused."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    for k in (512, 2048):
+        rng = np.random.default_rng(1300 + tokens + k)
+        prep, x8, s_x, offsets, alpha, ref, mag = make_problem(rng, [1, 0, 23, 9, 100, 2 * tokens + 44], 512, k)
+        prep_d = prep.to_device()
+        kw = dict(tokens=tokens, token_blocks=token_blocks, image=True, ahead=True)
+        one, _ = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, **kw)
+        got, guard = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, multicast=True, **kw)
+        assert np.isnan(guard).all()
+        assert_within_bound(got, ref, mag)
+        assert_bits_equal(f"K={k}", got.astype(np.float32), one.astype(np.float32))
+        check_bf16_output(cp, f"K={k}", got, prep_d, x8, s_x, offsets, alpha, multicast=True, **kw)
+    prep, x8, s_x, offsets, alpha, _, _ = make_problem(rng, [4, 9], 384, 512)
+    with pytest.raises(ValueError, match="multicast: the multicast form is the activation-image kernel"):
+        wg.w4a8_gemm(prep.to_device(), cp.asarray(x8), cp.asarray(s_x), offsets, alpha, tokens=64, image=True,
+                     ahead=True, multicast=True)
 
 
 @pytest.mark.gpu

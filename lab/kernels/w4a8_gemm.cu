@@ -1011,15 +1011,57 @@ __device__ __forceinline__ void promote_sub(float (&acc)[F][4], const float (&t)
                                              : *reinterpret_cast<const float4*>(sx + 8 * (FU * u + 2 * m) + 4 * c));
 }
 
+__device__ __forceinline__ uint32_t cluster_peer_addr(uint32_t local, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  return remote;
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// The multicast form's peer barriers (MC = 2): an arrival on the peer CTA's barrier at the same
+// offset (release, cluster scope), and a wait on one of this CTA's that the peer arrives on (acquire)
+__device__ __forceinline__ void mbar_arrive_peer(uint32_t bar, uint32_t peer) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(cluster_peer_addr(bar, peer))
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
+}
+// A 1-D bulk copy into the same offset of every CTA in `mask` (the cluster's ranks), each completing
+// `bytes` on its own barrier at bar's offset
+__device__ __forceinline__ void bulk_copy_multicast(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
+                                                    uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], %4;"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "h"(mask) : "memory");
+}
+
 // The image kernels' producer (one thread): per token block of this CTA and per group, once every
 // reader has released the stage (`empty`, from the ring's second round), six bulk copies into it
 // on its `full` barrier: both 64-row blocks' words and block scales, the group's activations and
 // their scales from the image. The split-roles kernel's producer is the same.
-template <int T, int STAGES>
+// MC = 2, the multicast form (a cluster of two CTAs along x: the same expert and token blocks, the
+// next 128 rows): each CTA's producer copies half of each group's activation octets and of their
+// scales' octet pairs into both CTAs (rank 0 the first ceil(n / 2), rank 1 the rest), so each
+// expert's activations cross from L2 once a pair of CTAs. A stage is then written by both
+// producers, so before reusing it a producer waits for its own consumers (`empty`), tells the peer
+// (an arrival on the peer's `pempty`), and waits for the peer's word on its own `pempty`.
+template <int T, int STAGES, int MC = 1>
 __device__ __forceinline__ void image_produce(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
                                               const uint8_t* __restrict__ ximg, const float* __restrict__ sximg,
                                               int e, int b, size_t img0, int count, int G, int KS, int NB,
-                                              int K, uint32_t ring0, uint32_t full0, uint32_t empty0) {
+                                              int K, uint32_t ring0, uint32_t full0, uint32_t empty0,
+                                              uint32_t pempty0 = 0) {
+  static_assert(MC == 1 || MC == 2, "alone, or a cluster of two");
   using St = ImageStage<T>;
   constexpr uint32_t WBYTES = STEPS * THREADS * 8, SBYTES = ROWS * 8;
   constexpr uint32_t XS = 2 * WBYTES + 2 * SBYTES, SX = XS + T * GROUP_K;  // St's members
@@ -1036,6 +1078,10 @@ __device__ __forceinline__ void image_produce(const uint2* __restrict__ words, c
     for (int gi = 0; gi < G; ++gi) {
       if (!first) {
         lab_gemm::mbar_wait(empty0 + 8 * stage, (phase >> stage) & 1u);
+        if constexpr (MC > 1) {
+          mbar_arrive_peer(pempty0 + 8 * stage, cluster_rank() ^ 1u);
+          mbar_wait_cluster(pempty0 + 8 * stage, (phase >> stage) & 1u);
+        }
         phase ^= 1u << stage;
       }
       const uint32_t dst = ring0 + stage * (uint32_t)sizeof(St), bar = full0 + 8 * stage;
@@ -1044,8 +1090,20 @@ __device__ __forceinline__ void image_produce(const uint2* __restrict__ words, c
       lab_gemm::bulk_copy(dst + WBYTES, w0 + wstride + (size_t)gi * WBYTES, WBYTES, bar);
       lab_gemm::bulk_copy(dst + 2 * WBYTES, s0 + (size_t)gi * SBYTES, SBYTES, bar);
       lab_gemm::bulk_copy(dst + 2 * WBYTES + SBYTES, s0 + sstride + (size_t)gi * SBYTES, SBYTES, bar);
-      lab_gemm::bulk_copy(dst + XS, ximg + img * K + (size_t)gi * (T * GROUP_K), xbytes, bar);
-      lab_gemm::bulk_copy(dst + SX, sximg + img * G + (size_t)gi * T, sxbytes, bar);
+      if constexpr (MC > 1) {  // this rank's octets and octet pairs, into both CTAs
+        const uint8_t* const xsrc = ximg + img * K + (size_t)gi * (T * GROUP_K);
+        const float* const sxsrc = sximg + img * G + (size_t)gi * T;
+        const uint32_t rank = cluster_rank(), nx = xbytes / IMAGE_OCTET_BYTES, ns = sxbytes / 64;
+        const uint32_t x0 = rank ? (nx + 1) / 2 : 0, x1 = rank ? nx : (nx + 1) / 2;
+        const uint32_t p0 = rank ? (ns + 1) / 2 : 0, p1 = rank ? ns : (ns + 1) / 2;
+        if (x1 > x0)
+          bulk_copy_multicast(dst + XS + x0 * IMAGE_OCTET_BYTES, xsrc + x0 * IMAGE_OCTET_BYTES,
+                              (x1 - x0) * IMAGE_OCTET_BYTES, bar, 3);
+        if (p1 > p0) bulk_copy_multicast(dst + SX + 64 * p0, sxsrc + 16 * p0, 64 * (p1 - p0), bar, 3);
+      } else {
+        lab_gemm::bulk_copy(dst + XS, ximg + img * K + (size_t)gi * (T * GROUP_K), xbytes, bar);
+        lab_gemm::bulk_copy(dst + SX, sximg + img * G + (size_t)gi * T, sxbytes, bar);
+      }
       if (++stage == STAGES) {
         stage = 0;
         first = false;
@@ -1056,8 +1114,9 @@ __device__ __forceinline__ void image_produce(const uint2* __restrict__ words, c
 
 // The image kernels' body, their epilogue aside: Epi::setup(tid) runs with the CTA's barrier
 // setup (before its one CTA-wide barrier), Epi::start() once after it, Epi::store per token block
-// (as gemm_body's epilogues), Epi::finish() once a consumer thread is done.
-template <int T, int STAGES, bool AHEAD, class Epi, int U = T>
+// (as gemm_body's epilogues), Epi::finish() once a consumer thread is done. MC = 2: the multicast
+// form (image_produce), a cluster of two along x; its `pempty` barriers follow the ring.
+template <int T, int STAGES, bool AHEAD, class Epi, int U = T, int MC = 1>
 __device__ __forceinline__ void image_body(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
                                            const uint2* __restrict__ tables, const int* __restrict__ table_of,
                                            const int* __restrict__ p, const float* __restrict__ alpha,
@@ -1093,10 +1152,12 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
     for (int s = 0; s < STAGES; ++s) {
       lab_gemm::mbar_init(full0 + 8 * s, 1);
       lab_gemm::mbar_init(empty0 + 8 * s, 2 * THREADS);  // every consumer thread arrives
+      if constexpr (MC > 1) lab_gemm::mbar_init(lab_gemm::smem_addr(ring + STAGES) + 8 * s, 1);  // the peer's producer
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();  // the table and the barriers; the last CTA-wide barrier
+  if constexpr (MC > 1) cluster_sync();  // the peer's barriers too, before any copy or arrival reaches them
   epi.start();
 
   constexpr uint32_t WBYTES = STEPS * THREADS * 8, SBYTES = ROWS * 8;
@@ -1106,7 +1167,12 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
   if (tid >= 2 * THREADS) {  // the producer warp: its lane 0 issues every copy
     if constexpr (AHEAD) lab_gemm::setmaxnreg_dec<IMAGE_PRODUCER_REGS>();
     if (tid == 2 * THREADS)
-      image_produce<T, STAGES>(words, scales, ximg, sximg, e, b, img0, count, G, KS, NB, K, ring0, full0, empty0);
+      image_produce<T, STAGES, MC>(words, scales, ximg, sximg, e, b, img0, count, G, KS, NB, K, ring0, full0, empty0,
+                                   ring0 + STAGES * (uint32_t)sizeof(St));
+    if constexpr (MC > 1) {  // its arrivals on the peer's barriers, before the peer may leave
+      __syncwarp();
+      cluster_sync();
+    }
     return;
   }
 
@@ -1278,6 +1344,7 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
       epi.template store<true>(acc, tmp, factor, row0, valid, bw, warp, g, c, e, G, sximg);
   }
   epi.finish();
+  if constexpr (MC > 1) cluster_sync();  // no CTA leaves while its peer's copies or arrivals may reach it
 }
 
 // An epilogue of gemm_body's kind with the image body's hooks (none of them does anything)
@@ -1314,6 +1381,25 @@ __global__ void __launch_bounds__(AHEAD ? IMAGE_AHEAD_THREADS : IMAGE_THREADS, 1
   }
 }
 
+// The multicast form (MC = 2): w4a8_gemm_image's kernel in clusters of two CTAs along x (N % 256 == 0)
+template <int T, int STAGES = ImageStages<T>::value, bool AHEAD = false, bool BF16 = false, int U = T>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(AHEAD ? IMAGE_AHEAD_THREADS : IMAGE_THREADS, 1)
+    w4a8_gemm_image_mc(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
+                       const uint2* __restrict__ tables, const int* __restrict__ table_of, const int* __restrict__ p,
+                       const float* __restrict__ alpha, const uint8_t* __restrict__ ximg,
+                       const float* __restrict__ sximg, const int* __restrict__ offsets, void* __restrict__ out, int N,
+                       int K, uint32_t* __restrict__ nonfinite) {
+  if constexpr (BF16) {
+    ImageEpiBf16<T> epi{{static_cast<uint16_t*>(out), N, 0u}, nonfinite};
+    image_body<T, STAGES, AHEAD, decltype(epi), U, 2>(words, scales, tables, table_of, p, alpha, ximg, sximg, offsets, N,
+                                                      K, epi);
+  } else {
+    ImageEpi<StoreOut<T>> epi{{static_cast<float*>(out), N}};
+    image_body<T, STAGES, AHEAD, decltype(epi), U, 2>(words, scales, tables, table_of, p, alpha, ximg, sximg, offsets, N,
+                                                      K, epi);
+  }
+}
+
 #include "w4a8_split.inc"
 
 // The SwiGLU + quantize epilogue on the image kernel (w4a8-fused's w13 at large batches): as
@@ -1326,16 +1412,6 @@ __global__ void __launch_bounds__(AHEAD ? IMAGE_AHEAD_THREADS : IMAGE_THREADS, 1
 // scope); every consumer thread then waits on its own `xbar` (acquire, cluster scope) and takes
 // the larger of the two. Both by token-block parity: a CTA writes its peer's buffer b again only
 // after the peer has sent it the next block's maximum, which the peer does after reading b.
-__device__ __forceinline__ uint32_t cluster_peer_addr(uint32_t local, uint32_t rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  return remote;
-}
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
 
 template <int T>
 struct ImageSwiglu {

@@ -222,7 +222,7 @@ def image_sub(tokens: int, sub: int | None) -> int:
 
 
 def image_expression(tokens: int, stages: int | None = None, ahead: bool = False, bf16: bool = False,
-                     sub: int | None = None) -> str:
+                     sub: int | None = None, multicast: bool = False) -> str:
     """The two-warpgroup CTA fed by bulk copies from an activation image, a producer warp and
     consumer warpgroups that never wait for each other (w4a8_gemm.cu w4a8_gemm_image;
     GemmPlan.image); `stages` sets its ring's depth (2 .. 8; None: IMAGE_STAGES), for the depth
@@ -230,7 +230,9 @@ def image_expression(tokens: int, stages: int | None = None, ahead: bool = False
     producer warpgroup whose registers go to the consumers); `bf16` the form whose epilogue writes
     the output as bf16 bits (GemmPlan.bf16_out); `sub` the decode-ahead form whose group issues its
     wgmmas in batches of IMAGE_SUB tokens into two buffers in turn (GemmPlan.sub; image_sub: the
-    192-token tile's only form)."""
+    192-token tile's only form); `multicast` the same kernel in clusters of two CTAs along N whose
+    producers each copy half of every group's activations into both (w4a8_gemm_image_mc;
+    GemmPlan.multicast)."""
     tiles = IMAGE_AHEAD_TILES if ahead else IMAGE_TILES
     if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens not in tiles:
         raise ValueError(f"tokens: the activation-image kernel takes a token tile of {tiles}"
@@ -241,6 +243,10 @@ def image_expression(tokens: int, stages: int | None = None, ahead: bool = False
     if stages is not None and (isinstance(stages, bool) or not (isinstance(stages, (int, np.integer))
                                                                  and 2 <= stages <= 8)):
         raise ValueError(f"stages: expected an int from 2 to 8 for the activation-image kernel, got {stages!r}")
+    if multicast:
+        depth = IMAGE_STAGES if stages is None else int(stages)
+        return (f"lab_w4a8::w4a8_gemm_image_mc<{tokens}, {depth}, {str(bool(ahead)).lower()}, "
+                f"{str(bool(bf16)).lower()}, {sub or tokens}>")
     if sub:
         depth = IMAGE_STAGES if stages is None else int(stages)
         return f"lab_w4a8::w4a8_gemm_image<{tokens}, {depth}, true, {str(bool(bf16)).lower()}, {sub}>"
@@ -312,9 +318,11 @@ def image_stage_bytes(tokens: int) -> int:
     return -(-raw // 128) * 128
 
 
-def image_smem_bytes(tokens: int, stages: int | None = None) -> int:
-    """The dynamic shared memory of an activation-image launch: its ring."""
-    return (IMAGE_STAGES if stages is None else int(stages)) * image_stage_bytes(tokens)
+def image_smem_bytes(tokens: int, stages: int | None = None, multicast: bool = False) -> int:
+    """The dynamic shared memory of an activation-image launch: its ring (and in the multicast
+    form a barrier a stage after it, the peer producer's word that the stage is free)."""
+    depth = IMAGE_STAGES if stages is None else int(stages)
+    return depth * image_stage_bytes(tokens) + (8 * depth if multicast else 0)
 
 
 SPLIT_TILES = (128, 192)  # the split-roles kernel's tiles (wgmma batches of IMAGE_SUB tokens)
@@ -338,6 +346,10 @@ def split_smem_bytes(tokens: int) -> int:
 
 
 SPLIT_EXPRESSIONS = tuple(split_expression(t, b) for b in (False, True) for t in SPLIT_TILES)
+# The multicast form's instantiations (the decode-ahead kernel at each default tile, float32 and
+# bf16 output): on request only, each compiled in a module of its own when launched
+MULTICAST_EXPRESSIONS = tuple(image_expression(t, ahead=True, bf16=b, multicast=True) for b in (False, True)
+                              for t in IMAGE_AHEAD_TILES)
 
 IMAGE_EXPRESSIONS = (tuple(image_expression(t, ahead=a, bf16=b) for b in (False, True) for a in (False, True)
                            for t in IMAGE_TILES)
@@ -825,6 +837,7 @@ class GemmPlan:
     bf16_out: bool = False  # (image) the output written as bf16 bits (uint16) by the epilogue
     sub: int = 0  # (image, ahead) each group's wgmmas in batches of this many tokens (0: the whole tile)
     split: bool = False  # (image) the split-roles CTA: a decoder warpgroup, A from shared memory (w4a8_gemm_split)
+    multicast: bool = False  # (image) clusters of two CTAs along N sharing each group's activation copies
 
 
 def gemm_plan(offsets, tokens: int | None = None, token_blocks: int | None = None, warpgroups: int = 1) -> GemmPlan:
@@ -890,7 +903,10 @@ def _check_image(plan: GemmPlan, prep: W4A8Weights, x8, image) -> None:
             raise ValueError("plan: the split-roles kernel has its own batches and ring (no `ahead`, `sub` or `stages`)")
         split_expression(plan.tokens, plan.bf16_out)
     else:
-        image_expression(plan.tokens, plan.stages, plan.ahead, plan.bf16_out, plan.sub)
+        image_expression(plan.tokens, plan.stages, plan.ahead, plan.bf16_out, plan.sub, plan.multicast)
+    if plan.multicast and (plan.split or prep.n % (4 * ROWS)):
+        raise ValueError(f"plan: the multicast form is the image kernel (not split-roles) in clusters of two 128-row "
+                         f"CTAs: N a multiple of {4 * ROWS}, got N={prep.n}{' and split' if plan.split else ''}")
     if prep.n % (2 * ROWS) or prep.k % IMAGE_K:
         raise ValueError(f"plan: the activation-image kernel takes N a multiple of {2 * ROWS} and K a multiple of "
                          f"{IMAGE_K}, got N={prep.n}, K={prep.k}")
@@ -920,7 +936,8 @@ def _launch_image(fn, plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, image
     """An image kernel's launch (plain or fused): its ring's shared memory, the pre-pass unless
     the caller wrote the image, then the grid (128-row blocks of N, token blocks, experts) of
     288 threads, 384 for the decode-ahead form's producer warpgroup, or SPLIT_THREADS."""
-    smem = split_smem_bytes(plan.tokens) if plan.split else image_smem_bytes(plan.tokens, plan.stages)
+    smem = (split_smem_bytes(plan.tokens) if plan.split
+            else image_smem_bytes(plan.tokens, plan.stages, plan.multicast))
     if fn.max_dynamic_shared_size_bytes < smem:
         fn.max_dynamic_shared_size_bytes = smem
     if write_image:
@@ -957,9 +974,9 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
     non-finite values it wrote to `nonfinite` ((1,) uint32)."""
     if plan.image:
         _check_image(plan, prep, x8, image)
-    elif plan.ahead or plan.bf16_out or plan.sub or plan.split:
-        raise ValueError("plan: `ahead`, `bf16_out`, `sub` and `split` are forms of the activation-image kernel "
-                         "(GemmPlan.image)")
+    elif plan.ahead or plan.bf16_out or plan.sub or plan.split or plan.multicast:
+        raise ValueError("plan: `ahead`, `bf16_out`, `sub`, `split` and `multicast` are forms of the activation-image "
+                         "kernel (GemmPlan.image)")
     if plan.bf16_out:
         _check_bf16_out(prep, x8, out, nonfinite)
     if plan.token_blocks == 0:
@@ -970,7 +987,8 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
             fn = _kernel(GEMM_SOURCE, SPLIT_EXPRESSIONS, split_expression(plan.tokens, plan.bf16_out))
         else:
             fn = _shipped_or_study(IMAGE_EXPRESSIONS, plan.stages,
-                                   lambda s: image_expression(plan.tokens, s, plan.ahead, plan.bf16_out, plan.sub))
+                                   lambda s: image_expression(plan.tokens, s, plan.ahead, plan.bf16_out, plan.sub,
+                                                              plan.multicast))
         _launch_image(fn, plan, prep, x8, s_x, offsets, image, stream, write_image,
                       (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, image.x, image.sx, offsets,
                        out, np.int32(prep.n), np.int32(prep.k), nonfinite if plan.bf16_out else np.uint64(0)))
@@ -1013,7 +1031,8 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
 def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None, tokens: int | None = None,
               token_blocks: int | None = None, promote: bool = True, warpgroups: int | None = None,
               smem_a: bool = False, resident: bool = False, image: bool = False, ahead: bool = False,
-              bf16_out: bool = False, nonfinite=None, sub: int | None = None, split: bool = False):
+              bf16_out: bool = False, nonfinite=None, sub: int | None = None, split: bool = False,
+              multicast: bool = False):
     """Launch the W4A8 grouped GEMM on `stream` (a CuPy stream, None for the current one) and
     return `out` (allocated on that stream when None). `tokens` forces the token tile (one of
     TOKEN_TILES); by default token_tile's (the one that issues least over the experts' blocks).
@@ -1036,7 +1055,13 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
     allocated, zero, when None). `sub` (image, ahead)
     issues each group's wgmmas in batches of IMAGE_SUB tokens (image_sub; tokens=192 takes that form
     only). `split` (image) runs the split-roles CTA (w4a8_gemm_split: a decoder warpgroup writes the
-    weights into shared memory; a tile of SPLIT_TILES, 192 by default; the same bits)."""
+    weights into shared memory; a tile of SPLIT_TILES, 192 by default; the same bits). `multicast`
+    (image, not split) runs clusters of two CTAs along N that copy each group's activations once a
+    pair (w4a8_gemm_image_mc; N % 256 == 0; the same bits)."""
+    if multicast and (not image or split or prep.n % (4 * ROWS)):
+        raise ValueError(f"multicast: the multicast form is the activation-image kernel (image=True, not split) in "
+                         f"clusters of two 128-row CTAs, N a multiple of {4 * ROWS}; got image={image}, split={split}, "
+                         f"N={prep.n}")
     if split and (not image or ahead or sub is not None):
         raise ValueError("split: the split-roles kernel is a form of the activation-image kernel (image=True), "
                          "with its own batches (no ahead, no sub)")
@@ -1085,7 +1110,7 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
                   else plan.token_blocks)
         plan = replace(plan, tokens=int(tokens), token_blocks=blocks if plan.token_blocks else 0, image=True,
                        ahead=bool(ahead), bf16_out=bool(bf16_out), sub=0 if split else image_sub(tokens, sub),
-                       split=bool(split))
+                       split=bool(split), multicast=bool(multicast))
     if smem_a:
         ss_expression(plan.tokens)  # names the tile it lacks
         plan = replace(plan, smem_a=True)
@@ -1292,6 +1317,8 @@ def launch_w4a8_gemm_swiglu(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets,
     does (unless `write_image` is False)."""
     if plan.image:
         _check_image(plan, prep, x8, image)
+        if plan.multicast:
+            raise ValueError("plan: the fused image kernel has no multicast form (its cluster exchanges maxima)")
     if plan.token_blocks == 0:
         return
     if plan.image:
