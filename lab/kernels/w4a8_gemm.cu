@@ -1481,16 +1481,7 @@ struct ImageSwiglu {
       asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
     }
     lab_gemm::named_bar_sync<1, 2 * THREADS>();  // `mine` written; `part` read (free for the next block)
-    {
-      const uint32_t bar = lab_gemm::smem_addr(&xbar[buf]), parity = (k >> 1) & 1u;
-      uint32_t done;
-      do {
-        asm volatile(
-            "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-            " selp.u32 %0, 1, 0, p;\n}"
-            : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-      } while (!done);
-    }
+    mbar_wait_cluster(lab_gemm::smem_addr(&xbar[buf]), (k >> 1) & 1u);
     // Each token's scale and inverse once, by its owner thread, for the 64 threads that hold its
     // values (a round-to-nearest division is ~15 instructions: 32 a thread a block otherwise)
     const int G = I / 128, gi = b / CLUSTER;
