@@ -1365,6 +1365,26 @@ struct ImageEpiBf16 : StoreBf16<T> {
   }
 };
 
+// The plain image kernel's output (float32, or bf16 bits with the non-finite count) around image_body,
+// alone (MC = 1) or in the multicast form's cluster (MC = 2)
+template <int T, int STAGES, bool AHEAD, bool BF16, int U, int MC>
+__device__ __forceinline__ void image_kernel(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
+                                             const uint2* __restrict__ tables, const int* __restrict__ table_of,
+                                             const int* __restrict__ p, const float* __restrict__ alpha,
+                                             const uint8_t* __restrict__ ximg, const float* __restrict__ sximg,
+                                             const int* __restrict__ offsets, void* __restrict__ out, int N, int K,
+                                             uint32_t* __restrict__ nonfinite) {
+  if constexpr (BF16) {
+    ImageEpiBf16<T> epi{{static_cast<uint16_t*>(out), N, 0u}, nonfinite};
+    image_body<T, STAGES, AHEAD, decltype(epi), U, MC>(words, scales, tables, table_of, p, alpha, ximg, sximg, offsets,
+                                                       N, K, epi);
+  } else {
+    ImageEpi<StoreOut<T>> epi{{static_cast<float*>(out), N}};
+    image_body<T, STAGES, AHEAD, decltype(epi), U, MC>(words, scales, tables, table_of, p, alpha, ximg, sximg, offsets,
+                                                       N, K, epi);
+  }
+}
+
 template <int T, int STAGES = ImageStages<T>::value, bool AHEAD = false, bool BF16 = false, int U = T>
 __global__ void __launch_bounds__(AHEAD ? IMAGE_AHEAD_THREADS : IMAGE_THREADS, 1)
     w4a8_gemm_image(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
@@ -1372,13 +1392,8 @@ __global__ void __launch_bounds__(AHEAD ? IMAGE_AHEAD_THREADS : IMAGE_THREADS, 1
                     const float* __restrict__ alpha, const uint8_t* __restrict__ ximg,
                     const float* __restrict__ sximg, const int* __restrict__ offsets, void* __restrict__ out, int N,
                     int K, uint32_t* __restrict__ nonfinite) {
-  if constexpr (BF16) {
-    ImageEpiBf16<T> epi{{static_cast<uint16_t*>(out), N, 0u}, nonfinite};
-    image_body<T, STAGES, AHEAD, decltype(epi), U>(words, scales, tables, table_of, p, alpha, ximg, sximg, offsets, N, K, epi);
-  } else {
-    ImageEpi<StoreOut<T>> epi{{static_cast<float*>(out), N}};
-    image_body<T, STAGES, AHEAD, decltype(epi), U>(words, scales, tables, table_of, p, alpha, ximg, sximg, offsets, N, K, epi);
-  }
+  image_kernel<T, STAGES, AHEAD, BF16, U, 1>(words, scales, tables, table_of, p, alpha, ximg, sximg, offsets, out, N, K,
+                                            nonfinite);
 }
 
 // The multicast form (MC = 2): w4a8_gemm_image's kernel in clusters of two CTAs along x (N % 256 == 0)
@@ -1389,15 +1404,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(AHEAD ? IMAGE_AHEAD_
                        const float* __restrict__ alpha, const uint8_t* __restrict__ ximg,
                        const float* __restrict__ sximg, const int* __restrict__ offsets, void* __restrict__ out, int N,
                        int K, uint32_t* __restrict__ nonfinite) {
-  if constexpr (BF16) {
-    ImageEpiBf16<T> epi{{static_cast<uint16_t*>(out), N, 0u}, nonfinite};
-    image_body<T, STAGES, AHEAD, decltype(epi), U, 2>(words, scales, tables, table_of, p, alpha, ximg, sximg, offsets, N,
-                                                      K, epi);
-  } else {
-    ImageEpi<StoreOut<T>> epi{{static_cast<float*>(out), N}};
-    image_body<T, STAGES, AHEAD, decltype(epi), U, 2>(words, scales, tables, table_of, p, alpha, ximg, sximg, offsets, N,
-                                                      K, epi);
-  }
+  image_kernel<T, STAGES, AHEAD, BF16, U, 2>(words, scales, tables, table_of, p, alpha, ximg, sximg, offsets, out, N, K,
+                                            nonfinite);
 }
 
 #include "w4a8_split.inc"
