@@ -14,8 +14,16 @@ it, over the SM's four schedulers), a floor to set against the measured cycles p
 `--act fp8` reads the W4A8 GEMM instead (lab/kernels/w4a8_gemm.cu): for each token tile (or
 `--tokens`), its one-warpgroup, two-warpgroup and fused instantiations' group loop (one trip is
 one 128-column group: the loader's copies, the decode of the warpgroup's 64 rows, four fp8 wgmmas,
-the promotion), by class, and the issue time of one group on one scheduler (the trip's
-instructions times the CTA's warpgroups: each scheduler hosts one warp of each).
+the promotion), and from 64 tokens the activation-image kernels' (plain, decode-ahead with two
+groups a trip, the 192-token tile in wgmma batches, the fused image kernel), by class. A loop with
+branches has several paths through a trip (sass.loop_paths); each row is one steady path, the
+longest of those with the same wgmmas (sass.steady_paths: every group on it decodes): at 192
+tokens a group of two batches (a block of at most 128 tokens) and one of three. Per group on that path: the
+instructions a warp issues, its wgmmas' tensor cycles (sass.tensor_cycles: the warp's share of
+the work at the dense fp8 rate), their ratio (issue a tensor cycle: above 1 the issue alone keeps
+the tensor core below full; below 1, the share of issue slots a full tensor core asks of each
+scheduler, the same for every warp it hosts), and the issue time of one group on one scheduler
+(instructions times the CTA's warpgroups: each scheduler hosts one warp of each).
 
 With several `--tree NAME=DIR` (each laid out as lab/kernels) the same tiles are compiled from
 each tree, side by side: whether an edit moved the hot loop, before a same-process A/B on the GPU
@@ -25,6 +33,7 @@ kernels (unpacked by its first line into /tmp/base) beside the working tree's ed
     python scripts/sass_mix.py                                     # the heuristic's tiles at 8-512 tokens
     python scripts/sass_mix.py --config 8,2,128,4,1,0,8,1 --tokens 32 40
     python scripts/sass_mix.py --act fp8 --tokens 32 64
+    python scripts/sass_mix.py --act fp8 --tokens 128 192          # the image kernels at large batches
     mkdir -p /tmp/base && git archive HEAD lab/kernels | tar -x -C /tmp/base
     python scripts/sass_mix.py --tree base=/tmp/base/lab/kernels --tree work=lab/kernels --json mix.json
 """
@@ -93,35 +102,64 @@ def rows_for(cfg: gc.GemmConfig, tree_name: str, tree: Path, tokens: set[int] | 
     return rows
 
 
+def fp8_forms(t: int) -> list[tuple[str, str, int, int]]:
+    """The W4A8 instantiations of token tile t that sass_mix reads: (kernel, expression,
+    warpgroups, groups a trip of its group loop)."""
+    from lab.kernels import w4a8_gemm as wg
+
+    forms = []
+    if t in wg.TOKEN_TILES:
+        forms += [("w4a8", wg.gemm_expression(t), 1, 1), ("w4a8 wide", wg.wide_expression(t), 2, 1)]
+    if t in wg.FUSED_WIDE_TILES:
+        forms += [("w4a8-fused", wg.swiglu_expression(t), 1, 1), ("w4a8-fused wide", wg.swiglu_wide_expression(t), 2, 1)]
+    if t in wg.IMAGE_TILES:
+        forms += [("w4a8 image", wg.image_expression(t), 2, 1)]
+    if t in wg.IMAGE_AHEAD_TILES:
+        forms += [("w4a8 image ahead", wg.image_expression(t, ahead=True), 2, 2)]
+    if t in wg.IMAGE_TILES:
+        if t != 128:  # (the plain fused form spills at 128 and is not built)
+            forms += [("w4a8-fused image", wg.image_swiglu_expression(t), 2, 1)]
+        forms += [("w4a8-fused image ahead", wg.image_swiglu_expression(t, True), 2, 2)]
+    return forms
+
+
 def fp8_rows(tree_name: str, tree: Path, tokens) -> list[dict]:
-    """One row per W4A8 instantiation (one and two warpgroups, fused) of each tile in `tokens`:
-    its group loop's instructions by class, and the issue cycles of one group on one scheduler."""
+    """One row per steady path of each W4A8 instantiation's group loop (fp8_forms) for each tile in
+    `tokens`: per group on it, the instructions, wgmmas, tensor cycles, issue a tensor cycle and
+    issue cycles on one scheduler, and the whole loop's instructions by class."""
     from lab.kernels import w4a8_gemm as wg
 
     rows = []
     for t in tokens:
-        forms = [("w4a8", wg.gemm_expression(t), 1), ("w4a8 wide", wg.wide_expression(t), 2)]
-        if t in wg.FUSED_WIDE_TILES:
-            forms += [("w4a8-fused", wg.swiglu_expression(t), 1), ("w4a8-fused wide", wg.swiglu_wide_expression(t), 2)]
-        for kernel, expression, warpgroups in forms:
+        for kernel, expression, warpgroups, groups in fp8_forms(t):
             code = sass.kernel_sass(wg.GEMM_SOURCE, expression, tree)
             loops = sass.tensor_loops(code)
             if len(loops) != 1:
                 raise RuntimeError(f"{expression}: expected one group loop holding the wgmmas, found {len(loops)}")
             mix = sass.loop_mix(code, loops[0])
-            rows.append({"tree": tree_name, "kernel": kernel, "expression": expression, "tokens": t,
-                         "warpgroups": warpgroups, "loop_at": hex(mix.first), "tensor_ops": list(mix.tensor_ops),
-                         "instructions": mix.instructions, "counts": mix.counts, "opcodes": mix.opcodes,
-                         "issue_cycles_per_group": mix.instructions * warpgroups})
+            for path in sass.steady_paths(sass.loop_paths(code, loops[0]), groups):
+                per_group = path.instructions / groups
+                rows.append({"tree": tree_name, "kernel": kernel, "expression": expression, "tokens": t,
+                             "warpgroups": warpgroups, "loop_at": hex(mix.first), "tensor_ops": list(mix.tensor_ops),
+                             "loop_instructions": mix.instructions, "counts": mix.counts, "opcodes": mix.opcodes,
+                             "groups_a_trip": groups, "wgmma_a_group": path.tensor_ops // groups,
+                             "instructions_a_group": per_group, "tensor_cycles_a_group": path.tensor_cycles / groups,
+                             "issue_a_tensor_cycle": round(path.issue_per_tensor_cycle, 4),
+                             "issue_cycles_per_group": per_group * warpgroups})
     return rows
 
 
 def print_fp8(rows: list[dict]) -> None:
-    print(tabulate([[r["kernel"], r["tree"], r["tokens"], r["instructions"],
-                     *(r["counts"].get(c, 0) for c in (*CLASS_COLUMNS, "fp32", "global")), r["issue_cycles_per_group"]]
+    print(tabulate([[r["kernel"], r["tree"], r["tokens"], r["wgmma_a_group"], f"{r['instructions_a_group']:g}",
+                     f"{r['tensor_cycles_a_group']:g}", f"{r['issue_a_tensor_cycle']:.3f}", r["loop_instructions"],
+                     *(r["counts"].get(c, 0) for c in (*CLASS_COLUMNS, "fp32", "global")),
+                     f"{r['issue_cycles_per_group']:g}"]
                     for r in rows],
-                   headers=["kernel", "tree", "T", "instr / group", *CLASS_COLUMNS, "fp32", "global",
+                   headers=["kernel", "tree", "T", "wgmma / group", "instr / group", "tensor cycles / group",
+                            "issue / tensor cycle", "loop instr", *CLASS_COLUMNS, "fp32", "global",
                             "issue cycles / group / scheduler"], tablefmt="github"))
+    print("\nPer group on each steady path (the longest with its wgmmas); loop instr and the classes: the "
+          "whole loop, every path once.")
 
 
 def main(argv=None) -> int:
@@ -132,7 +170,7 @@ def main(argv=None) -> int:
                     help=CONFIG_HELP + "; given, only these tiles")
     ap.add_argument("--act", choices=(*gc.ACTS, "fp8"), default="nvfp4",
                     help="the activations of --config tiles; fp8: the W4A8 GEMM's instantiations instead (no --config)")
-    ap.add_argument("--tokens", type=int, nargs="+", help="only the loops of these wgmma N (8 x fragments)")
+    ap.add_argument("--tokens", type=int, nargs="+", help="only the loops of these wgmma N (8 x fragments); with --act fp8, these W4A8 token tiles")
     ap.add_argument("--tree", type=jit.parse_tree, action="append", default=[],
                     help="NAME=DIR: compile from this kernel tree (repeatable; default: lab/kernels)")
     ap.add_argument("--prepass", action="store_true",
@@ -151,13 +189,14 @@ def main(argv=None) -> int:
 
         if args.config:
             ap.error("--config: the W4A4/W4A16 GEMM's tiles; --act fp8 reads the W4A8 kernel's (--tokens picks them)")
-        bad = [t for t in args.tokens or [] if t not in wg.TOKEN_TILES]
+        tiles = tuple(sorted(set(wg.TOKEN_TILES) | set(wg.IMAGE_AHEAD_TILES)))
+        bad = [t for t in args.tokens or [] if t not in tiles]
         if bad:
-            ap.error(f"--tokens: the W4A8 tiles are {wg.TOKEN_TILES}, got {bad}")
+            ap.error(f"--tokens: the W4A8 tiles are {tiles}, got {bad}")
         rows = []
         for name, tree in trees:
             try:
-                rows += fp8_rows(name, tree, args.tokens or wg.TOKEN_TILES)
+                rows += fp8_rows(name, tree, args.tokens or tiles)
             except (ValueError, RuntimeError) as e:
                 print(f"W4A8 ({name}): {str(e).splitlines()[0]}", file=sys.stderr)
                 return 1

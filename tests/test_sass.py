@@ -89,6 +89,84 @@ def test_an_unresolved_label_leaves_no_target():
     assert all(x.target is None for x in k if x.offset in (0x20, 0xF0))
 
 
+# A loop with forks (decode skipped past the last group, a third batch or not), a barrier wait's
+# out-of-line retry, the loop's exit and its back edge, for loop_paths.
+FORKS = """
+\t.section\t.text._Z1fv,"ax",@progbits
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R12+URZ], R5 ;
+        /*0020*/              @!P0 BRA `(.L_x_9) ;
+        /*0030*/               @P1 BRA `(.L_x_2) ;
+        /*0040*/                   LDS.64 R2, [R3] ;
+        /*0050*/                   PRMT R4, R2, R5, R6 ;
+.L_x_2:
+        /*0060*/                   QGMMA.64x64x32.F32.E4M3.E4M3 R24, R4, gdesc[UR4], R24 ;
+        /*0070*/               @P2 BRA `(.L_x_3) ;
+        /*0080*/                   QGMMA.64x64x32.F32.E4M3.E4M3 R56, R4, gdesc[UR8], R56 ;
+        /*0090*/                   BRA `(.L_x_4) ;
+.L_x_3:
+        /*00a0*/                   FFMA R1, R2, R3, R1 ;
+.L_x_4:
+        /*00b0*/                   SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR14], RZ ;
+        /*00c0*/               @P3 BRA `(.L_x_5) ;
+        /*00d0*/              @!P4 BRA `(.L_x_0) ;
+.L_x_5:
+        /*00e0*/                   EXIT ;
+.L_x_9:
+        /*00f0*/                   YIELD ;
+        /*0100*/                   BRA `(.L_x_2) ;
+"""
+
+
+def test_loop_paths_fork_on_branches_inside_the_loop_only():
+    k = sass.parse_nvdisasm(FORKS)["_Z1fv"]
+    spans = sass.tensor_loops(k)
+    assert [(k[a].offset, k[b].offset) for a, b in spans] == [(0x10, 0xD0)]
+    paths = sass.loop_paths(k, spans[0])
+    # the retry (0x20) and the exit (0xc0) are never taken on a trip; 0x30 and 0x70 fork; 0x90
+    # jumps over the FFMA
+    assert [(p.instructions, p.tensor_ops, p.tensor_cycles, p.releases) for p in paths] == [
+        (9, 1, 32.0, 1), (10, 2, 64.0, 1), (11, 1, 32.0, 1), (12, 2, 64.0, 1)]
+    assert paths[-1].issue_per_tensor_cycle == 12 / 64
+    # the steady paths: the longest of each wgmma count; whole batches only
+    assert [p.instructions for p in sass.steady_paths(paths, steps=1)] == [11, 12]
+    assert [p.instructions for p in sass.steady_paths(paths, steps=2)] == [12]
+    assert sass.steady_paths(paths, groups=2, steps=1) == [paths[-1]]
+
+
+def test_tensor_cycles_are_the_warps_share_at_the_dense_rate():
+    assert sass.tensor_cycles("QGMMA.64x64x32.F32.E4M3.E4M3") == 32  # 16 x 64 x 32 / 1024
+    assert sass.tensor_cycles("QGMMA.64x8x32.F32.E4M3.E4M3") == 4
+    assert sass.tensor_cycles("HGMMA.64x32x16.F32") == 16  # 16 x 32 x 16 / 512
+    with pytest.raises(ValueError, match="wgmma"):
+        sass.tensor_cycles("HMMA.16816.F32")
+
+
+@TOOLS
+def test_the_image_kernels_issue_models_are_their_loops_steady_paths():
+    """w4a8_gemm.py's issue models of the activation-image kernel (IMAGE_ISSUE, IMAGE_AHEAD_ISSUE,
+    IMAGE_BATCH_ISSUE) are the consumers' group loops as ptxas compiles them: per group on the loop's
+    steady paths (sass.steady_paths), to within the rounding of a two-group trip's half."""
+    from lab.kernels import w4a8_gemm as wg
+
+    def per_group(expr, groups):
+        code = sass.kernel_sass(wg.GEMM_SOURCE, expr)
+        loops = sass.tensor_loops(code)
+        assert len(loops) == 1, (expr, loops)
+        return {p.tensor_ops // groups: p.instructions / groups
+                for p in sass.steady_paths(sass.loop_paths(code, loops[0]), groups)}
+
+    for t in wg.IMAGE_TILES:
+        assert per_group(wg.image_expression(t), 1) == {4: wg.IMAGE_ISSUE[t]}, t
+        (four, ahead), = per_group(wg.image_expression(t, ahead=True), 2).items()
+        assert four == 4 and abs(ahead - wg.IMAGE_AHEAD_ISSUE[t]) <= 0.5, (t, ahead)
+    for t, (two, three) in wg.IMAGE_BATCH_ISSUE.items():
+        got = per_group(wg.image_expression(t, ahead=True), 2)
+        assert sorted(got) == [8, 12], got  # two batches of four k32 steps, or three
+        assert abs(got[8] - two) <= 0.5 and abs(got[12] - three) <= 0.5, (got, two, three)
+
+
 @TOOLS
 @pytest.mark.parametrize("act", gc.ACTS)
 def test_the_64_token_image_tile_has_one_stage_loop_per_fragment_count(act):
@@ -164,7 +242,12 @@ def test_the_script_reads_the_w4a8_group_loops(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["kernel"] for r in rows] == ["w4a8", "w4a8 wide", "w4a8-fused", "w4a8-fused wide"]
     assert all(r["tensor_ops"] == ["QGMMA.64x16x32.F32.E4M3.E4M3"] and r["counts"]["tensor"] == 4 for r in rows)
-    assert all(r["issue_cycles_per_group"] == r["instructions"] * r["warpgroups"] for r in rows)
+    # a ring kernel's trip is one group, its steady path the whole loop; four m64n16k32 a group are
+    # 4 x 8 tensor cycles of the warp's
+    assert all(r["instructions_a_group"] == r["loop_instructions"] and r["wgmma_a_group"] == 4 for r in rows)
+    assert all(r["tensor_cycles_a_group"] == 32 and r["issue_a_tensor_cycle"] == round(r["loop_instructions"] / 32, 4)
+               for r in rows)
+    assert all(r["issue_cycles_per_group"] == r["instructions_a_group"] * r["warpgroups"] for r in rows)
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_mix.py"), "--act", "fp8", "--config",
                           "8,2,128,4,1,0,8,1"], capture_output=True, text=True, cwd=tmp_path)
     assert res.returncode == 2 and "--config: the W4A4/W4A16 GEMM's tiles" in res.stderr

@@ -191,6 +191,83 @@ def loop_mix(instrs: list[Instr], span: tuple[int, int]) -> LoopMix:
                    dict(Counter(class_of(x) for x in body)), dict(Counter(x.opcode for x in body)))
 
 
+# A wgmma's work on each SM sub-partition's tensor core, in cycles at the dense rate (fp16: 512
+# multiply-adds a cycle a sub-partition, fp8: 1024), by its shape m64nNkK: the warp's 16 rows x N x K.
+_WGMMA_SHAPE = re.compile(r"^(HGMMA|QGMMA)\.64x(\d+)x(\d+)\.")
+_MACS_A_CYCLE = {"HGMMA": 512, "QGMMA": 1024}
+
+
+def tensor_cycles(opcode: str) -> float:
+    """Cycles of one sub-partition's tensor core that one wgmma occupies (its warp's 16 x N x K
+    multiply-adds at the dense rate): a QGMMA.64x64x32 is 32, an HGMMA.64x64x16 is 32."""
+    m = _WGMMA_SHAPE.match(opcode)
+    if m is None:
+        raise ValueError(f"tensor cycles are defined for wgmma (HGMMA / QGMMA .64xNxK), got {opcode}")
+    return 16 * int(m.group(2)) * int(m.group(3)) / _MACS_A_CYCLE[m.group(1)]
+
+
+@dataclass(frozen=True)
+class LoopPath:
+    """One way through one trip of a loop: what a warp issues on it."""
+    instructions: int
+    tensor_ops: int  # wgmma instructions on the path
+    tensor_cycles: float  # their work on the warp's tensor core (tensor_cycles), summed
+    releases: int  # SYNCS.ARRIVE on the path: stage releases, one a group in the W4A8 loops
+
+    @property
+    def issue_per_tensor_cycle(self) -> float:
+        """Issue slots the warp's scheduler needs per cycle of the path's tensor work: above 1, the
+        issue alone keeps the tensor core below full (at most 1 / this busy); below 1, the share of
+        issue slots that keeps it full. The same for every warp a scheduler hosts in the CTA's loop."""
+        return self.instructions / self.tensor_cycles if self.tensor_cycles else float("inf")
+
+
+def loop_paths(instrs: list[Instr], span: tuple[int, int]) -> list[LoopPath]:
+    """Every distinct path through one trip of the loop at `span` (tensor_loops' [first, last]),
+    from its first instruction to its back edge. A conditional branch forward inside the loop forks
+    the path; one that leaves the loop (the loop's exit, or ptxas's out-of-line retry of a barrier
+    wait, which returns) counts as not taken, since the trip goes on only that way; an unconditional
+    branch out of the loop, or an unconditional EXIT, ends a path that is no trip. Predicated
+    instructions count: they take an issue slot either way. Sorted, shortest first."""
+    first, last = span
+    index = {x.offset: i for i, x in enumerate(instrs)}
+    rest: dict[int, set] = {}  # from instruction i to the back edge: (instructions, tensor ops, cycles, releases)
+    for i in range(last, first - 1, -1):  # every edge kept inside the loop runs forward
+        x = instrs[i]
+        tensor = x.base in TENSOR
+        here = (1, int(tensor), tensor_cycles(x.opcode) if tensor else 0.0, int(x.opcode.startswith("SYNCS.ARRIVE")))
+        if i == last:
+            rest[i] = {here}
+            continue
+        nexts: list[int] = [i + 1]
+        if x.base == "BRA" and x.target is not None:
+            j = index.get(x.target)
+            inside = j is not None and i < j <= last
+            if x.predicate:
+                nexts = [i + 1, j] if inside else [i + 1]
+            else:
+                nexts = [j] if inside else []
+        elif x.base == "EXIT" and not x.predicate:
+            nexts = []
+        rest[i] = {tuple(a + b for a, b in zip(here, tail)) for n in nexts for tail in rest[n]}
+    return [LoopPath(n, t, c, r) for n, t, c, r in sorted(rest[first])]
+
+
+def steady_paths(paths: list[LoopPath], groups: int = 1, steps: int = 4) -> list[LoopPath]:
+    """The paths a loop of `groups` groups a trip runs in the steady state: for each count of
+    wgmmas, the longest (the shorter ones skip work, such as the decode of a group past the last),
+    keeping only counts whose wgmmas a group are whole batches of `steps` (a trip of a two-batch and
+    a three-batch group averages ten, a path of the code that no token block runs). Fewest wgmmas
+    first."""
+    longest: dict[int, LoopPath] = {}
+    for path in paths:
+        if path.tensor_ops % (groups * steps):
+            continue
+        if path.tensor_ops not in longest or path.instructions > longest[path.tensor_ops].instructions:
+            longest[path.tensor_ops] = path
+    return [longest[n] for n in sorted(longest)]
+
+
 def stage_mixes(name: str, expression: str, tree: Path | None = None) -> list[LoopMix]:
     """Every tensor loop of the instantiation, in code order."""
     instrs = kernel_sass(name, expression, tree)
