@@ -14,8 +14,9 @@ it, over the SM's four schedulers), a floor to set against the measured cycles p
 `--act fp8` reads the W4A8 GEMM instead (lab/kernels/w4a8_gemm.cu): for each token tile (or
 `--tokens`), its one-warpgroup, two-warpgroup and fused instantiations' group loop (one trip is
 one 128-column group: the loader's copies, the decode of the warpgroup's 64 rows, four fp8 wgmmas,
-the promotion), and from 64 tokens the activation-image kernels' (plain, decode-ahead with two
-groups a trip, the 192-token tile in wgmma batches, the fused image kernel), by class. A loop with
+the promotion), and from 64 tokens the activation-image kernels' (plain, decode-ahead, the
+192-token tile in wgmma batches, the fused image kernel; a trip of those is as many groups as it
+releases stages), by class. A loop with
 branches has several paths through a trip (sass.loop_paths); each row is one steady path, the
 longest of those with the same wgmmas (sass.steady_paths: every group on it decodes): at 192
 tokens a group of two batches (a block of at most 128 tokens) and one of three. Per group on that path: the
@@ -102,24 +103,24 @@ def rows_for(cfg: gc.GemmConfig, tree_name: str, tree: Path, tokens: set[int] | 
     return rows
 
 
-def fp8_forms(t: int) -> list[tuple[str, str, int, int]]:
+def fp8_forms(t: int) -> list[tuple[str, str, int]]:
     """The W4A8 instantiations of token tile t that sass_mix reads: (kernel, expression,
-    warpgroups, groups a trip of its group loop)."""
+    warpgroups)."""
     from lab.kernels import w4a8_gemm as wg
 
     forms = []
     if t in wg.TOKEN_TILES:
-        forms += [("w4a8", wg.gemm_expression(t), 1, 1), ("w4a8 wide", wg.wide_expression(t), 2, 1)]
+        forms += [("w4a8", wg.gemm_expression(t), 1), ("w4a8 wide", wg.wide_expression(t), 2)]
     if t in wg.FUSED_WIDE_TILES:
-        forms += [("w4a8-fused", wg.swiglu_expression(t), 1, 1), ("w4a8-fused wide", wg.swiglu_wide_expression(t), 2, 1)]
+        forms += [("w4a8-fused", wg.swiglu_expression(t), 1), ("w4a8-fused wide", wg.swiglu_wide_expression(t), 2)]
     if t in wg.IMAGE_TILES:
-        forms += [("w4a8 image", wg.image_expression(t), 2, 1)]
+        forms += [("w4a8 image", wg.image_expression(t), 2)]
     if t in wg.IMAGE_AHEAD_TILES:
-        forms += [("w4a8 image ahead", wg.image_expression(t, ahead=True), 2, 2)]
+        forms += [("w4a8 image ahead", wg.image_expression(t, ahead=True), 2)]
     if t in wg.IMAGE_TILES:
         if t != 128:  # (the plain fused form spills at 128 and is not built)
-            forms += [("w4a8-fused image", wg.image_swiglu_expression(t), 2, 1)]
-        forms += [("w4a8-fused image ahead", wg.image_swiglu_expression(t, True), 2, 2)]
+            forms += [("w4a8-fused image", wg.image_swiglu_expression(t), 2)]
+        forms += [("w4a8-fused image ahead", wg.image_swiglu_expression(t, True), 2)]
     return forms
 
 
@@ -131,13 +132,14 @@ def fp8_rows(tree_name: str, tree: Path, tokens) -> list[dict]:
 
     rows = []
     for t in tokens:
-        for kernel, expression, warpgroups, groups in fp8_forms(t):
+        for kernel, expression, warpgroups in fp8_forms(t):
             code = sass.kernel_sass(wg.GEMM_SOURCE, expression, tree)
             loops = sass.tensor_loops(code)
             if len(loops) != 1:
                 raise RuntimeError(f"{expression}: expected one group loop holding the wgmmas, found {len(loops)}")
             mix = sass.loop_mix(code, loops[0])
-            for path in sass.steady_paths(sass.loop_paths(code, loops[0]), groups):
+            for path in sass.steady_paths(sass.loop_paths(code, loops[0])):
+                groups = path.groups
                 per_group = path.instructions / groups
                 rows.append({"tree": tree_name, "kernel": kernel, "expression": expression, "tokens": t,
                              "warpgroups": warpgroups, "loop_at": hex(mix.first), "tensor_ops": list(mix.tensor_ops),

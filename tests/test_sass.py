@@ -129,10 +129,12 @@ def test_loop_paths_fork_on_branches_inside_the_loop_only():
     assert [(p.instructions, p.tensor_ops, p.tensor_cycles, p.releases) for p in paths] == [
         (9, 1, 32.0, 1), (10, 2, 64.0, 1), (11, 1, 32.0, 1), (12, 2, 64.0, 1)]
     assert paths[-1].issue_per_tensor_cycle == 12 / 64
-    # the steady paths: the longest of each wgmma count; whole batches only
+    # one release (SYNCS.ARRIVE) a trip: one group; the steady paths: the longest of each wgmma
+    # count a group, whole batches only
+    assert all(p.groups == 1 for p in paths)
     assert [p.instructions for p in sass.steady_paths(paths, steps=1)] == [11, 12]
     assert [p.instructions for p in sass.steady_paths(paths, steps=2)] == [12]
-    assert sass.steady_paths(paths, groups=2, steps=1) == [paths[-1]]
+    assert sass.LoopPath(5, 1, 32.0, 0).groups == 1 and sass.LoopPath(5, 8, 256.0, 4).groups == 4
 
 
 def test_tensor_cycles_are_the_warps_share_at_the_dense_rate():
@@ -147,22 +149,23 @@ def test_tensor_cycles_are_the_warps_share_at_the_dense_rate():
 def test_the_image_kernels_issue_models_are_their_loops_steady_paths():
     """w4a8_gemm.py's issue models of the activation-image kernel (IMAGE_ISSUE, IMAGE_AHEAD_ISSUE,
     IMAGE_BATCH_ISSUE) are the consumers' group loops as ptxas compiles them: per group on the loop's
-    steady paths (sass.steady_paths), to within the rounding of a two-group trip's half."""
+    steady paths (sass.steady_paths; a trip is as many groups as it releases stages), to within
+    the rounding of a several-group trip's share."""
     from lab.kernels import w4a8_gemm as wg
 
-    def per_group(expr, groups):
+    def per_group(expr):
         code = sass.kernel_sass(wg.GEMM_SOURCE, expr)
         loops = sass.tensor_loops(code)
         assert len(loops) == 1, (expr, loops)
-        return {p.tensor_ops // groups: p.instructions / groups
-                for p in sass.steady_paths(sass.loop_paths(code, loops[0]), groups)}
+        return {p.tensor_ops // p.groups: p.instructions / p.groups
+                for p in sass.steady_paths(sass.loop_paths(code, loops[0]))}
 
     for t in wg.IMAGE_TILES:
-        assert per_group(wg.image_expression(t), 1) == {4: wg.IMAGE_ISSUE[t]}, t
-        (four, ahead), = per_group(wg.image_expression(t, ahead=True), 2).items()
+        assert per_group(wg.image_expression(t)) == {4: wg.IMAGE_ISSUE[t]}, t
+        (four, ahead), = per_group(wg.image_expression(t, ahead=True)).items()
         assert four == 4 and abs(ahead - wg.IMAGE_AHEAD_ISSUE[t]) <= 0.5, (t, ahead)
     for t, (two, three) in wg.IMAGE_BATCH_ISSUE.items():
-        got = per_group(wg.image_expression(t, ahead=True), 2)
+        got = per_group(wg.image_expression(t, ahead=True))
         assert sorted(got) == [8, 12], got  # two batches of four k32 steps, or three
         assert abs(got[8] - two) <= 0.5 and abs(got[12] - three) <= 0.5, (got, two, three)
 

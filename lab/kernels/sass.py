@@ -215,6 +215,12 @@ class LoopPath:
     releases: int  # SYNCS.ARRIVE on the path: stage releases, one a group in the W4A8 loops
 
     @property
+    def groups(self) -> int:
+        """The groups (ring stages) one trip takes: its stage releases, or one where the loop
+        releases none by mbarrier (the W4A8 ring kernels, one group a trip)."""
+        return self.releases or 1
+
+    @property
     def issue_per_tensor_cycle(self) -> float:
         """Issue slots the warp's scheduler needs per cycle of the path's tensor work: above 1, the
         issue alone keeps the tensor core below full (at most 1 / this busy); below 1, the share of
@@ -253,18 +259,18 @@ def loop_paths(instrs: list[Instr], span: tuple[int, int]) -> list[LoopPath]:
     return [LoopPath(n, t, c, r) for n, t, c, r in sorted(rest[first])]
 
 
-def steady_paths(paths: list[LoopPath], groups: int = 1, steps: int = 4) -> list[LoopPath]:
-    """The paths a loop of `groups` groups a trip runs in the steady state: for each count of
-    wgmmas, the longest (the shorter ones skip work, such as the decode of a group past the last),
-    keeping only counts whose wgmmas a group are whole batches of `steps` (a trip of a two-batch and
-    a three-batch group averages ten, a path of the code that no token block runs). Fewest wgmmas
-    first."""
-    longest: dict[int, LoopPath] = {}
+def steady_paths(paths: list[LoopPath], steps: int = 4) -> list[LoopPath]:
+    """The paths a loop runs in the steady state: for each count of wgmmas a group, the longest path
+    (the shorter ones skip work, such as the decode of a group past the last), keeping only paths
+    whose wgmmas a group are whole batches of `steps` (a trip of a two-batch and a three-batch group
+    averages ten, a path of the code that no token block runs). Fewest wgmmas a group first."""
+    longest: dict[float, LoopPath] = {}
     for path in paths:
-        if path.tensor_ops % (groups * steps):
+        if path.tensor_ops % (path.groups * steps):
             continue
-        if path.tensor_ops not in longest or path.instructions > longest[path.tensor_ops].instructions:
-            longest[path.tensor_ops] = path
+        key = path.tensor_ops / path.groups
+        if key not in longest or path.instructions > longest[key].instructions:
+            longest[key] = path
     return [longest[n] for n in sorted(longest)]
 
 

@@ -904,8 +904,16 @@ __device__ __forceinline__ uint2 table_row(const uint2* table, uint32_t code, ui
 }
 constexpr int IMAGE_THREADS = 2 * THREADS + 32;  // two consumer warpgroups and the producer warp
 // With the decode ahead the producer is a whole warpgroup, whose registers setmaxnreg hands to the
-// consumers (ptxas budgets wgmma kernels by warpgroups: 168 a thread at 288 threads as at 384)
-constexpr int IMAGE_AHEAD_THREADS = 3 * THREADS, IMAGE_PRODUCER_REGS = 56, IMAGE_CONSUMER_REGS = 224;
+// consumers (ptxas budgets wgmma kernels by warpgroups: 168 a thread at 288 threads as at 384).
+// Alone (MC = 1) the producer needs 32 and the consumers' trip of four groups takes 240 (at 232 the
+// 192-token tile spills); the multicast producer needs more than 40, so that form keeps 56 / 224
+// and the trip of two groups.
+constexpr int IMAGE_AHEAD_THREADS = 3 * THREADS;
+template <int MC>
+struct ImageRegs {
+  static constexpr int producer = MC == 1 ? 32 : 56, consumer = MC == 1 ? 240 : 224;
+  static_assert(producer + 2 * consumer <= 512, "the CTA's registers: 128 threads a role");
+};
 // Token octets of a batch whose scales the decode-ahead form reads before the batch's wgmmas retire
 // (scales_ahead): 2 P registers a thread, live across the wait.
 constexpr int IMAGE_SX_AHEAD = 4;
@@ -1165,7 +1173,7 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
   static_assert(sizeof(St) % 128 == 0 && sizeof(St) >= SX + 4 * T, "a stage's layout");
   const uint32_t ring0 = lab_gemm::smem_addr(ring);
   if (tid >= 2 * THREADS) {  // the producer warp: its lane 0 issues every copy
-    if constexpr (AHEAD) lab_gemm::setmaxnreg_dec<IMAGE_PRODUCER_REGS>();
+    if constexpr (AHEAD) lab_gemm::setmaxnreg_dec<ImageRegs<MC>::producer>();
     if (tid == 2 * THREADS)
       image_produce<T, STAGES, MC>(words, scales, ximg, sximg, e, b, img0, count, G, KS, NB, K, ring0, full0, empty0,
                                    ring0 + STAGES * (uint32_t)sizeof(St));
@@ -1176,7 +1184,7 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
     return;
   }
 
-  if constexpr (AHEAD) lab_gemm::setmaxnreg_inc<IMAGE_CONSUMER_REGS>();
+  if constexpr (AHEAD) lab_gemm::setmaxnreg_inc<ImageRegs<MC>::consumer>();
   const int wg = tid / THREADS, wt = tid % THREADS;
   const int warp = wt >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
   const int bw = 2 * b + wg;
@@ -1189,6 +1197,7 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
   zero_frags(tmp);
   int stage = 0;
   uint32_t phase = 0;  // bit s: the parity of stage s's next `full` completion
+  uint32_t parity = 0;  // the decode-ahead loop's on the ring of four: every stage's in the current trip
 
   for (int tb = blockIdx.y; tb < blocks; tb += gridDim.y) {
     const int t0 = tb * T;
@@ -1199,10 +1208,9 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
     if constexpr (AHEAD) {
       // group gi + 1 decoded into the other A registers while gi's wgmmas run; then gi retired and
       // promoted, its stage released, and gi + 1 issued
-      auto decode = [&](uint32_t(&a)[STEPS][4]) {
-        lab_gemm::mbar_wait(full0 + 8 * stage, (phase >> stage) & 1u);
-        phase ^= 1u << stage;
-        const St& st = ring[stage];
+      auto decode = [&](uint32_t(&a)[STEPS][4], int stg, uint32_t parity) {
+        lab_gemm::mbar_wait(full0 + 8 * stg, parity);
+        const St& st = ring[stg];
         const uint32_t cs = 8 * (c >> 1);
         const uint2 sc0 = st.scs[wg * ROWS + 16 * warp + g], sc1 = st.scs[wg * ROWS + 16 * warp + g + 8];
         const uint32_t b0[2] = {sc0.x >> cs, sc0.y >> cs}, b1[2] = {sc1.x >> cs, sc1.y >> cs};
@@ -1232,12 +1240,12 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
         for (int s = 0; s < STEPS; ++s) WgmmaE4M3<FU>::run(t, a[s], desc + image_b_offset<U>(s, 0), s);
         lab_gemm::wgmma_commit();
       };
-      auto issue = [&](const uint32_t(&a)[STEPS][4]) {
+      auto issue = [&](const uint32_t(&a)[STEPS][4], int stg) {
         if constexpr (U < T) {
-          issue_sub(a, 0, tb0, stage);
-          issue_sub(a, 1, tb1, stage);
+          issue_sub(a, 0, tb0, stg);
+          issue_sub(a, 1, tb1, stg);
         } else {
-          const uint64_t desc = desc0 + stage * (uint32_t)(sizeof(St) / 16);
+          const uint64_t desc = desc0 + stg * (uint32_t)(sizeof(St) / 16);
           lab_gemm::wgmma_fence();
 #pragma unroll
           for (int s = 0; s < STEPS; ++s) WgmmaE4M3<F>::run(tmp, a[s], desc + image_b_offset<T>(s, 0), s);
@@ -1284,27 +1292,58 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
           lab_gemm::mbar_arrive(empty0 + 8 * stg);  // this thread is done with the stage
         }
       };
-      auto advance = [&]() {
-        if (++stage == STAGES) stage = 0;
-      };
       uint32_t a0[STEPS][4], a1[STEPS][4];
-      decode(a0);
-      issue(a0);
-      int cur = stage;  // the stage of the group in flight
-      advance();
-      for (int gi = 0;; gi += 2) {  // a0: group gi in flight
-        if (gi + 1 < G) decode(a1);
-        retire(a0, cur);
-        if (gi + 1 == G) break;
-        issue(a1);
-        cur = stage;
+      if constexpr (STAGES == 4 && MC == 1) {
+        // The shipped ring: a trip is four groups, one a stage, so every stage's index is a constant
+        // (its barriers', descriptors' and loads' addresses fold into immediates, with no stage or
+        // phase bookkeeping a group: 15-17% fewer instructions a group at 64 and 128 tokens, 11-13%
+        // at 192, static SASS) and all four stages of a trip wait on the same parity. G % 4 == 0
+        // (K % IMAGE_K), so each token block starts at stage 0 and ends a trip.
+        decode(a0, 0, parity);
+        issue(a0, 0);
+        for (int gi = 0;; gi += 4) {  // a0: group gi (stage 0) in flight
+          decode(a1, 1, parity);
+          retire(a0, 0);
+          issue(a1, 1);
+          decode(a0, 2, parity);
+          retire(a1, 1);
+          issue(a0, 2);
+          decode(a1, 3, parity);
+          retire(a0, 2);
+          issue(a1, 3);
+          if (gi + 4 < G) decode(a0, 0, parity ^ 1u);
+          retire(a1, 3);
+          parity ^= 1u;
+          if (gi + 4 == G) break;
+          issue(a0, 0);
+        }
+      } else {  // a depth of the ring studies, or the multicast form: the stage and its parity at run time
+        auto parity_of = [&](int stg) {
+          const uint32_t par = (phase >> stg) & 1u;
+          phase ^= 1u << stg;
+          return par;
+        };
+        auto advance = [&]() {
+          if (++stage == STAGES) stage = 0;
+        };
+        decode(a0, stage, parity_of(stage));
+        issue(a0, stage);
+        int cur = stage;  // the stage of the group in flight
         advance();
-        if (gi + 2 < G) decode(a0);
-        retire(a1, cur);
-        if (gi + 2 == G) break;
-        issue(a0);
-        cur = stage;
-        advance();
+        for (int gi = 0;; gi += 2) {  // a0: group gi in flight
+          if (gi + 1 < G) decode(a1, stage, parity_of(stage));
+          retire(a0, cur);
+          if (gi + 1 == G) break;
+          issue(a1, stage);
+          cur = stage;
+          advance();
+          if (gi + 2 < G) decode(a0, stage, parity_of(stage));
+          retire(a1, cur);
+          if (gi + 2 == G) break;
+          issue(a0, stage);
+          cur = stage;
+          advance();
+        }
       }
     } else {
     for (int gi = 0; gi < G; ++gi) {

@@ -359,14 +359,15 @@ IMAGE_EXPRESSIONS = (tuple(image_expression(t, ahead=a, bf16=b) for b in (False,
 # A consumer warp's group loop in the activation-image kernel (static SASS; a test pins them): the
 # issue model that picks its tile (image_by_default), as GROUP_ISSUE does the ring kernels'.
 IMAGE_ISSUE = {64: 205, 128: 242}
-# The same for its decode-ahead form, whose loop takes two groups a trip (357 and 429): the form
-# default plans take (on an H100 it was 5-19% faster than the plain one at 128 and 512 tokens per
-# expert, results/studies/w4a8_image_ahead_h100.json).
-IMAGE_AHEAD_ISSUE = {64: 179, 128: 215}
+# The same for its decode-ahead form, whose loop takes four groups a trip, one a ring stage (603
+# and 731; sass.steady_paths reads a loop's groups): the form default plans take (on an H100 it was
+# 5-19% faster than the plain one at 128 and 512 tokens per expert, results/studies/
+# w4a8_image_ahead_h100.json, when its trip was two groups: 179 and 215 a group then).
+IMAGE_AHEAD_ISSUE = {64: 151, 128: 183}
 # The 192-token tile's (wgmma batches of 64): a group of a block with at most 128 tokens runs two
-# batches, of a fuller one three (static SASS of the two-group loop: 232 and 280 a group; a test
-# pins the loop).
-IMAGE_BATCH_ISSUE = {192: (232, 280)}
+# batches, of a fuller one three (static SASS of the four-group loop's steady paths: 192 and 237.25
+# a group; 232.5 and 280 with the trip of two; a test reads them off the loop).
+IMAGE_BATCH_ISSUE = {192: (192, 237)}
 
 
 def image_issue(counts, tokens: int) -> int:
