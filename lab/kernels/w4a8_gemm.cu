@@ -1296,9 +1296,10 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
       if constexpr (STAGES == 4 && MC == 1) {
         // The shipped ring: a trip is four groups, one a stage, so every stage's index is a constant
         // (its barriers', descriptors' and loads' addresses fold into immediates, with no stage or
-        // phase bookkeeping a group: 15-17% fewer instructions a group at 64 and 128 tokens, 11-13%
-        // at 192, static SASS) and all four stages of a trip wait on the same parity. G % 4 == 0
-        // (K % IMAGE_K), so each token block starts at stage 0 and ends a trip.
+        // phase bookkeeping a group: 15% fewer instructions a group at 64 and 128 tokens, 15-17% at
+        // 192, static SASS against the trip of two; consumers need 240 registers for it at 192) and
+        // all four stages of a trip wait on the same parity. G % 4 == 0 (K % IMAGE_K), so each
+        // token block starts at stage 0 and ends a trip.
         decode(a0, 0, parity);
         issue(a0, 0);
         for (int gi = 0;; gi += 4) {  // a0: group gi (stage 0) in flight
