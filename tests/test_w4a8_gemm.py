@@ -305,7 +305,7 @@ def test_each_plan_launches_its_instantiation(monkeypatch):
     assert launch(wg.GemmPlan(8, 0)) == []
 
 
-@pytest.mark.parametrize("tokens", wg.IMAGE_AHEAD_TILES)
+@pytest.mark.parametrize("tokens", wg.IMAGE_SMALL_TILES + wg.IMAGE_AHEAD_TILES)
 def test_the_image_layout_is_what_the_b_descriptor_reads_and_its_copies_stop_at_the_tokens(tokens):
     """x_image_host, the image's definition, against wgmma's view of a stage (K-major B, no
     swizzle; LBO 128, SBO 1024, step s 256 bytes in): tensor-core k of step s for token n of a
@@ -350,7 +350,7 @@ def test_the_image_layout_is_what_the_b_descriptor_reads_and_its_copies_stop_at_
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", wg.IMAGE_AHEAD_TILES)
+@pytest.mark.parametrize("tokens", wg.IMAGE_SMALL_TILES + wg.IMAGE_AHEAD_TILES)
 def test_the_pre_pass_writes_the_image_definition_and_nothing_past_its_copies(tokens):
     """w4a8_x_image on a poisoned workspace: every byte and scale x_image_host says it writes is
     that definition's, and every other one is still poison (the padding octets the producer never
@@ -1123,6 +1123,35 @@ def test_the_activation_image_kernel_gives_the_wide_kernels_bits(tokens, token_b
     with pytest.raises(ValueError, match="image: the activation-image kernel takes N a multiple of 128 and K a "
                                          "multiple of 512, got N=256, K=384"):
         wg.w4a8_gemm(prep.to_device(), cp.asarray(x8), cp.asarray(s_x), offsets, alpha, image=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", wg.IMAGE_SMALL_TILES)
+@pytest.mark.parametrize("token_blocks", [None, 2])
+def test_the_small_image_tiles_give_the_wide_kernels_bits(tokens, token_blocks):
+    """The decode-ahead image kernel at 16 and 32 tokens (IMAGE_SMALL_TILES, on request): the
+    two-warpgroup ring kernel's bits at the same tile, on a ragged problem with an empty expert, a
+    one-token expert and partial blocks, grid heights 1 and 2, K 512 (one trip of four groups) and
+    2048; nothing written outside the output; its bf16 output the float32 output's bits. The
+    multicast form does not take these tiles."""
+    from lab.gpu import require_gpu
+
+    cp = require_gpu("test")
+    for k in (512, 2048):
+        rng = np.random.default_rng(700 + tokens + k)
+        prep, x8, s_x, offsets, alpha, ref, mag = make_problem(rng, [1, 0, 23, 2 * tokens + 5, 8], 256, k)
+        prep_d = prep.to_device()
+        wide, _ = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
+                           warpgroups=2)
+        img, guard = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
+                              image=True, ahead=True)
+        assert np.isnan(guard).all()
+        assert_within_bound(img, ref, mag)
+        assert img.tobytes() == wide.tobytes(), k
+        check_bf16_output(cp, f"K={k}", img, prep_d, x8, s_x, offsets, alpha, tokens=tokens,
+                          token_blocks=token_blocks, image=True, ahead=True)
+    with pytest.raises(ValueError, match="multicast: the multicast form takes the tiles"):
+        wg.image_expression(tokens, ahead=True, multicast=True)
 
 
 @pytest.mark.gpu

@@ -1130,7 +1130,8 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
                                            const int* __restrict__ p, const float* __restrict__ alpha,
                                            const uint8_t* __restrict__ ximg, const float* __restrict__ sximg,
                                            const int* __restrict__ offsets, int N, int K, Epi& epi) {
-  static_assert(T == 64 || T == 128 || T == 192, "the image tiles: 64, 128 and 192 tokens");
+  static_assert(T == 64 || T == 128 || T == 192 || (AHEAD && (T == 16 || T == 32)),
+                "the image tiles: 64, 128 and 192 tokens, and 16 and 32 in the decode-ahead form");
   static_assert(U == T || (AHEAD && U == 64 && T % U == 0 && T / U <= 3),
                 "sub-tiles (U < T): 64 tokens, two or three of them, in the decode-ahead form");
   static_assert(U < T || T <= 128, "a 192-token tile only in sub-tiles (its tmp would not fit)");
@@ -1281,7 +1282,7 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
             asm volatile("" ::"r"(a[s][0]), "r"(a[s][1]), "r"(a[s][2]), "r"(a[s][3]));
           lab_gemm::mbar_arrive(empty0 + 8 * stg);
         } else {
-          float4 pre[IMAGE_SX_AHEAD / 2];
+          float4 pre[(IMAGE_SX_AHEAD < F ? IMAGE_SX_AHEAD : F) / 2];  // (16 tokens: one octet pair)
           scales_ahead<F, 0>(pre, ring[stg].sx, c);
           lab_gemm::wgmma_wait<0>();
           lab_gemm::fence_acc(tmp);

@@ -204,6 +204,11 @@ def resident_by_default(plan, k: int) -> bool:
 IMAGE_TILES = (64, 128)  # the activation-image kernel's tiles
 IMAGE_SUB = 64  # its sub-tiled form's wgmma batch (tokens): GemmPlan.sub
 IMAGE_AHEAD_TILES = IMAGE_TILES + (192,)  # its decode-ahead form's: 192 only in batches of IMAGE_SUB
+# Small tiles of the decode-ahead form, on request only (tokens=16 or 32 with image and ahead): the
+# ring CTA's loop at these tiles issues ~210-225 instructions a group, this one's ~125-135 (its
+# copies are the producer's), which matters where issue a weight byte binds (1-32 tokens per
+# expert, the H200 most). Not yet measured on a GPU, so image_tile never picks them.
+IMAGE_SMALL_TILES = (16, 32)
 IMAGE_STAGES = 4  # its ring's depth (w4a8_gemm.cu ImageStages)
 IMAGE_K = 4 * GROUP_K  # K must be a multiple of this: whole groups, and scale-image rows of 16-byte pieces
 
@@ -233,10 +238,12 @@ def image_expression(tokens: int, stages: int | None = None, ahead: bool = False
     192-token tile's only form); `multicast` the same kernel in clusters of two CTAs along N whose
     producers each copy half of every group's activations into both (w4a8_gemm_image_mc;
     GemmPlan.multicast)."""
-    tiles = IMAGE_AHEAD_TILES if ahead else IMAGE_TILES
+    tiles = IMAGE_SMALL_TILES + IMAGE_AHEAD_TILES if ahead else IMAGE_TILES
     if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens not in tiles:
         raise ValueError(f"tokens: the activation-image kernel takes a token tile of {tiles}"
-                         f"{' (192: the decode-ahead form)' if not ahead else ''}, got {tokens!r}")
+                         f"{' (16, 32 and 192: the decode-ahead form)' if not ahead else ''}, got {tokens!r}")
+    if multicast and tokens in IMAGE_SMALL_TILES:
+        raise ValueError(f"multicast: the multicast form takes the tiles {IMAGE_AHEAD_TILES}, got {tokens}")
     sub = image_sub(tokens, sub)
     if sub and not ahead:
         raise ValueError("sub: the wgmma batches are a form of the decode-ahead image kernel (ahead=True)")
@@ -354,8 +361,8 @@ MULTICAST_EXPRESSIONS = tuple(image_expression(t, ahead=True, bf16=b, multicast=
 IMAGE_EXPRESSIONS = (tuple(image_expression(t, ahead=a, bf16=b) for b in (False, True) for a in (False, True)
                            for t in IMAGE_TILES)
                      + tuple(image_expression(t, ahead=True, bf16=b) for b in (False, True)
-                             for t in IMAGE_AHEAD_TILES if t not in IMAGE_TILES)
-                     + tuple(x_image_expression(t) for t in IMAGE_AHEAD_TILES))
+                             for t in IMAGE_SMALL_TILES + IMAGE_AHEAD_TILES if t not in IMAGE_TILES)
+                     + tuple(x_image_expression(t) for t in IMAGE_SMALL_TILES + IMAGE_AHEAD_TILES))
 # A consumer warp's group loop in the activation-image kernel (static SASS; a test pins them): the
 # issue model that picks its tile (image_by_default), as GROUP_ISSUE does the ring kernels'.
 IMAGE_ISSUE = {64: 205, 128: 242}
@@ -364,6 +371,9 @@ IMAGE_ISSUE = {64: 205, 128: 242}
 # 5-19% faster than the plain one at 128 and 512 tokens per expert, results/studies/
 # w4a8_image_ahead_h100.json, when its trip was two groups: 179 and 215 a group then).
 IMAGE_AHEAD_ISSUE = {64: 151, 128: 183}
+# and at IMAGE_SMALL_TILES (on request; 493 and 526 a trip of four: against the ring CTA's 209 and
+# 225 a group at the same tiles)
+IMAGE_SMALL_ISSUE = {16: 123, 32: 132}
 # The 192-token tile's (wgmma batches of 64): a group of a block with at most 128 tokens runs two
 # batches, of a fuller one three (static SASS of the four-group loop's steady paths: 192 and 237.25
 # a group; 232.5 and 280 with the trip of two; a test reads them off the loop).
