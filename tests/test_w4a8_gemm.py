@@ -459,6 +459,27 @@ def test_the_image_kernels_decode_ahead_loop_holds_four_groups(tokens):
 
 
 @needs_nvcc
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_16_token_image_tile_fits_two_ctas_an_sm(bf16):
+    """w4a8_gemm_image at 16 tokens (IMAGE_SMALL_TILES) runs two CTAs an SM: at most 80 registers a
+    thread at launch (two CTAs of 384 threads), setmaxnreg honoured, no spill at the consumers'
+    104, both CTAs' shared memory within the SM's 227 KiB; its loop takes four groups a trip,
+    IMAGE_SMALL_ISSUE's count. The 32-token tile keeps one CTA (it spills at 112)."""
+    expr = wg.image_expression(16, ahead=True, bf16=bf16)
+    info = jit.ptxas_report(wg.GEMM_SOURCE, expr)
+    assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
+    assert info.registers <= 80 and not info.setmaxnreg_ignored and not info.wgmma_serialized, info
+    assert 2 * (wg.image_smem_bytes(16) + info.smem_static) <= 227 * 1024
+    assert jit.ptxas_report(wg.GEMM_SOURCE, wg.image_expression(32, ahead=True, bf16=bf16)).registers > 80
+    if sass.nvdisasm_path() is None:
+        pytest.skip("reading SASS needs nvdisasm")
+    code = sass.kernel_sass(wg.GEMM_SOURCE, expr)
+    (loop,) = sass.tensor_loops(code)
+    (path,) = sass.steady_paths(sass.loop_paths(code, loop))
+    assert path.groups == 4 and abs(path.instructions / 4 - wg.IMAGE_SMALL_ISSUE[16]) <= 0.5, path
+
+
+@needs_nvcc
 @pytest.mark.parametrize("expr", wg.FUSED_IMAGE_EXPRESSIONS)
 def test_the_fused_image_kernels_group_loop_is_the_image_kernels(expr):
     """w4a8_gemm_image_swiglu: the SwiGLU epilogue leaves the group loop the plain image kernel's at

@@ -909,10 +909,14 @@ constexpr int IMAGE_THREADS = 2 * THREADS + 32;  // two consumer warpgroups and 
 // 192-token tile spills); the multicast producer needs more than 40, so that form keeps 56 / 224
 // and the trip of two groups.
 constexpr int IMAGE_AHEAD_THREADS = 3 * THREADS;
-template <int MC>
+// At 16 tokens two CTAs an SM (four consumer warps a scheduler, twice the bytes in flight where the
+// read binds): 80 registers a thread at launch, 104 for the consumers (the 32-token tile spills
+// even at 112, so it keeps one CTA).
+template <int MC, int T = 64>
 struct ImageRegs {
-  static constexpr int producer = MC == 1 ? 32 : 56, consumer = MC == 1 ? 240 : 224;
-  static_assert(producer + 2 * consumer <= 512, "the CTA's registers: 128 threads a role");
+  static constexpr int ctas = T <= 16 ? 2 : 1;  // CTAs an SM
+  static constexpr int producer = MC == 1 ? 32 : 56, consumer = ctas == 2 ? 104 : MC == 1 ? 240 : 224;
+  static_assert(producer + 2 * consumer <= 512 / ctas, "the SM's registers: 128 threads a role");
 };
 // Token octets of a batch whose scales the decode-ahead form reads before the batch's wgmmas retire
 // (scales_ahead): 2 P registers a thread, live across the wait.
@@ -1174,7 +1178,7 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
   static_assert(sizeof(St) % 128 == 0 && sizeof(St) >= SX + 4 * T, "a stage's layout");
   const uint32_t ring0 = lab_gemm::smem_addr(ring);
   if (tid >= 2 * THREADS) {  // the producer warp: its lane 0 issues every copy
-    if constexpr (AHEAD) lab_gemm::setmaxnreg_dec<ImageRegs<MC>::producer>();
+    if constexpr (AHEAD) lab_gemm::setmaxnreg_dec<ImageRegs<MC, T>::producer>();
     if (tid == 2 * THREADS)
       image_produce<T, STAGES, MC>(words, scales, ximg, sximg, e, b, img0, count, G, KS, NB, K, ring0, full0, empty0,
                                    ring0 + STAGES * (uint32_t)sizeof(St));
@@ -1185,7 +1189,7 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
     return;
   }
 
-  if constexpr (AHEAD) lab_gemm::setmaxnreg_inc<ImageRegs<MC>::consumer>();
+  if constexpr (AHEAD) lab_gemm::setmaxnreg_inc<ImageRegs<MC, T>::consumer>();
   const int wg = tid / THREADS, wt = tid % THREADS;
   const int warp = wt >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
   const int bw = 2 * b + wg;
@@ -1427,7 +1431,7 @@ __device__ __forceinline__ void image_kernel(const uint2* __restrict__ words, co
 }
 
 template <int T, int STAGES = ImageStages<T>::value, bool AHEAD = false, bool BF16 = false, int U = T>
-__global__ void __launch_bounds__(AHEAD ? IMAGE_AHEAD_THREADS : IMAGE_THREADS, 1)
+__global__ void __launch_bounds__(AHEAD ? IMAGE_AHEAD_THREADS : IMAGE_THREADS, ImageRegs<1, T>::ctas)
     w4a8_gemm_image(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
                     const uint2* __restrict__ tables, const int* __restrict__ table_of, const int* __restrict__ p,
                     const float* __restrict__ alpha, const uint8_t* __restrict__ ximg,

@@ -207,7 +207,8 @@ IMAGE_AHEAD_TILES = IMAGE_TILES + (192,)  # its decode-ahead form's: 192 only in
 # Small tiles of the decode-ahead form, on request only (tokens=16 or 32 with image and ahead): the
 # ring CTA's loop at these tiles issues ~210-225 instructions a group, this one's ~125-135 (its
 # copies are the producer's), which matters where issue a weight byte binds (1-32 tokens per
-# expert, the H200 most). Not yet measured on a GPU, so image_tile never picks them.
+# expert, the H200 most). At 16 two CTAs share an SM (w4a8_gemm.cu ImageRegs: 80 registers a
+# thread at launch). Not yet measured on a GPU, so image_tile never picks them.
 IMAGE_SMALL_TILES = (16, 32)
 IMAGE_STAGES = 4  # its ring's depth (w4a8_gemm.cu ImageStages)
 IMAGE_K = 4 * GROUP_K  # K must be a multiple of this: whole groups, and scale-image rows of 16-byte pieces
