@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -54,6 +53,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from lab.cli import HelpFormatter, output_path  # noqa: E402
+from lab.device_info import lab_commit  # noqa: E402
 from lab.gemm_bench import CONFIG_HELP, config_of, parse_config  # noqa: E402
 from lab.kernels import gemm_config as gc  # noqa: E402
 from lab.kernels import grouped_gemm as gg  # noqa: E402
@@ -235,10 +235,8 @@ def main(argv=None) -> int:
 
 def write_rows(path, trees, rows) -> None:
     if path:
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip() or None
         with open(path, "w") as f:
-            json.dump({"script": "scripts/sass_mix.py", "argv": sys.argv[1:], "commit": commit,
+            json.dump({"script": "scripts/sass_mix.py", "argv": sys.argv[1:], "setup": {"lab_commit": lab_commit()},
                        "trees": {n: str(t) for n, t in trees}, "rows": rows}, f, indent=1)
 
 
