@@ -1103,6 +1103,28 @@ def check_bf16_output(cp, name, f32, prep_d, x8, s_x, offsets, alpha, **kw):
     assert int(bad.get()[0]) == 5, "non-finite outputs counted on finite ones"
 
 
+def assert_image_gives_wide_bits(cp, tokens, token_blocks, ahead, counts, seed):
+    """At K 512 and 2048 (seeded by `seed`): the image kernel's output at `tokens` (the decode-ahead
+    form where `ahead`) is the two-warpgroup ring kernel's at the same tile, bit for bit, within
+    the contract's bound, with nothing written outside it, and its bf16 output the float32
+    output's bits (check_bf16_output). Returns the K = 2048 problem: (rng, prep, prep_d, x8, s_x,
+    offsets, alpha)."""
+    for k in (512, 2048):
+        rng = np.random.default_rng(seed + tokens + k)
+        prep, x8, s_x, offsets, alpha, ref, mag = make_problem(rng, counts, 256, k)
+        prep_d = prep.to_device()
+        wide, _ = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
+                           warpgroups=2)
+        img, guard = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
+                              image=True, ahead=ahead)
+        assert np.isnan(guard).all()
+        assert_within_bound(img, ref, mag)
+        assert img.tobytes() == wide.tobytes(), k
+        check_bf16_output(cp, f"K={k}", img, prep_d, x8, s_x, offsets, alpha, tokens=tokens,
+                          token_blocks=token_blocks, image=True, ahead=ahead)
+    return rng, prep, prep_d, x8, s_x, offsets, alpha
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("tokens", wg.IMAGE_TILES)
@@ -1119,20 +1141,9 @@ def test_the_activation_image_kernel_gives_the_wide_kernels_bits(tokens, token_b
     from lab.gpu import require_gpu
 
     cp = require_gpu("test")
-    for k in (512, 2048):
-        rng = np.random.default_rng(400 + tokens + k)
-        prep, x8, s_x, offsets, alpha, ref, mag = make_problem(rng, [1, 0, 23, 2 * tokens + 44, 8], 256, k)
-        prep_d = prep.to_device()
-        wide, _ = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
-                           warpgroups=2)
-        img, guard = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
-                              image=True, ahead=ahead)
-        assert np.isnan(guard).all()
-        assert_within_bound(img, ref, mag)
-        assert img.tobytes() == wide.tobytes(), k
-        rows, n = x8.shape[0], prep.n
-        check_bf16_output(cp, f"K={k}", img, prep_d, x8, s_x, offsets, alpha, tokens=tokens,
-                          token_blocks=token_blocks, image=True, ahead=ahead)
+    rng, prep, prep_d, x8, s_x, offsets, alpha = assert_image_gives_wide_bits(
+        cp, tokens, token_blocks, ahead, [1, 0, 23, 2 * tokens + 44, 8], 400)
+    rows, n = x8.shape[0], prep.n
     with pytest.raises(ValueError, match="out: a bf16_out launch expected"):
         wg.w4a8_gemm(prep_d, cp.asarray(x8), cp.asarray(s_x), offsets, alpha, out=cp.empty((rows, n), cp.float32),
                      tokens=tokens, image=True, bf16_out=True)
@@ -1157,20 +1168,7 @@ def test_the_small_image_tiles_give_the_wide_kernels_bits(tokens, token_blocks):
     multicast form does not take these tiles."""
     from lab.gpu import require_gpu
 
-    cp = require_gpu("test")
-    for k in (512, 2048):
-        rng = np.random.default_rng(700 + tokens + k)
-        prep, x8, s_x, offsets, alpha, ref, mag = make_problem(rng, [1, 0, 23, 2 * tokens + 5, 8], 256, k)
-        prep_d = prep.to_device()
-        wide, _ = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
-                           warpgroups=2)
-        img, guard = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
-                              image=True, ahead=True)
-        assert np.isnan(guard).all()
-        assert_within_bound(img, ref, mag)
-        assert img.tobytes() == wide.tobytes(), k
-        check_bf16_output(cp, f"K={k}", img, prep_d, x8, s_x, offsets, alpha, tokens=tokens,
-                          token_blocks=token_blocks, image=True, ahead=True)
+    assert_image_gives_wide_bits(require_gpu("test"), tokens, token_blocks, True, [1, 0, 23, 2 * tokens + 5, 8], 700)
     with pytest.raises(ValueError, match="multicast: the multicast form takes the tiles"):
         wg.image_expression(tokens, ahead=True, multicast=True)
 
