@@ -102,11 +102,10 @@ number), as for every float32 SwiGLU. For g <= -128 silu is -0 (the float64 valu
 2^-170). CUDA's expf is within 2 ulp but is not this function, which is why the act kernel does
 not call it.
 
-Layer (layer_rows): x -> quantize_act -> w13 (p13, alpha 1) -> h rounded to float32, then to
-bf16 (round_bf16: w13 writes h as bf16 where it runs the image kernels, and every form of the
-act stage rounds it so) -> SwiGLU with the gate and up globals (swiglu_f32) -> quantize_act ->
-w2 (p2, alpha w2_global). Given a w13 GEMM that returned the float64 contract rounded to
-float32, the kernels compute exactly this; their only deviation is the GEMMs' accumulation.
+Layer (layer_rows): x -> quantize_act -> w13 (p13, alpha 1) -> h rounded to float32 -> SwiGLU
+with the gate and up globals (swiglu_f32) -> quantize_act -> w2 (p2, alpha w2_global). Given a
+w13 GEMM that returned the float64 contract rounded to float32, the kernels compute exactly
+this; their only deviation is the GEMMs' accumulation.
 """
 
 from __future__ import annotations
@@ -610,24 +609,11 @@ def swiglu_f32(h, offsets, gate_global, up_global, experts=None) -> np.ndarray:
     return a
 
 
-def round_bf16(h) -> np.ndarray:
-    """float32 h rounded to bf16 (nearest even; subnormals kept, overflow to Inf) and back: the h
-    the act stage takes, whatever w13 wrote (bf16 bits from the image kernels' epilogue, float32
-    from the others, the same values). NaN stays NaN."""
-    h = np.asarray(h)
-    if h.dtype != np.float32:
-        raise ValueError(f"h must be float32, got {h.dtype}")
-    with np.errstate(over="ignore"):
-        return h.astype(ml_dtypes.bfloat16).astype(np.float32)
-
-
 def swiglu_quant(h, offsets, gate_global, up_global, experts=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The act stage: (a (rows, I) float32, a8 (rows, I) uint8, s_a (rows, ceil(I/128)) float32) =
-    swiglu_f32 of round_bf16(h), then quantize_act, what the act kernel writes bit for bit. h is
-    rounded to bf16 first, as torch-fp8 keeps it: w13 then writes half the bytes and the act stage
-    reads half (the module docstring's Layer). Rows of experts not asked for: a NaN, codes and
-    scales zero."""
-    a = swiglu_f32(round_bf16(h), offsets, gate_global, up_global, experts)
+    swiglu_f32 then quantize_act, what the act kernel writes bit for bit. Rows of experts not
+    asked for: a NaN, codes and scales zero."""
+    a = swiglu_f32(h, offsets, gate_global, up_global, experts)
     a8, s_a = _quantize_rows(a, offsets, experts)
     return a, a8, s_a
 
@@ -665,7 +651,7 @@ def layer_rows(x_rows, offsets, weights: MoEWeights, p13=None, p2=None, per_row:
 
         x8, s_x = quantize_act(x_rows)
         h   = gemm(x8, s_x, w13 e4m3 with p13, alpha 1)       (rows, 2I) float64, with 2^p13
-        a, a8, s_a = swiglu_quant(float32(h), gate_global, up_global)   a (rows, I) float32 (of bf16 h)
+        a, a8, s_a = swiglu_quant(float32(h), gate_global, up_global)   a (rows, I) float32
         out = gemm(a8, s_a, w2 e4m3 with p2, alpha w2_global) (rows, H) float64
 
     p13 / p2: None (choose_p per expert, or per row with ``per_row``) or given. Weights are

@@ -14,7 +14,7 @@ it, over the SM's four schedulers), a floor to set against the measured cycles p
 `--act fp8` reads the W4A8 GEMM instead (lab/kernels/w4a8_gemm.cu): for each token tile (or
 `--tokens`), its one-warpgroup, two-warpgroup and fused instantiations' group loop (one trip is
 one 128-column group: the loader's copies, the decode of the warpgroup's 64 rows, four fp8 wgmmas,
-the promotion), and the activation-image kernels' (plain, decode-ahead at 16-192 tokens, the
+the promotion), and from 64 tokens the activation-image kernels' (plain, decode-ahead, the
 192-token tile in wgmma batches, the fused image kernel; a trip of those is as many groups as it
 releases stages), by class. A loop with
 branches has several paths through a trip (sass.loop_paths); each row is one steady path, the
@@ -115,7 +115,7 @@ def fp8_forms(t: int) -> list[tuple[str, str, int]]:
         forms += [("w4a8-fused", wg.swiglu_expression(t), 1), ("w4a8-fused wide", wg.swiglu_wide_expression(t), 2)]
     if t in wg.IMAGE_TILES:
         forms += [("w4a8 image", wg.image_expression(t), 2)]
-    if t in wg.IMAGE_SMALL_TILES + wg.IMAGE_AHEAD_TILES:
+    if t in wg.IMAGE_AHEAD_TILES:
         forms += [("w4a8 image ahead", wg.image_expression(t, ahead=True), 2)]
     if t in wg.IMAGE_TILES:
         if t != 128:  # (the plain fused form spills at 128 and is not built)

@@ -305,83 +305,6 @@ def test_each_plan_launches_its_instantiation(monkeypatch):
     assert launch(wg.GemmPlan(8, 0)) == []
 
 
-@pytest.mark.parametrize("tokens", wg.IMAGE_SMALL_TILES + wg.IMAGE_AHEAD_TILES)
-def test_the_image_layout_is_what_the_b_descriptor_reads_and_its_copies_stop_at_the_tokens(tokens):
-    """x_image_host, the image's definition, against wgmma's view of a stage (K-major B, no
-    swizzle; LBO 128, SBO 1024, step s 256 bytes in): tensor-core k of step s for token n of a
-    block is the byte at octet n / 8, half k / 16, row n % 8, column k % 16, and holds the token's
-    logical k 8c + 4h + k % 4 of that step (c = k % 16 / 4, h = k / 16: lane c's A fragment). Each
-    block writes exactly its ceil(count / 8) octets a group (zeros past the count), i.e. the
-    prefix the producer copies, and its scales at sx_slot up to whole octet pairs; nothing of the
-    padding past that."""
-    rng = np.random.default_rng(tokens)
-    K = 512
-    counts = np.array([1, 0, 23, tokens + 44 - tokens % 16 + 3, 8, tokens])
-    offsets = np.r_[0, np.cumsum(counts)].astype(np.int32)
-    rows, G = int(counts.sum()), K // wg.GROUP_K
-    x8 = rng.integers(0, 256, (rows, K), dtype=np.uint8)
-    s_x = rng.uniform(0.5, 2.0, (rows, G)).astype(np.float32)
-    x, sx, xw, sxw = wg.x_image_host(x8, s_x, offsets, tokens)
-    flat, flat_w, sflat, sflat_w = x.reshape(-1), xw.reshape(-1), sx.reshape(-1), sxw.reshape(-1)
-    k = np.arange(32)
-    logical = 8 * ((k % 16) // 4) + 4 * (k // 16) + k % 4  # of the step, for tensor-core k
-    for e, count in enumerate(counts):
-        for b in range(-(-int(count) // tokens)):
-            img, valid = int(offsets[e]) + e * tokens + b * tokens, min(tokens, int(count) - b * tokens)
-            base = img * K
-            for g in range(G):
-                grp = base + g * tokens * wg.GROUP_K
-                octets = -(-valid // 8)
-                assert flat_w[grp: grp + octets * 1024].all() and not flat_w[grp + octets * 1024:
-                                                                              grp + tokens * wg.GROUP_K].any()
-                for s in range(wg.GROUP_K // wg.STEP_K):
-                    for n in range(octets * 8):
-                        at = grp + (n // 8) * 1024 + s * 256 + (k // 16) * 128 + (n % 8) * 16 + k % 16
-                        want = (x8[int(offsets[e]) + b * tokens + n, (4 * g + s) * 32 + logical] if n < valid
-                                else np.zeros(32, np.uint8))
-                        assert (flat[at] == want).all(), (e, b, g, s, n)
-                slots = img * G + g * tokens + wg.sx_slot(np.arange(tokens))
-                pairs = -(-valid // 16) * 16
-                assert sflat_w[slots[:pairs]].all() and not sflat_w[slots[pairs:]].any()
-                assert (sflat[slots[:valid]] == s_x[int(offsets[e]) + b * tokens: int(offsets[e]) + b * tokens + valid,
-                                                    g]).all()
-                assert (sflat[slots[valid:pairs]] == 0).all()
-    assert sorted(set(wg.sx_slot(np.arange(tokens)).tolist())) == list(range(tokens))  # a permutation
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", wg.IMAGE_SMALL_TILES + wg.IMAGE_AHEAD_TILES)
-def test_the_pre_pass_writes_the_image_definition_and_nothing_past_its_copies(tokens):
-    """w4a8_x_image on a poisoned workspace: every byte and scale x_image_host says it writes is
-    that definition's, and every other one is still poison (the padding octets the producer never
-    copies are never written either)."""
-    from lab.gpu import require_gpu
-
-    cp = require_gpu("test")
-    rng = np.random.default_rng(70 + tokens)
-    K = 1024
-    counts = np.array([1, 0, 23, 2 * tokens + 44, 8, tokens, 17])
-    offsets = np.r_[0, np.cumsum(counts)].astype(np.int32)
-    rows, G = int(counts.sum()), K // wg.GROUP_K
-    x = rng.standard_normal((rows, K)).astype(np.float32) * np.exp2(rng.integers(-8, 8, (rows, 1))).astype(np.float32)
-    x8, s_x = w4a8.quantize_act(x)
-    packed, scales = random_nvfp4(rng, counts.size, 256, K)
-    prep = wg.prepare_w4a8_weights(packed, scales)
-    plan = wg.GemmPlan(tokens, -(-int(counts.max()) // tokens), warpgroups=2, image=True, ahead=True,
-                       sub=wg.image_sub(tokens, None))
-    image = wg.image_workspace(plan, prep, rows)
-    image.x.fill(0xA5)
-    image.sx.fill(np.float32(np.nan))
-    wg.launch_x_image(plan, prep, cp.asarray(x8), cp.asarray(s_x), cp.asarray(offsets), image,
-                      cp.cuda.get_current_stream())
-    got_x, got_sx = image.x.get(), image.sx.get()
-    want_x, want_sx, xw, sxw = wg.x_image_host(x8, s_x, offsets, tokens)
-    assert (got_x[xw] == want_x[xw]).all(), "image bytes differ from the definition"
-    assert (got_x[~xw] == 0xA5).all(), "the pre-pass wrote past the octets a stage copies"
-    assert_bits_equal("image scales", got_sx[sxw], want_sx[sxw])
-    assert np.isnan(got_sx[~sxw]).all(), "the pre-pass wrote scales past the pairs a stage copies"
-
-
 @needs_nvcc
 @pytest.mark.parametrize("tokens", wg.IMAGE_TILES)
 def test_the_image_kernels_consumers_copy_nothing_and_never_wait_for_each_other(tokens):
@@ -401,46 +324,11 @@ def test_the_image_kernels_consumers_copy_nothing_and_never_wait_for_each_other(
 
 
 @needs_nvcc
-@pytest.mark.parametrize("expr", wg.MULTICAST_EXPRESSIONS)
-def test_the_multicast_form_keeps_the_image_kernels_consumer_loop(expr):
-    """w4a8_gemm_image_mc: no spill, wgmma asynchronous, setmaxnreg honoured, and its consumers'
-    group loop the image kernel's but for the trip: the same wgmmas a group on each steady path, no
-    copy or barrier, two groups a trip with the stage at run time (its producer needs more than 40
-    registers, so its consumers keep 224, too few for the trip of four at 192 tokens: ImageRegs)
-    where the plain kernel takes four (measured 178.5 / 217.5 / 231 and 278.5 instructions a group
-    at 64 / 128 / 192, against the plain kernel's 150.75 / 182.75 / 192 and 237.25); its producer
-    copies activations and scales with multicast bulk copies, and arrives on and waits for the
-    peer's barrier."""
-    if sass.nvdisasm_path() is None:
-        pytest.skip("reading SASS needs nvdisasm")
-    info = jit.ptxas_report(wg.GEMM_SOURCE, expr)
-    assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
-    assert not info.wgmma_serialized and not info.setmaxnreg_ignored, info
-    plain = expr.replace("w4a8_gemm_image_mc", "w4a8_gemm_image")
-    t = int(expr.split("<")[1].split(",")[0])
-    if t not in wg.IMAGE_BATCH_ISSUE:  # (the plain form's name drops its batch where it is the tile)
-        plain = plain.rsplit(",", 1)[0] + ">"
-    mc, one = sass.kernel_sass(wg.GEMM_SOURCE, expr), sass.kernel_sass(wg.GEMM_SOURCE, plain)
-    (lm,), (lo,) = sass.tensor_loops(mc), sass.tensor_loops(one)
-    loop_mc, loop_one = mc[lm[0]: lm[1] + 1], one[lo[0]: lo[1] + 1]
-    assert {i.opcode for i in loop_mc if "GMMA" in i.opcode} == {i.opcode for i in loop_one if "GMMA" in i.opcode}
-    assert not any(i.opcode.startswith(("UBLKCP", "BAR", "UCGABAR")) for i in loop_mc), "a copy or a barrier"
-    steady_mc = sass.steady_paths(sass.loop_paths(mc, lm))
-    steady_one = sass.steady_paths(sass.loop_paths(one, lo))
-    assert {p.groups for p in steady_mc} == {2} and {p.groups for p in steady_one} == {4}
-    assert [p.tensor_ops // 2 for p in steady_mc] == [p.tensor_ops // 4 for p in steady_one]
-    ops = [i.opcode for i in mc]
-    assert sum(".MULTICAST" in o.upper() for o in ops) == 2, sorted(o for o in set(ops) if "BLK" in o)
-    assert not any(".MULTICAST" in o.upper() for o in (i.opcode for i in one))
-
-
-@needs_nvcc
 @pytest.mark.parametrize("tokens", wg.IMAGE_TILES)
-def test_the_image_kernels_decode_ahead_loop_holds_four_groups(tokens):
-    """w4a8_gemm_image's `ahead` form: its loop takes four groups a trip, one a ring stage (the A
-    registers alternate), sixteen QGMMA, no copy and no CTA barrier; the registers setmaxnreg gives
-    the consumers hold both A sets and both accumulators without a spill; fewer instructions a group
-    than the plain form, IMAGE_AHEAD_ISSUE's count."""
+def test_the_image_kernels_decode_ahead_loop_holds_two_groups(tokens):
+    """w4a8_gemm_image's `ahead` form: its loop takes two groups a trip (the A registers alternate),
+    eight QGMMA, no copy and no CTA barrier; the registers setmaxnreg gives the consumers hold both
+    A sets and both accumulators without a spill; fewer instructions a group than the plain form."""
     if sass.nvdisasm_path() is None:
         pytest.skip("reading SASS needs nvdisasm")
     expr = wg.image_expression(tokens, ahead=True)
@@ -449,43 +337,20 @@ def test_the_image_kernels_decode_ahead_loop_holds_four_groups(tokens):
     loops = sass.tensor_loops(code)
     assert len(loops) == 1, loops
     ops = [i.opcode for i in code[loops[0][0]: loops[0][1] + 1]]
-    assert sum(o.startswith("QGMMA") for o in ops) == 16, ops
+    assert sum(o.startswith("QGMMA") for o in ops) == 8, ops
     assert not any(o.startswith(("LDGSTS", "UBLKCP", "BAR")) for o in ops), sorted(set(ops))
-    assert sum(o.startswith("SYNCS.ARRIVE") for o in ops) == 4  # each stage released once a trip
     n = sass.loop_mix(code, loops[0]).instructions
-    assert n < 4 * wg.IMAGE_ISSUE[tokens] and -(-n // 4) == wg.IMAGE_AHEAD_ISSUE[tokens], n
+    assert n < 2 * wg.IMAGE_ISSUE[tokens] and -(-n // 2) == wg.IMAGE_AHEAD_ISSUE[tokens], n
     with pytest.raises(ValueError, match="ahead: the decode one group ahead is a form of the activation-image"):
         wg.w4a8_gemm(None, None, None, None, None, ahead=True)
 
 
 @needs_nvcc
-@pytest.mark.parametrize("bf16", [False, True])
-def test_the_16_token_image_tile_fits_two_ctas_an_sm(bf16):
-    """w4a8_gemm_image at 16 tokens (IMAGE_SMALL_TILES) runs two CTAs an SM: at most 80 registers a
-    thread at launch (two CTAs of 384 threads), setmaxnreg honoured, no spill at the consumers'
-    104, both CTAs' shared memory within the SM's 227 KiB; its loop takes four groups a trip,
-    IMAGE_SMALL_ISSUE's count. The 32-token tile keeps one CTA (it spills at 112)."""
-    expr = wg.image_expression(16, ahead=True, bf16=bf16)
-    info = jit.ptxas_report(wg.GEMM_SOURCE, expr)
-    assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, info
-    assert info.registers <= 80 and not info.setmaxnreg_ignored and not info.wgmma_serialized, info
-    assert 2 * (wg.image_smem_bytes(16) + info.smem_static) <= 227 * 1024
-    assert jit.ptxas_report(wg.GEMM_SOURCE, wg.image_expression(32, ahead=True, bf16=bf16)).registers > 80
-    if sass.nvdisasm_path() is None:
-        pytest.skip("reading SASS needs nvdisasm")
-    code = sass.kernel_sass(wg.GEMM_SOURCE, expr)
-    (loop,) = sass.tensor_loops(code)
-    (path,) = sass.steady_paths(sass.loop_paths(code, loop))
-    assert path.groups == 4 and abs(path.instructions / 4 - wg.IMAGE_SMALL_ISSUE[16]) <= 0.5, path
-
-
-@needs_nvcc
 @pytest.mark.parametrize("expr", wg.FUSED_IMAGE_EXPRESSIONS)
 def test_the_fused_image_kernels_group_loop_is_the_image_kernels(expr):
-    """w4a8_gemm_image_swiglu: the SwiGLU epilogue leaves the group loop the plain image kernel's at
-    the same tile and form within a few instructions a group (ptxas schedules each kernel anew:
-    measured 190 against 205 for the plain form at 64, 606 and 743 against 603 and 731 for the
-    four-group trip at 64 and 128), with no CTA barrier in it, and no spill."""
+    """w4a8_gemm_image_swiglu: the SwiGLU epilogue leaves the group loop no longer than the plain
+    image kernel's at the same tile and form (ptxas schedules it 5-14 instructions shorter since
+    each token's inverse is computed once), with no CTA barrier in it, and no spill."""
     if sass.nvdisasm_path() is None:
         pytest.skip("reading SASS needs nvdisasm")
     tokens, ahead = (64, False) if expr.endswith("<64>") else (int(expr.split("<")[1].split(",")[0]), True)
@@ -495,8 +360,7 @@ def test_the_fused_image_kernels_group_loop_is_the_image_kernels(expr):
     (fa, fb), = sass.tensor_loops(fused)
     (pa, pb), = sass.tensor_loops(plain)
     assert not any(i.opcode.startswith("BAR") for i in fused[fa: fb + 1])
-    groups = sum(i.opcode.startswith("SYNCS.ARRIVE") for i in plain[pa: pb + 1])
-    assert fb - fa <= pb - pa + 4 * groups, (fb - fa + 1, pb - pa + 1)
+    assert fb - fa <= pb - pa, (fb - fa + 1, pb - pa + 1)
 
 
 def test_default_plans_take_the_image_kernel_from_the_largest_ring_tile():
@@ -510,15 +374,15 @@ def test_default_plans_take_the_image_kernel_from_the_largest_ring_tile():
         offs = np.r_[0, np.cumsum(counts)]
         return wg._plan(prep, offs, kw.get("tokens"), kw.get("token_blocks"), None)
 
-    big = plan([300, 200, 0, 260])  # at 192: 3 full blocks x 237 + 3 of at most 128 tokens x 192 < 8 x 183
+    big = plan([300, 200, 0, 260])  # at 192: 3 full blocks x 291 + 3 of at most 128 tokens x 239 < 8 x 222
     assert big == wg.GemmPlan(192, 2, warpgroups=2, image=True, ahead=True, sub=64)
-    assert plan([120, 100, 0, 128]) == wg.GemmPlan(128, 1, warpgroups=2, image=True, ahead=True)  # 3 x 183 < 3 x 192
-    assert plan([64, 60, 58, 64]) == wg.GemmPlan(64, 1, warpgroups=2, image=True, ahead=True)  # 4 x 151 < 4 x 183
+    assert plan([120, 100, 0, 128]) == wg.GemmPlan(128, 1, warpgroups=2, image=True, ahead=True)  # 3 x 222 < 3 x 239
+    assert plan([64, 60, 58, 64]) == wg.GemmPlan(64, 1, warpgroups=2, image=True, ahead=True)  # 4 x 182 < 4 x 222
     assert plan([300, 200, 0, 260], tokens=64, token_blocks=2) == wg.GemmPlan(64, 2, warpgroups=2, image=True,
                                                                               ahead=True)
     assert plan([300, 200, 0, 260], tokens=192) == big
-    assert wg.image_issue([300, 200, 0, 260], 192) == 3 * 237 + 3 * 192
-    assert wg.image_issue([130, 0, 64], 192) == 237 + 192 and wg.image_issue([130, 0, 64], 128) == 3 * 183
+    assert wg.image_issue([300, 200, 0, 260], 192) == 3 * 291 + 3 * 239
+    assert wg.image_issue([130, 0, 64], 192) == 291 + 239 and wg.image_issue([130, 0, 64], 128) == 3 * 222
     assert not plan([9, 4, 1, 12]).image and not plan([24, 20, 9, 31]).image
     odd = wg.prepare_w4a8_weights(*random_nvfp4(rng, 4, 128, 384))
     assert not wg._plan(odd, np.r_[0, np.cumsum([300, 200, 0, 260])], None, None, None).image
@@ -533,13 +397,13 @@ def test_default_plans_take_the_image_kernel_from_the_largest_ring_tile():
 @needs_nvcc
 def test_the_192_token_tiles_loop_runs_its_wgmmas_in_batches():
     """w4a8_gemm_image's 192-token tile (wgmma batches of 64 into two buffers in turn): its decode-
-    ahead loop takes four groups a trip with 48 QGMMA of N = 64 (three batches of four a group), no
-    copy, no CTA barrier and no serialized wgmma or spill. Its length is pinned (1093: every
-    group's two-batch and three-batch paths, which share all but the third batch's branch);
-    IMAGE_BATCH_ISSUE's split into two batches (192 a group) and three (237.25) is read off the
-    loop's steady paths by tests/test_sass.py. History of the trip of two groups: 632 (232.5 and
-    280), 630 before the table copies, 658 with 8-byte scale loads, 666 before the scales were read
-    ahead."""
+    ahead loop takes two groups a trip with 24 QGMMA of N = 64 (three batches of four a group), no
+    copy, no CTA barrier and no serialized wgmma or spill. Its length is pinned (658: both groups'
+    two-batch and three-batch paths, which share all but the third batch's branch). That is a
+    check on the sum only: IMAGE_BATCH_ISSUE's split into two (239) and three (291) batches was
+    read off the loop's branches (with the scales read ahead: common parts 208 and 195, the else
+    paths 38, the third batch's 90 and 89, so 239.5 and 291; 666 before, 197 + 42 and 197 + 94),
+    so a change to the loop fails here and asks for that split to be read again."""
     if sass.nvdisasm_path() is None:
         pytest.skip("reading SASS needs nvdisasm")
     expr = wg.image_expression(192, ahead=True)
@@ -549,9 +413,9 @@ def test_the_192_token_tiles_loop_runs_its_wgmmas_in_batches():
     loops = sass.tensor_loops(code)
     assert len(loops) == 1, loops
     ops = [i.opcode for i in code[loops[0][0]: loops[0][1] + 1]]
-    assert ops.count("QGMMA.64x64x32.F32.E4M3.E4M3") == 48 and sum(o.startswith("QGMMA") for o in ops) == 48
+    assert ops.count("QGMMA.64x64x32.F32.E4M3.E4M3") == 24 and sum(o.startswith("QGMMA") for o in ops) == 24
     assert not any(o.startswith(("LDGSTS", "UBLKCP", "BAR")) for o in ops), sorted(set(ops))
-    assert len(ops) == 1093, len(ops)
+    assert len(ops) == 658, len(ops)
 
 
 @needs_nvcc
@@ -1103,28 +967,6 @@ def check_bf16_output(cp, name, f32, prep_d, x8, s_x, offsets, alpha, **kw):
     assert int(bad.get()[0]) == 5, "non-finite outputs counted on finite ones"
 
 
-def assert_image_gives_wide_bits(cp, tokens, token_blocks, ahead, counts, seed):
-    """At K 512 and 2048 (seeded by `seed`): the image kernel's output at `tokens` (the decode-ahead
-    form where `ahead`) is the two-warpgroup ring kernel's at the same tile, bit for bit, within
-    the contract's bound, with nothing written outside it, and its bf16 output the float32
-    output's bits (check_bf16_output). Returns the K = 2048 problem: (rng, prep, prep_d, x8, s_x,
-    offsets, alpha)."""
-    for k in (512, 2048):
-        rng = np.random.default_rng(seed + tokens + k)
-        prep, x8, s_x, offsets, alpha, ref, mag = make_problem(rng, counts, 256, k)
-        prep_d = prep.to_device()
-        wide, _ = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
-                           warpgroups=2)
-        img, guard = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
-                              image=True, ahead=ahead)
-        assert np.isnan(guard).all()
-        assert_within_bound(img, ref, mag)
-        assert img.tobytes() == wide.tobytes(), k
-        check_bf16_output(cp, f"K={k}", img, prep_d, x8, s_x, offsets, alpha, tokens=tokens,
-                          token_blocks=token_blocks, image=True, ahead=ahead)
-    return rng, prep, prep_d, x8, s_x, offsets, alpha
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("tokens", wg.IMAGE_TILES)
@@ -1141,9 +983,20 @@ def test_the_activation_image_kernel_gives_the_wide_kernels_bits(tokens, token_b
     from lab.gpu import require_gpu
 
     cp = require_gpu("test")
-    rng, prep, prep_d, x8, s_x, offsets, alpha = assert_image_gives_wide_bits(
-        cp, tokens, token_blocks, ahead, [1, 0, 23, 2 * tokens + 44, 8], 400)
-    rows, n = x8.shape[0], prep.n
+    for k in (512, 2048):
+        rng = np.random.default_rng(400 + tokens + k)
+        prep, x8, s_x, offsets, alpha, ref, mag = make_problem(rng, [1, 0, 23, 2 * tokens + 44, 8], 256, k)
+        prep_d = prep.to_device()
+        wide, _ = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
+                           warpgroups=2)
+        img, guard = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, tokens=tokens, token_blocks=token_blocks,
+                              image=True, ahead=ahead)
+        assert np.isnan(guard).all()
+        assert_within_bound(img, ref, mag)
+        assert img.tobytes() == wide.tobytes(), k
+        rows, n = x8.shape[0], prep.n
+        check_bf16_output(cp, f"K={k}", img, prep_d, x8, s_x, offsets, alpha, tokens=tokens,
+                          token_blocks=token_blocks, image=True, ahead=ahead)
     with pytest.raises(ValueError, match="out: a bf16_out launch expected"):
         wg.w4a8_gemm(prep_d, cp.asarray(x8), cp.asarray(s_x), offsets, alpha, out=cp.empty((rows, n), cp.float32),
                      tokens=tokens, image=True, bf16_out=True)
@@ -1155,22 +1008,6 @@ def test_the_activation_image_kernel_gives_the_wide_kernels_bits(tokens, token_b
     with pytest.raises(ValueError, match="image: the activation-image kernel takes N a multiple of 128 and K a "
                                          "multiple of 512, got N=256, K=384"):
         wg.w4a8_gemm(prep.to_device(), cp.asarray(x8), cp.asarray(s_x), offsets, alpha, image=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", wg.IMAGE_SMALL_TILES)
-@pytest.mark.parametrize("token_blocks", [None, 2])
-def test_the_small_image_tiles_give_the_wide_kernels_bits(tokens, token_blocks):
-    """The decode-ahead image kernel at 16 and 32 tokens (IMAGE_SMALL_TILES, on request): the
-    two-warpgroup ring kernel's bits at the same tile, on a ragged problem with an empty expert, a
-    one-token expert and partial blocks, grid heights 1 and 2, K 512 (one trip of four groups) and
-    2048; nothing written outside the output; its bf16 output the float32 output's bits. The
-    multicast form does not take these tiles."""
-    from lab.gpu import require_gpu
-
-    assert_image_gives_wide_bits(require_gpu("test"), tokens, token_blocks, True, [1, 0, 23, 2 * tokens + 5, 8], 700)
-    with pytest.raises(ValueError, match="multicast: the multicast form takes the tiles"):
-        wg.image_expression(tokens, ahead=True, multicast=True)
 
 
 @pytest.mark.gpu
@@ -1203,36 +1040,6 @@ def test_the_image_kernels_wgmma_batches_give_the_whole_tiles_bits(tokens, token
     with pytest.raises(ValueError, match="sub: the image kernel's wgmma batch is 0"):
         wg.w4a8_gemm(prep_d, cp.asarray(x8), cp.asarray(s_x), offsets, alpha, tokens=192, image=True, ahead=True,
                       sub=0)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", wg.IMAGE_AHEAD_TILES)
-@pytest.mark.parametrize("token_blocks", [None, 2])
-def test_the_multicast_image_kernel_gives_the_image_kernels_bits(tokens, token_blocks):
-    """w4a8_gemm_image_mc (clusters of two CTAs along N, each producer copying half of every group's
-    activation octets and scale pairs into both): the decode-ahead image kernel's bits at the same
-    tile, float32 and bf16 outputs, on experts of 1 token (one octet: rank 1 copies nothing), 0, 23,
-    9, 100 and 2T + 44 tokens, at grid heights 1 and 2 (the peers' phases carried across blocks),
-    K 512 and 2048, N 512 (two clusters a row of the grid); nothing written outside the output;
-    N not a multiple of 256 refused."""
-    from lab.gpu import require_gpu
-
-    cp = require_gpu("test")
-    for k in (512, 2048):
-        rng = np.random.default_rng(1300 + tokens + k)
-        prep, x8, s_x, offsets, alpha, ref, mag = make_problem(rng, [1, 0, 23, 9, 100, 2 * tokens + 44], 512, k)
-        prep_d = prep.to_device()
-        kw = dict(tokens=tokens, token_blocks=token_blocks, image=True, ahead=True)
-        one, _ = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, **kw)
-        got, guard = run_gemm(cp, prep_d, x8, s_x, offsets, alpha, multicast=True, **kw)
-        assert np.isnan(guard).all()
-        assert_within_bound(got, ref, mag)
-        assert_bits_equal(f"K={k}", got.astype(np.float32), one.astype(np.float32))
-        check_bf16_output(cp, f"K={k}", got, prep_d, x8, s_x, offsets, alpha, multicast=True, **kw)
-    prep, x8, s_x, offsets, alpha, _, _ = make_problem(rng, [4, 9], 384, 512)
-    with pytest.raises(ValueError, match="multicast: the multicast form is the activation-image kernel"):
-        wg.w4a8_gemm(prep.to_device(), cp.asarray(x8), cp.asarray(s_x), offsets, alpha, tokens=64, image=True,
-                     ahead=True, multicast=True)
 
 
 @pytest.mark.gpu
@@ -1609,13 +1416,6 @@ def test_swiglu_quant_kernel_is_bit_exact(i):
     assert bad == 0
     assert_bits_equal("a8 without a_out", a8b, a8_want)
     assert_bits_equal("s_a without a_out", s_b, s_want)
-    # h as bf16 bits (what w13's image epilogue writes): the same a, a8 and s_a
-    h16 = (w4a8.round_bf16(h).view(np.uint32) >> 16).astype(np.uint16)
-    a16, a8c, s_c, bad = run_swiglu(cp, h16, offsets, gate, up)
-    assert bad == 0
-    assert_bits_equal("a from bf16 h", a16, a_want)
-    assert_bits_equal("a8 from bf16 h", a8c, a8_want)
-    assert_bits_equal("s_a from bf16 h", s_c, s_want)
 
 
 @pytest.mark.gpu
@@ -1649,10 +1449,8 @@ def test_swiglu_checks_name_the_argument():
     cp = require_gpu("test")
     h = cp.zeros((3, 256), cp.float32)
     offs, g = cp.asarray(np.array([0, 3], np.int32)), cp.ones(1, cp.float32)
-    with pytest.raises(ValueError, match="h: expected a \\(rows, 2I\\) float32 or uint16"):
+    with pytest.raises(ValueError, match="h: expected"):
         wg.swiglu_quant_gpu(h.astype(cp.float64), offs, g, g)
-    with pytest.raises(ValueError, match="h: must start on a 8-byte boundary"):
-        wg.swiglu_quant_gpu(cp.zeros(3 * 256 + 1, cp.uint16)[1:].reshape(3, 256), offs, g, g)
     with pytest.raises(ValueError, match="h: 2I=260"):
         wg.swiglu_quant_gpu(cp.zeros((3, 260), cp.float32), offs, g, g)
     with pytest.raises(ValueError, match="offsets: expected"):

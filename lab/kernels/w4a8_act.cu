@@ -61,9 +61,8 @@ __global__ void quantize_act(const T* __restrict__ x, int rows, int K, uint8_t* 
 
 // ------------------------------------------------------------------------------ SwiGLU + quantize
 //
-// swiglu_quant: h (rows, 2I) float32 or bf16 bits, the w13 GEMM's output (gate in columns
-// [0, I), up in [I, 2I), no weight globals), rows grouped by expert through offsets (E+1,) int32;
-// float32 h is rounded to bf16 first (round_bf16), so both forms compute the same a:
+// swiglu_quant: h (rows, 2I) float32, the w13 GEMM's output (gate in columns [0, I), up in
+// [I, 2I), no weight globals), rows grouped by expert through offsets (E+1,) int32;
 //
 //   a = silu(h_gate * gate_global[e]) * (h_up * up_global[e])     lab/w4a8.py swiglu_f32
 //   a8, s_a = the 1x128 quantize of a (quantize_group above)      lab/w4a8.py quantize_act
@@ -78,8 +77,7 @@ __global__ void quantize_act(const T* __restrict__ x, int rows, int K, uint8_t* 
 // adds to *nonfinite the number of its columns with NaN or Inf in h_gate, h_up or a.
 // Layout: I % 4 == 0; a8 (rows, I) uint8; s_a (rows, ceil(I / 128)) float32.
 
-template <typename T>
-__global__ void swiglu_quant(const T* __restrict__ h, const int* __restrict__ offsets, int experts, int rows,
+__global__ void swiglu_quant(const float* __restrict__ h, const int* __restrict__ offsets, int experts, int rows,
                              int I, const float* __restrict__ gate_global, const float* __restrict__ up_global,
                              uint8_t* __restrict__ a8, float* __restrict__ s_a, float* __restrict__ a_out,
                              uint32_t* __restrict__ nonfinite) {
@@ -94,8 +92,8 @@ __global__ void swiglu_quant(const T* __restrict__ h, const int* __restrict__ of
 
   float hg[4] = {0.0f, 0.0f, 0.0f, 0.0f}, hu[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   if (live) {  // issued before the search, which waits only on offsets
-    load_h4(h + row * (2 * (size_t)I) + col, hg);
-    load_h4(h + row * (2 * (size_t)I) + I + col, hu);
+    load4(h + row * (2 * (size_t)I) + col, hg);
+    load4(h + row * (2 * (size_t)I) + I + col, hu);
   }
   const int e = row_expert(offsets, experts, (int)row);
   const float gs = gate_global[e], us = up_global[e];

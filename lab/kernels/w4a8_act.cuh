@@ -20,24 +20,6 @@ __device__ __forceinline__ void load4(const uint16_t* p, float (&v)[4]) {  // bf
   v[2] = __uint_as_float(t.y << 16); v[3] = __uint_as_float(t.y & 0xffff0000u);
 }
 
-// lab/w4a8.py round_bf16: float32 -> bf16 -> float32, round to nearest even (cvt.rn.bf16.f32 keeps
-// subnormals and rounds past the largest bf16 to Inf). A NaN keeps its top bits, quieted, as
-// nvfp4_act.cuh bf16x2_bits writes it: the act kernel on w13's bf16 output and the fused epilogue
-// on its float32 sums then see the same h.
-__device__ __forceinline__ float round_bf16(float v) {
-  unsigned short b;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v));
-  const uint32_t bits = v != v ? ((__float_as_uint(v) & 0xFFFF0000u) | 0x00400000u) : ((uint32_t)b << 16);
-  return __uint_as_float(bits);
-}
-// h's four values of a lane, as the act stage takes them: float32 rounded to bf16, or bf16 bits
-__device__ __forceinline__ void load_h4(const float* p, float (&v)[4]) {
-  load4(p, v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] = round_bf16(v[i]);
-}
-__device__ __forceinline__ void load_h4(const uint16_t* p, float (&v)[4]) { load4(p, v); }
-
 // x * inv rounded once, as IEEE float32 without flushing. A subnormal x would be flushed under
 // -ftz=true, though x * inv can be an e4m3 value as large as 2^-10 x 448: it is taken as its
 // integer significand (x * 2^149, exact) times inv * 2^-149 (exact where it matters: inv > 2^116

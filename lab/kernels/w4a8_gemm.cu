@@ -559,9 +559,7 @@ struct SwigluQuant {
     for (int j = 0; j < F; ++j)
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
-        // the h the act stage takes: the plain kernel's, rounded to bf16 (lab/w4a8.py round_bf16)
-        const float hg = lab_w4a8_act::round_bf16(acc[j][q] * factor);
-        const float hu = lab_w4a8_act::round_bf16(acc[j][2 + q] * factor);
+        const float hg = acc[j][q] * factor, hu = acc[j][2 + q] * factor;  // the plain kernel's h
         a[j][q] = lab_w4a8_act::swiglu_f32(hg, hu, gs, us);
         const bool live = 8 * j + 2 * c + q < valid;
         bad += live && !(lab_w4a8_act::finite(hg) && lab_w4a8_act::finite(hu) && lab_w4a8_act::finite(a[j][q]));
@@ -856,19 +854,11 @@ __global__ void __launch_bounds__(THREADS, 1)
 // A pre-pass (w4a8_x_image) writes the activations once more, as each stage wants them: token
 // block tb of expert e at image row offsets[e] + e T + tb T (each expert padded by T rows, so no
 // two blocks overlap and no host reads the counts), group gi's bytes at (that row) x K + gi T 128,
-// laid out as [token octet o][step s][half h][token j % 8][16 bytes] (16-byte piece 2s + h of a
-// token holds half h of step s in the tensor core's k order: logical chunks h, h + 2, h + 4, h + 6),
-// zeros for the tokens past the count in the last octet that holds any; its scales at (that row) x
-// G + gi T + sx_slot(j) (token octets in pairs: a thread's four scales of two octets side by side,
-// one 16-byte load), zeros past the count up to the next pair of octets. Octets past those are
-// neither written nor copied: a block's tokens are a prefix of each group, so a stage's activations
-// are one bulk copy of its ceil(valid / 8) octets (1 KiB each) and its scales one of ceil(valid /
-// 16) x 64 bytes. Why: a padded block copied T tokens from L2 for every group, and the copies are
-// as many bytes as the weights at 64 tokens (at 32 tokens per expert a 64-token block holds ~36 on
-// average; at 128, a 192-token block ~130). wgmma's K-major B descriptor has LBO = 128 (the other
-// half) and SBO = 1024 (the next octet); step s starts 256 s bytes in, a 64-token batch 8 KiB in.
-// The wgmmas still read all T tokens of a stage: the columns of tokens past the count see stale
-// bytes and are never stored.
+// laid out as [step s][half h][token j][16 bytes] (16-byte piece 2s + h of the group holds half h
+// of step s in the tensor core's k order: logical chunks h, h + 2, h + 4, h + 6), zeros for
+// tokens past the count; its scales at (that row) x G + gi T + j. So a stage's activations are
+// one contiguous bulk copy, and wgmma's K-major B descriptor has LBO = 16 T (the other half) and
+// SBO = 128 (the next 8 tokens).
 // CTA: warpgroups 0 and 1 consume (rows 64 (2b + wg) .. + 63, as w4a8_gemm_wide), warp 8's lane
 // 0 produces: per group, six bulk copies (each warpgroup's 4 KiB of words and 512 bytes of block
 // scales, the group's activations and scales) into the stage's `full` barrier, once every
@@ -891,56 +881,13 @@ template <int T>
 struct ImageStages {
   static constexpr int value = 4;
 };
-// The image kernels keep 16 copies of the decode table, interleaved: lane pair q = 2g + c / 2 of a
-// warp (the lanes that share a block scale) reads copy q, whose rows all sit in banks 2q, 2q + 1, so
-// the 16 rows one lookup gathers never share a bank (one copy: 16 random rows of 8 bytes fall ~3
-// deep on the busiest bank pair). 16 KiB of shared memory beside the ring.
-constexpr int TABLE_COPIES = 16;
-// The row of code (the low 7 bits of `code`) in the copy at byte offset q8 (8 q): a byte offset
-// built by shift and mask-or, so the load takes the table's base as its uniform operand.
-__device__ __forceinline__ uint2 table_row(const uint2* table, uint32_t code, uint32_t q8) {
-  const uint32_t off = ((code & 0x7Fu) * (8u * TABLE_COPIES)) | q8;
-  return *reinterpret_cast<const uint2*>(reinterpret_cast<const uint8_t*>(table) + off);
-}
 constexpr int IMAGE_THREADS = 2 * THREADS + 32;  // two consumer warpgroups and the producer warp
 // With the decode ahead the producer is a whole warpgroup, whose registers setmaxnreg hands to the
-// consumers (ptxas budgets wgmma kernels by warpgroups: 168 a thread at 288 threads as at 384).
-// Alone (MC = 1) the producer needs 32 and the consumers' trip of four groups takes 240 (at 232 the
-// 192-token tile spills); the multicast producer needs more than 40, so that form keeps 56 / 224
-// and the trip of two groups.
-constexpr int IMAGE_AHEAD_THREADS = 3 * THREADS;
-// At 16 tokens two CTAs an SM (four consumer warps a scheduler, twice the bytes in flight where the
-// read binds): 80 registers a thread at launch, 104 for the consumers (the 32-token tile spills
-// even at 112, so it keeps one CTA).
-template <int MC, int T = 64>
-struct ImageRegs {
-  static constexpr int ctas = T <= 16 ? 2 : 1;  // CTAs an SM
-  static constexpr int producer = MC == 1 ? 32 : 56, consumer = ctas == 2 ? 104 : MC == 1 ? 240 : 224;
-  static_assert(producer + 2 * consumer <= 512 / ctas, "the SM's registers: 128 threads a role");
-};
+// consumers (ptxas budgets wgmma kernels by warpgroups: 168 a thread at 288 threads as at 384)
+constexpr int IMAGE_AHEAD_THREADS = 3 * THREADS, IMAGE_PRODUCER_REGS = 56, IMAGE_CONSUMER_REGS = 224;
 // Token octets of a batch whose scales the decode-ahead form reads before the batch's wgmmas retire
 // (scales_ahead): 2 P registers a thread, live across the wait.
 constexpr int IMAGE_SX_AHEAD = 4;
-
-// Where token j's scale sits among a group's T in the image (T a multiple of 16): octets 2m and
-// 2m + 1 share 16 floats, lane c's four (tokens 2c, 2c + 1 of each octet) at 4c .. 4c + 3, so the
-// promotion reads a thread's scales of two octets with one LDS.128 (ncu: the promotion's 24 LDS.64
-// a thread a group at 192 tokens were ~8% of the image kernel's stall samples and ~20% of its
-// shared-memory wavefronts).
-__device__ __forceinline__ int sx_slot(int j) {
-  return 16 * (j >> 4) + 4 * ((j & 7) >> 1) + 2 * ((j >> 3) & 1) + (j & 1);
-}
-// The image's B layout in a stage (above): a token octet's bytes of a group, and of one of its steps
-constexpr uint32_t IMAGE_OCTET_BYTES = 8 * GROUP_K, IMAGE_STEP_BYTES = 8 * STEP_K;
-// B's descriptor for a stage's activations at smem address xs; step s and U-token batch u add
-// image_b_offset(s, u) (in the descriptor's 16-byte units)
-__device__ __forceinline__ uint64_t image_b_desc(uint32_t xs) {
-  return lab_gemm::smem_desc(xs, IMAGE_STEP_BYTES / 2, IMAGE_OCTET_BYTES);
-}
-template <int U>
-__device__ __forceinline__ constexpr uint32_t image_b_offset(int s, int u) {
-  return (s * IMAGE_STEP_BYTES + u * (U / 8) * IMAGE_OCTET_BYTES) / 16;
-}
 
 // The pre-pass. Grid (ceil(T x K / 32 / 256), token blocks, E), 256 threads: piece i of a block is
 // token i % T's step i / T (32 bytes: two 16-byte loads, two 16-byte stores), consecutive threads
@@ -964,28 +911,22 @@ __global__ void __launch_bounds__(256)
         hi = __ldg(src + 1);
       }
       // half 0: logical chunks 0, 2, 4, 6 of the step; half 1: 1, 3, 5, 7
-      uint8_t* dst = ximg + img * K + (ks >> 2) * (T * GROUP_K) + (j >> 3) * IMAGE_OCTET_BYTES +
-                     (ks & 3) * IMAGE_STEP_BYTES + (j & 7) * 16;
-      if (j < ((count - tb * T + 7) & ~7)) {  // the octets a stage copies
-        *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.z, hi.x, hi.z);
-        *reinterpret_cast<uint4*>(dst + 128) = make_uint4(lo.y, lo.w, hi.y, hi.w);
-      }
+      uint8_t* dst = ximg + img * K + (ks >> 2) * (T * GROUP_K) + (2 * (ks & 3)) * (T * 16) + j * 16;
+      *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.z, hi.x, hi.z);
+      *reinterpret_cast<uint4*>(dst + T * 16) = make_uint4(lo.y, lo.w, hi.y, hi.w);
     }
-    if (ks < G && j < ((count - tb * T + 15) & ~15))  // the scales a stage copies
-      sximg[img * G + ks * T + sx_slot(j)] = in ? s_x[row * G + ks] : 0.0f;
+    if (ks < G) sximg[img * G + ks * T + j] = in ? s_x[row * G + ks] : 0.0f;
   }
 }
 
 // The promotion: acc's sub-tile u (tokens U u .. U u + U - 1, U = 8 FU; FU = F: the whole tile)
 // += t x its tokens' scales
-// acc's octets 2m and 2m + 1 of sub-tile u += t's times their scales s (one float4 of the stage's
-// scales in sx_slot order: this thread's two tokens of each octet)
 template <int F, int FU, int u>
-__device__ __forceinline__ void promote_pair(float (&acc)[F][4], const float (&t)[FU][4], int m, const float4& s) {
+__device__ __forceinline__ void promote_sub(float (&acc)[F][4], const float (&t)[FU][4], const float* sx, int c) {
+  static_assert(FU * (u + 1) <= F, "a sub-tile of the accumulator");
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int j = 2 * m + h;
-    const float s0 = h ? s.z : s.x, s1 = h ? s.w : s.y;
+  for (int j = 0; j < FU; ++j) {
+    const float s0 = sx[8 * (FU * u + j) + 2 * c], s1 = sx[8 * (FU * u + j) + 2 * c + 1];
     acc[FU * u + j][0] = fmaf(t[j][0], s0, acc[FU * u + j][0]);
     acc[FU * u + j][1] = fmaf(t[j][1], s1, acc[FU * u + j][1]);
     acc[FU * u + j][2] = fmaf(t[j][2], s0, acc[FU * u + j][2]);
@@ -993,87 +934,40 @@ __device__ __forceinline__ void promote_pair(float (&acc)[F][4], const float (&t
   }
 }
 
-template <int F, int FU, int u>
-__device__ __forceinline__ void promote_sub(float (&acc)[F][4], const float (&t)[FU][4], const float* sx, int c) {
-  static_assert(FU * (u + 1) <= F && FU % 2 == 0, "a sub-tile of the accumulator, whole octet pairs");
-#pragma unroll
-  for (int m = 0; m < FU / 2; ++m)
-    promote_pair<F, FU, u>(acc, t, m, *reinterpret_cast<const float4*>(sx + 8 * (FU * u + 2 * m) + 4 * c));
-}
-
 // The scales of sub-tile u's first P token octets (this thread's two tokens of each), read before
 // its wgmmas retire: the promotion's first FMAs then wait on no shared-memory load (ncu put those
 // waits at ~8% of the image kernel's stall samples at 192 tokens; notes/w4a8.md).
-// (pre: PP octet pairs, each one float4 as promote_sub reads it)
-template <int FU, int u, int PP>
-__device__ __forceinline__ void scales_ahead(float4 (&pre)[PP], const float* sx, int c) {
-  static_assert(2 * PP <= FU, "whole octet pairs of the sub-tile");
+template <int FU, int u, int P>
+__device__ __forceinline__ void scales_ahead(float2 (&pre)[P], const float* sx, int c) {
+  static_assert(P <= FU, "octets of the sub-tile");
 #pragma unroll
-  for (int m = 0; m < PP; ++m) pre[m] = *reinterpret_cast<const float4*>(sx + 8 * (FU * u + 2 * m) + 4 * c);
+  for (int j = 0; j < P; ++j) pre[j] = *reinterpret_cast<const float2*>(sx + 8 * (FU * u + j) + 2 * c);
 }
 
-// promote_sub with the first PP octet pairs' scales from scales_ahead
-template <int F, int FU, int u, int PP>
+// promote_sub with the first P octets' scales from scales_ahead
+template <int F, int FU, int u, int P>
 __device__ __forceinline__ void promote_sub(float (&acc)[F][4], const float (&t)[FU][4], const float* sx, int c,
-                                            const float4 (&pre)[PP]) {
-  static_assert(FU * (u + 1) <= F && 2 * PP <= FU && FU % 2 == 0, "a sub-tile of the accumulator");
+                                            const float2 (&pre)[P]) {
+  static_assert(FU * (u + 1) <= F && P <= FU, "a sub-tile of the accumulator");
 #pragma unroll
-  for (int m = 0; m < FU / 2; ++m)
-    promote_pair<F, FU, u>(acc, t, m, m < PP ? pre[m < PP ? m : 0]
-                                             : *reinterpret_cast<const float4*>(sx + 8 * (FU * u + 2 * m) + 4 * c));
-}
-
-__device__ __forceinline__ uint32_t cluster_peer_addr(uint32_t local, uint32_t rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  return remote;
-}
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-// The multicast form's peer barriers (MC = 2): an arrival on the peer CTA's barrier at the same
-// offset (release, cluster scope), and a wait on one of this CTA's that the peer arrives on (acquire)
-__device__ __forceinline__ void mbar_arrive_peer(uint32_t bar, uint32_t peer) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(cluster_peer_addr(bar, peer))
-               : "memory");
-}
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  } while (!done);
-}
-// A 1-D bulk copy into the same offset of every CTA in `mask` (the cluster's ranks), each completing
-// `bytes` on its own barrier at bar's offset
-__device__ __forceinline__ void bulk_copy_multicast(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
-                                                    uint16_t mask) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], %4;"
-      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "h"(mask) : "memory");
+  for (int j = 0; j < FU; ++j) {
+    const float2 s = j < P ? pre[j < P ? j : 0] : *reinterpret_cast<const float2*>(sx + 8 * (FU * u + j) + 2 * c);
+    acc[FU * u + j][0] = fmaf(t[j][0], s.x, acc[FU * u + j][0]);
+    acc[FU * u + j][1] = fmaf(t[j][1], s.y, acc[FU * u + j][1]);
+    acc[FU * u + j][2] = fmaf(t[j][2], s.x, acc[FU * u + j][2]);
+    acc[FU * u + j][3] = fmaf(t[j][3], s.y, acc[FU * u + j][3]);
+  }
 }
 
 // The image kernels' producer (one thread): per token block of this CTA and per group, once every
 // reader has released the stage (`empty`, from the ring's second round), six bulk copies into it
 // on its `full` barrier: both 64-row blocks' words and block scales, the group's activations and
 // their scales from the image. The split-roles kernel's producer is the same.
-// MC = 2, the multicast form (a cluster of two CTAs along x: the same expert and token blocks, the
-// next 128 rows): each CTA's producer copies half of each group's activation octets and of their
-// scales' octet pairs into both CTAs (rank 0 the first ceil(n / 2), rank 1 the rest), so each
-// expert's activations cross from L2 once a pair of CTAs. A stage is then written by both
-// producers, so before reusing it a producer waits for its own consumers (`empty`), tells the peer
-// (an arrival on the peer's `pempty`), and waits for the peer's word on its own `pempty`.
-template <int T, int STAGES, int MC = 1>
+template <int T, int STAGES>
 __device__ __forceinline__ void image_produce(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
                                               const uint8_t* __restrict__ ximg, const float* __restrict__ sximg,
-                                              int e, int b, size_t img0, int count, int G, int KS, int NB,
-                                              int K, uint32_t ring0, uint32_t full0, uint32_t empty0,
-                                              uint32_t pempty0 = 0) {
-  static_assert(MC == 1 || MC == 2, "alone, or a cluster of two");
+                                              int e, int b, size_t img0, int blocks, int G, int KS, int NB, int K,
+                                              uint32_t ring0, uint32_t full0, uint32_t empty0) {
   using St = ImageStage<T>;
   constexpr uint32_t WBYTES = STEPS * THREADS * 8, SBYTES = ROWS * 8;
   constexpr uint32_t XS = 2 * WBYTES + 2 * SBYTES, SX = XS + T * GROUP_K;  // St's members
@@ -1083,39 +977,21 @@ __device__ __forceinline__ void image_produce(const uint2* __restrict__ words, c
   int stage = 0;
   uint32_t phase = 0;  // bit s: the parity of stage s's next `empty` completion
   bool first = true;   // the ring's first round: nothing to wait for
-  for (int tb = blockIdx.y; tb * T < count; tb += gridDim.y) {
+  for (int tb = blockIdx.y; tb < blocks; tb += gridDim.y) {
     const size_t img = img0 + (size_t)tb * T;
-    const int valid = min(T, count - tb * T);  // the block's tokens: its octets, its octet pairs' scales
-    const uint32_t xbytes = ((valid + 7) >> 3) * IMAGE_OCTET_BYTES, sxbytes = ((valid + 15) >> 4) * 64;
     for (int gi = 0; gi < G; ++gi) {
       if (!first) {
         lab_gemm::mbar_wait(empty0 + 8 * stage, (phase >> stage) & 1u);
-        if constexpr (MC > 1) {
-          mbar_arrive_peer(pempty0 + 8 * stage, cluster_rank() ^ 1u);
-          mbar_wait_cluster(pempty0 + 8 * stage, (phase >> stage) & 1u);
-        }
         phase ^= 1u << stage;
       }
       const uint32_t dst = ring0 + stage * (uint32_t)sizeof(St), bar = full0 + 8 * stage;
-      lab_gemm::mbar_arrive_expect_tx(bar, 2 * WBYTES + 2 * SBYTES + xbytes + sxbytes);
+      lab_gemm::mbar_arrive_expect_tx(bar, 2 * WBYTES + 2 * SBYTES + T * GROUP_K + 4 * T);
       lab_gemm::bulk_copy(dst, w0 + (size_t)gi * WBYTES, WBYTES, bar);
       lab_gemm::bulk_copy(dst + WBYTES, w0 + wstride + (size_t)gi * WBYTES, WBYTES, bar);
       lab_gemm::bulk_copy(dst + 2 * WBYTES, s0 + (size_t)gi * SBYTES, SBYTES, bar);
       lab_gemm::bulk_copy(dst + 2 * WBYTES + SBYTES, s0 + sstride + (size_t)gi * SBYTES, SBYTES, bar);
-      if constexpr (MC > 1) {  // this rank's octets and octet pairs, into both CTAs
-        const uint8_t* const xsrc = ximg + img * K + (size_t)gi * (T * GROUP_K);
-        const float* const sxsrc = sximg + img * G + (size_t)gi * T;
-        const uint32_t rank = cluster_rank(), nx = xbytes / IMAGE_OCTET_BYTES, ns = sxbytes / 64;
-        const uint32_t x0 = rank ? (nx + 1) / 2 : 0, x1 = rank ? nx : (nx + 1) / 2;
-        const uint32_t p0 = rank ? (ns + 1) / 2 : 0, p1 = rank ? ns : (ns + 1) / 2;
-        if (x1 > x0)
-          bulk_copy_multicast(dst + XS + x0 * IMAGE_OCTET_BYTES, xsrc + x0 * IMAGE_OCTET_BYTES,
-                              (x1 - x0) * IMAGE_OCTET_BYTES, bar, 3);
-        if (p1 > p0) bulk_copy_multicast(dst + SX + 64 * p0, sxsrc + 16 * p0, 64 * (p1 - p0), bar, 3);
-      } else {
-        lab_gemm::bulk_copy(dst + XS, ximg + img * K + (size_t)gi * (T * GROUP_K), xbytes, bar);
-        lab_gemm::bulk_copy(dst + SX, sximg + img * G + (size_t)gi * T, sxbytes, bar);
-      }
+      lab_gemm::bulk_copy(dst + XS, ximg + img * K + (size_t)gi * (T * GROUP_K), T * GROUP_K, bar);
+      lab_gemm::bulk_copy(dst + SX, sximg + img * G + (size_t)gi * T, 4 * T, bar);
       if (++stage == STAGES) {
         stage = 0;
         first = false;
@@ -1126,16 +1002,14 @@ __device__ __forceinline__ void image_produce(const uint2* __restrict__ words, c
 
 // The image kernels' body, their epilogue aside: Epi::setup(tid) runs with the CTA's barrier
 // setup (before its one CTA-wide barrier), Epi::start() once after it, Epi::store per token block
-// (as gemm_body's epilogues), Epi::finish() once a consumer thread is done. MC = 2: the multicast
-// form (image_produce), a cluster of two along x; its `pempty` barriers follow the ring.
-template <int T, int STAGES, bool AHEAD, class Epi, int U = T, int MC = 1>
+// (as gemm_body's epilogues), Epi::finish() once a consumer thread is done.
+template <int T, int STAGES, bool AHEAD, class Epi, int U = T>
 __device__ __forceinline__ void image_body(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
                                            const uint2* __restrict__ tables, const int* __restrict__ table_of,
                                            const int* __restrict__ p, const float* __restrict__ alpha,
                                            const uint8_t* __restrict__ ximg, const float* __restrict__ sximg,
                                            const int* __restrict__ offsets, int N, int K, Epi& epi) {
-  static_assert(T == 64 || T == 128 || T == 192 || (AHEAD && (T == 16 || T == 32)),
-                "the image tiles: 64, 128 and 192 tokens, and 16 and 32 in the decode-ahead form");
+  static_assert(T == 64 || T == 128 || T == 192, "the image tiles: 64, 128 and 192 tokens");
   static_assert(U == T || (AHEAD && U == 64 && T % U == 0 && T / U <= 3),
                 "sub-tiles (U < T): 64 tokens, two or three of them, in the decode-ahead form");
   static_assert(U < T || T <= 128, "a 192-token tile only in sub-tiles (its tmp would not fit)");
@@ -1143,7 +1017,7 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
   using St = ImageStage<T>;
   extern __shared__ __align__(128) uint8_t image_smem[];
   St* const ring = reinterpret_cast<St*>(image_smem);
-  __shared__ uint2 table[128 * TABLE_COPIES];  // row x of copy q at x * TABLE_COPIES + q
+  __shared__ uint2 table[128];
   __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
 
   const int e = blockIdx.z, b = blockIdx.x;
@@ -1154,10 +1028,7 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
   const int tid = threadIdx.x;
   const int G = K / GROUP_K, KS = K / STEP_K, NB = N / ROWS, blocks = (count + T - 1) / T;
   const size_t img0 = (size_t)r0 + (size_t)e * T;  // the expert's first image row
-  {
-    const uint2* const src = tables + (size_t)table_of[e] * 128;
-    for (int i = tid; i < 128 * TABLE_COPIES; i += blockDim.x) table[i] = src[i / TABLE_COPIES];
-  }
+  if (tid < 128) table[tid] = tables[(size_t)table_of[e] * 128 + tid];
   const uint32_t full0 = lab_gemm::smem_addr(&full[0]), empty0 = lab_gemm::smem_addr(&empty[0]);
   epi.setup(tid);  // (before the fence below, which publishes its barriers' initialization too)
   if (tid == 0) {
@@ -1165,12 +1036,10 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
     for (int s = 0; s < STAGES; ++s) {
       lab_gemm::mbar_init(full0 + 8 * s, 1);
       lab_gemm::mbar_init(empty0 + 8 * s, 2 * THREADS);  // every consumer thread arrives
-      if constexpr (MC > 1) lab_gemm::mbar_init(lab_gemm::smem_addr(ring + STAGES) + 8 * s, 1);  // the peer's producer
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();  // the table and the barriers; the last CTA-wide barrier
-  if constexpr (MC > 1) cluster_sync();  // the peer's barriers too, before any copy or arrival reaches them
   epi.start();
 
   constexpr uint32_t WBYTES = STEPS * THREADS * 8, SBYTES = ROWS * 8;
@@ -1178,31 +1047,23 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
   static_assert(sizeof(St) % 128 == 0 && sizeof(St) >= SX + 4 * T, "a stage's layout");
   const uint32_t ring0 = lab_gemm::smem_addr(ring);
   if (tid >= 2 * THREADS) {  // the producer warp: its lane 0 issues every copy
-    if constexpr (AHEAD) lab_gemm::setmaxnreg_dec<ImageRegs<MC, T>::producer>();
+    if constexpr (AHEAD) lab_gemm::setmaxnreg_dec<IMAGE_PRODUCER_REGS>();
     if (tid == 2 * THREADS)
-      image_produce<T, STAGES, MC>(words, scales, ximg, sximg, e, b, img0, count, G, KS, NB, K, ring0, full0, empty0,
-                                   ring0 + STAGES * (uint32_t)sizeof(St));
-    if constexpr (MC > 1) {  // its arrivals on the peer's barriers, before the peer may leave
-      __syncwarp();
-      cluster_sync();
-    }
+      image_produce<T, STAGES>(words, scales, ximg, sximg, e, b, img0, blocks, G, KS, NB, K, ring0, full0, empty0);
     return;
   }
 
-  if constexpr (AHEAD) lab_gemm::setmaxnreg_inc<ImageRegs<MC, T>::consumer>();
+  if constexpr (AHEAD) lab_gemm::setmaxnreg_inc<IMAGE_CONSUMER_REGS>();
   const int wg = tid / THREADS, wt = tid % THREADS;
   const int warp = wt >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
   const int bw = 2 * b + wg;
-  uint32_t tq;  // the byte offset of this lane pair's copy (q = 2g + c / 2), opaque to the compiler so
-  // that each lookup's offset is one shift and one mask-or (it would mask tq again, knowing its bits)
-  asm("mov.b32 %0, %1;" : "=r"(tq) : "r"(8 * (lane >> 1)));
   const float factor = ldexpf(alpha[e], p[e]);
-  const uint64_t desc0 = image_b_desc(ring0 + XS);  // B of stage 0 (image_b_offset: a step's, a batch's)
+  // B of stage 0, step 0: halves 16 T bytes apart (LBO), token octets 128 (SBO); a step adds 32 T
+  const uint64_t desc0 = lab_gemm::smem_desc(ring0 + XS, 16 * T, 128);
   float tmp[F][4];
   zero_frags(tmp);
   int stage = 0;
   uint32_t phase = 0;  // bit s: the parity of stage s's next `full` completion
-  uint32_t parity = 0;  // the decode-ahead loop's on the ring of four: every stage's in the current trip
 
   for (int tb = blockIdx.y; tb < blocks; tb += gridDim.y) {
     const int t0 = tb * T;
@@ -1213,17 +1074,18 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
     if constexpr (AHEAD) {
       // group gi + 1 decoded into the other A registers while gi's wgmmas run; then gi retired and
       // promoted, its stage released, and gi + 1 issued
-      auto decode = [&](uint32_t(&a)[STEPS][4], int stg, uint32_t parity) {
-        lab_gemm::mbar_wait(full0 + 8 * stg, parity);
-        const St& st = ring[stg];
+      auto decode = [&](uint32_t(&a)[STEPS][4]) {
+        lab_gemm::mbar_wait(full0 + 8 * stage, (phase >> stage) & 1u);
+        phase ^= 1u << stage;
+        const St& st = ring[stage];
         const uint32_t cs = 8 * (c >> 1);
         const uint2 sc0 = st.scs[wg * ROWS + 16 * warp + g], sc1 = st.scs[wg * ROWS + 16 * warp + g + 8];
         const uint32_t b0[2] = {sc0.x >> cs, sc0.y >> cs}, b1[2] = {sc1.x >> cs, sc1.y >> cs};
 #pragma unroll
         for (int s = 0; s < STEPS; ++s) {
           const uint2 w = st.ws[(wg * STEPS + s) * THREADS + wt];
-          const uint2 t0w = table_row(table, b0[s >> 1] >> (16 * (s & 1)), tq);
-          const uint2 t1w = table_row(table, b1[s >> 1] >> (16 * (s & 1)), tq);
+          const uint2 t0w = table[(b0[s >> 1] >> (16 * (s & 1))) & 0x7Fu];
+          const uint2 t1w = table[(b1[s >> 1] >> (16 * (s & 1))) & 0x7Fu];
           lab_gemm::decode_fp8_word(w.x, t0w.x, t0w.y, a[s][0], a[s][2]);
           lab_gemm::decode_fp8_word(w.y, t1w.x, t1w.y, a[s][1], a[s][3]);
         }
@@ -1239,21 +1101,21 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
       zero_frags(tb1);
       const int nsv = U < T ? (valid + U - 1) / U : 1;  // batches with tokens (>= 1)
       auto issue_sub = [&](const uint32_t(&a)[STEPS][4], int u, float(&t)[FU][4], int stg) {
-        const uint64_t desc = desc0 + stg * (uint32_t)(sizeof(St) / 16) + image_b_offset<U>(0, u);
+        const uint64_t desc = desc0 + stg * (uint32_t)(sizeof(St) / 16) + u * U;  // + U x 16 bytes
         lab_gemm::wgmma_fence();
 #pragma unroll
-        for (int s = 0; s < STEPS; ++s) WgmmaE4M3<FU>::run(t, a[s], desc + image_b_offset<U>(s, 0), s);
+        for (int s = 0; s < STEPS; ++s) WgmmaE4M3<FU>::run(t, a[s], desc + s * (T * 2), s);
         lab_gemm::wgmma_commit();
       };
-      auto issue = [&](const uint32_t(&a)[STEPS][4], int stg) {
+      auto issue = [&](const uint32_t(&a)[STEPS][4]) {
         if constexpr (U < T) {
-          issue_sub(a, 0, tb0, stg);
-          issue_sub(a, 1, tb1, stg);
+          issue_sub(a, 0, tb0, stage);
+          issue_sub(a, 1, tb1, stage);
         } else {
-          const uint64_t desc = desc0 + stg * (uint32_t)(sizeof(St) / 16);
+          const uint64_t desc = desc0 + stage * (uint32_t)(sizeof(St) / 16);
           lab_gemm::wgmma_fence();
 #pragma unroll
-          for (int s = 0; s < STEPS; ++s) WgmmaE4M3<F>::run(tmp, a[s], desc + image_b_offset<T>(s, 0), s);
+          for (int s = 0; s < STEPS; ++s) WgmmaE4M3<F>::run(tmp, a[s], desc + s * (T * 2), s);
           lab_gemm::wgmma_commit();
         }
       };
@@ -1261,7 +1123,7 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
         if constexpr (U < T) {
           const St& st = ring[stg];
           const bool third = NS > 2 && nsv > 2;
-          float4 pre[IMAGE_SX_AHEAD / 2];
+          float2 pre[IMAGE_SX_AHEAD];
           scales_ahead<FU, 0>(pre, st.sx, c);
           lab_gemm::wgmma_wait<1>();
           lab_gemm::fence_acc(tb0);
@@ -1286,7 +1148,7 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
             asm volatile("" ::"r"(a[s][0]), "r"(a[s][1]), "r"(a[s][2]), "r"(a[s][3]));
           lab_gemm::mbar_arrive(empty0 + 8 * stg);
         } else {
-          float4 pre[(IMAGE_SX_AHEAD < F ? IMAGE_SX_AHEAD : F) / 2];  // (16 tokens: one octet pair)
+          float2 pre[IMAGE_SX_AHEAD];
           scales_ahead<F, 0>(pre, ring[stg].sx, c);
           lab_gemm::wgmma_wait<0>();
           lab_gemm::fence_acc(tmp);
@@ -1297,59 +1159,27 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
           lab_gemm::mbar_arrive(empty0 + 8 * stg);  // this thread is done with the stage
         }
       };
+      auto advance = [&]() {
+        if (++stage == STAGES) stage = 0;
+      };
       uint32_t a0[STEPS][4], a1[STEPS][4];
-      if constexpr (STAGES == 4 && MC == 1) {
-        // The shipped ring: a trip is four groups, one a stage, so every stage's index is a constant
-        // (its barriers', descriptors' and loads' addresses fold into immediates, with no stage or
-        // phase bookkeeping a group: 15% fewer instructions a group at 64 and 128 tokens, 15-17% at
-        // 192, static SASS against the trip of two; consumers need 240 registers for it at 192) and
-        // all four stages of a trip wait on the same parity. G % 4 == 0 (K % IMAGE_K), so each
-        // token block starts at stage 0 and ends a trip.
-        decode(a0, 0, parity);
-        issue(a0, 0);
-        for (int gi = 0;; gi += 4) {  // a0: group gi (stage 0) in flight
-          decode(a1, 1, parity);
-          retire(a0, 0);
-          issue(a1, 1);
-          decode(a0, 2, parity);
-          retire(a1, 1);
-          issue(a0, 2);
-          decode(a1, 3, parity);
-          retire(a0, 2);
-          issue(a1, 3);
-          if (gi + 4 < G) decode(a0, 0, parity ^ 1u);
-          retire(a1, 3);
-          parity ^= 1u;
-          if (gi + 4 == G) break;
-          issue(a0, 0);
-        }
-      } else {  // a depth of the ring studies, or the multicast form: the stage and its parity at run time
-        auto parity_of = [&](int stg) {
-          const uint32_t par = (phase >> stg) & 1u;
-          phase ^= 1u << stg;
-          return par;
-        };
-        auto advance = [&]() {
-          if (++stage == STAGES) stage = 0;
-        };
-        decode(a0, stage, parity_of(stage));
-        issue(a0, stage);
-        int cur = stage;  // the stage of the group in flight
+      decode(a0);
+      issue(a0);
+      int cur = stage;  // the stage of the group in flight
+      advance();
+      for (int gi = 0;; gi += 2) {  // a0: group gi in flight
+        if (gi + 1 < G) decode(a1);
+        retire(a0, cur);
+        if (gi + 1 == G) break;
+        issue(a1);
+        cur = stage;
         advance();
-        for (int gi = 0;; gi += 2) {  // a0: group gi in flight
-          if (gi + 1 < G) decode(a1, stage, parity_of(stage));
-          retire(a0, cur);
-          if (gi + 1 == G) break;
-          issue(a1, stage);
-          cur = stage;
-          advance();
-          if (gi + 2 < G) decode(a0, stage, parity_of(stage));
-          retire(a1, cur);
-          if (gi + 2 == G) break;
-          issue(a0, stage);
-          cur = stage;
-          advance();
-        }
+        if (gi + 2 < G) decode(a0);
+        retire(a1, cur);
+        if (gi + 2 == G) break;
+        issue(a0);
+        cur = stage;
+        advance();
       }
     } else {
     for (int gi = 0; gi < G; ++gi) {
@@ -1363,15 +1193,15 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
 #pragma unroll
       for (int s = 0; s < STEPS; ++s) {
         const uint2 w = st.ws[(wg * STEPS + s) * THREADS + wt];
-        const uint2 t0w = table_row(table, b0[s >> 1] >> (16 * (s & 1)), tq);
-        const uint2 t1w = table_row(table, b1[s >> 1] >> (16 * (s & 1)), tq);
+        const uint2 t0w = table[(b0[s >> 1] >> (16 * (s & 1))) & 0x7Fu];
+        const uint2 t1w = table[(b1[s >> 1] >> (16 * (s & 1))) & 0x7Fu];
         lab_gemm::decode_fp8_word(w.x, t0w.x, t0w.y, a[s][0], a[s][2]);
         lab_gemm::decode_fp8_word(w.y, t1w.x, t1w.y, a[s][1], a[s][3]);
       }
       const uint64_t desc = desc0 + stage * (uint32_t)(sizeof(St) / 16);
       lab_gemm::wgmma_fence();
 #pragma unroll
-      for (int s = 0; s < STEPS; ++s) WgmmaE4M3<F>::run(tmp, a[s], desc + image_b_offset<T>(s, 0), s);
+      for (int s = 0; s < STEPS; ++s) WgmmaE4M3<F>::run(tmp, a[s], desc + s * (T * 2), s);
       lab_gemm::wgmma_commit();
       lab_gemm::wgmma_wait<0>();
       lab_gemm::fence_acc(tmp);
@@ -1389,7 +1219,6 @@ __device__ __forceinline__ void image_body(const uint2* __restrict__ words, cons
       epi.template store<true>(acc, tmp, factor, row0, valid, bw, warp, g, c, e, G, sximg);
   }
   epi.finish();
-  if constexpr (MC > 1) cluster_sync();  // no CTA leaves while its peer's copies or arrivals may reach it
 }
 
 // An epilogue of gemm_body's kind with the image body's hooks (none of them does anything)
@@ -1410,47 +1239,20 @@ struct ImageEpiBf16 : StoreBf16<T> {
   }
 };
 
-// The plain image kernel's output (float32, or bf16 bits with the non-finite count) around image_body,
-// alone (MC = 1) or in the multicast form's cluster (MC = 2)
-template <int T, int STAGES, bool AHEAD, bool BF16, int U, int MC>
-__device__ __forceinline__ void image_kernel(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
-                                             const uint2* __restrict__ tables, const int* __restrict__ table_of,
-                                             const int* __restrict__ p, const float* __restrict__ alpha,
-                                             const uint8_t* __restrict__ ximg, const float* __restrict__ sximg,
-                                             const int* __restrict__ offsets, void* __restrict__ out, int N, int K,
-                                             uint32_t* __restrict__ nonfinite) {
-  if constexpr (BF16) {
-    ImageEpiBf16<T> epi{{static_cast<uint16_t*>(out), N, 0u}, nonfinite};
-    image_body<T, STAGES, AHEAD, decltype(epi), U, MC>(words, scales, tables, table_of, p, alpha, ximg, sximg, offsets,
-                                                       N, K, epi);
-  } else {
-    ImageEpi<StoreOut<T>> epi{{static_cast<float*>(out), N}};
-    image_body<T, STAGES, AHEAD, decltype(epi), U, MC>(words, scales, tables, table_of, p, alpha, ximg, sximg, offsets,
-                                                       N, K, epi);
-  }
-}
-
 template <int T, int STAGES = ImageStages<T>::value, bool AHEAD = false, bool BF16 = false, int U = T>
-__global__ void __launch_bounds__(AHEAD ? IMAGE_AHEAD_THREADS : IMAGE_THREADS, ImageRegs<1, T>::ctas)
+__global__ void __launch_bounds__(AHEAD ? IMAGE_AHEAD_THREADS : IMAGE_THREADS, 1)
     w4a8_gemm_image(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
                     const uint2* __restrict__ tables, const int* __restrict__ table_of, const int* __restrict__ p,
                     const float* __restrict__ alpha, const uint8_t* __restrict__ ximg,
                     const float* __restrict__ sximg, const int* __restrict__ offsets, void* __restrict__ out, int N,
                     int K, uint32_t* __restrict__ nonfinite) {
-  image_kernel<T, STAGES, AHEAD, BF16, U, 1>(words, scales, tables, table_of, p, alpha, ximg, sximg, offsets, out, N, K,
-                                            nonfinite);
-}
-
-// The multicast form (MC = 2): w4a8_gemm_image's kernel in clusters of two CTAs along x (N % 256 == 0)
-template <int T, int STAGES = ImageStages<T>::value, bool AHEAD = false, bool BF16 = false, int U = T>
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(AHEAD ? IMAGE_AHEAD_THREADS : IMAGE_THREADS, 1)
-    w4a8_gemm_image_mc(const uint2* __restrict__ words, const uint8_t* __restrict__ scales,
-                       const uint2* __restrict__ tables, const int* __restrict__ table_of, const int* __restrict__ p,
-                       const float* __restrict__ alpha, const uint8_t* __restrict__ ximg,
-                       const float* __restrict__ sximg, const int* __restrict__ offsets, void* __restrict__ out, int N,
-                       int K, uint32_t* __restrict__ nonfinite) {
-  image_kernel<T, STAGES, AHEAD, BF16, U, 2>(words, scales, tables, table_of, p, alpha, ximg, sximg, offsets, out, N, K,
-                                            nonfinite);
+  if constexpr (BF16) {
+    ImageEpiBf16<T> epi{{static_cast<uint16_t*>(out), N, 0u}, nonfinite};
+    image_body<T, STAGES, AHEAD, decltype(epi), U>(words, scales, tables, table_of, p, alpha, ximg, sximg, offsets, N, K, epi);
+  } else {
+    ImageEpi<StoreOut<T>> epi{{static_cast<float*>(out), N}};
+    image_body<T, STAGES, AHEAD, decltype(epi), U>(words, scales, tables, table_of, p, alpha, ximg, sximg, offsets, N, K, epi);
+  }
 }
 
 #include "w4a8_split.inc"
@@ -1465,6 +1267,16 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(AHEAD ? IMAGE_AHEAD_
 // scope); every consumer thread then waits on its own `xbar` (acquire, cluster scope) and takes
 // the larger of the two. Both by token-block parity: a CTA writes its peer's buffer b again only
 // after the peer has sent it the next block's maximum, which the peer does after reading b.
+__device__ __forceinline__ uint32_t cluster_peer_addr(uint32_t local, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  return remote;
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
 
 template <int T>
 struct ImageSwiglu {
@@ -1510,9 +1322,7 @@ struct ImageSwiglu {
     for (int j = 0; j < F; ++j)
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
-        // the h the act stage takes: the plain kernel's, rounded to bf16 (lab/w4a8.py round_bf16)
-        const float hg = lab_w4a8_act::round_bf16(acc[j][q] * factor);
-        const float hu = lab_w4a8_act::round_bf16(acc[j][2 + q] * factor);
+        const float hg = acc[j][q] * factor, hu = acc[j][2 + q] * factor;  // the plain kernel's h
         a[j][q] = lab_w4a8_act::swiglu_f32(hg, hu, gs, us);
         const bool live = 8 * j + 2 * c + q < valid;
         bad += live && !(lab_w4a8_act::finite(hg) && lab_w4a8_act::finite(hu) && lab_w4a8_act::finite(a[j][q]));
@@ -1534,7 +1344,16 @@ struct ImageSwiglu {
       asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
     }
     lab_gemm::named_bar_sync<1, 2 * THREADS>();  // `mine` written; `part` read (free for the next block)
-    mbar_wait_cluster(lab_gemm::smem_addr(&xbar[buf]), (k >> 1) & 1u);
+    {
+      const uint32_t bar = lab_gemm::smem_addr(&xbar[buf]), parity = (k >> 1) & 1u;
+      uint32_t done;
+      do {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+            " selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+      } while (!done);
+    }
     // Each token's scale and inverse once, by its owner thread, for the 64 threads that hold its
     // values (a round-to-nearest division is ~15 instructions: 32 a thread a block otherwise)
     const int G = I / 128, gi = b / CLUSTER;
@@ -1731,9 +1550,7 @@ __global__ void __launch_bounds__(2 * THREADS, 2)  // two CTAs an SM: 128 regist
         for (int j = 0; j < F; ++j)
 #pragma unroll
           for (int q = 0; q < 2; ++q) {  // SwigluQuant's arithmetic, on the h the plain kernel writes
-            // the h the act stage takes: the plain kernel's, rounded to bf16 (lab/w4a8.py round_bf16)
-            const float hg = lab_w4a8_act::round_bf16(acc[j][q] * factor);
-            const float hu = lab_w4a8_act::round_bf16(acc[j][2 + q] * factor);
+            const float hg = acc[j][q] * factor, hu = acc[j][2 + q] * factor;
             a[h][j][q] = lab_w4a8_act::swiglu_f32(hg, hu, gs, us);
             const bool live = 8 * j + 2 * c + q < valid;
             bad += live && !(lab_w4a8_act::finite(hg) && lab_w4a8_act::finite(hu) && lab_w4a8_act::finite(a[h][j][q]));

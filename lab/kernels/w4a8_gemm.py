@@ -204,12 +204,6 @@ def resident_by_default(plan, k: int) -> bool:
 IMAGE_TILES = (64, 128)  # the activation-image kernel's tiles
 IMAGE_SUB = 64  # its sub-tiled form's wgmma batch (tokens): GemmPlan.sub
 IMAGE_AHEAD_TILES = IMAGE_TILES + (192,)  # its decode-ahead form's: 192 only in batches of IMAGE_SUB
-# Small tiles of the decode-ahead form, on request only (tokens=16 or 32 with image and ahead): the
-# ring CTA's loop at these tiles issues ~210-225 instructions a group, this one's ~125-135 (its
-# copies are the producer's), which matters where issue a weight byte binds (1-32 tokens per
-# expert, the H200 most). At 16 two CTAs share an SM (w4a8_gemm.cu ImageRegs: 80 registers a
-# thread at launch). Not yet measured on a GPU, so image_tile never picks them.
-IMAGE_SMALL_TILES = (16, 32)
 IMAGE_STAGES = 4  # its ring's depth (w4a8_gemm.cu ImageStages)
 IMAGE_K = 4 * GROUP_K  # K must be a multiple of this: whole groups, and scale-image rows of 16-byte pieces
 
@@ -228,7 +222,7 @@ def image_sub(tokens: int, sub: int | None) -> int:
 
 
 def image_expression(tokens: int, stages: int | None = None, ahead: bool = False, bf16: bool = False,
-                     sub: int | None = None, multicast: bool = False) -> str:
+                     sub: int | None = None) -> str:
     """The two-warpgroup CTA fed by bulk copies from an activation image, a producer warp and
     consumer warpgroups that never wait for each other (w4a8_gemm.cu w4a8_gemm_image;
     GemmPlan.image); `stages` sets its ring's depth (2 .. 8; None: IMAGE_STAGES), for the depth
@@ -236,25 +230,17 @@ def image_expression(tokens: int, stages: int | None = None, ahead: bool = False
     producer warpgroup whose registers go to the consumers); `bf16` the form whose epilogue writes
     the output as bf16 bits (GemmPlan.bf16_out); `sub` the decode-ahead form whose group issues its
     wgmmas in batches of IMAGE_SUB tokens into two buffers in turn (GemmPlan.sub; image_sub: the
-    192-token tile's only form); `multicast` the same kernel in clusters of two CTAs along N whose
-    producers each copy half of every group's activations into both (w4a8_gemm_image_mc;
-    GemmPlan.multicast)."""
-    tiles = IMAGE_SMALL_TILES + IMAGE_AHEAD_TILES if ahead else IMAGE_TILES
+    192-token tile's only form)."""
+    tiles = IMAGE_AHEAD_TILES if ahead else IMAGE_TILES
     if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens not in tiles:
         raise ValueError(f"tokens: the activation-image kernel takes a token tile of {tiles}"
-                         f"{' (16, 32 and 192: the decode-ahead form)' if not ahead else ''}, got {tokens!r}")
-    if multicast and tokens in IMAGE_SMALL_TILES:
-        raise ValueError(f"multicast: the multicast form takes the tiles {IMAGE_AHEAD_TILES}, got {tokens}")
+                         f"{' (192: the decode-ahead form)' if not ahead else ''}, got {tokens!r}")
     sub = image_sub(tokens, sub)
     if sub and not ahead:
         raise ValueError("sub: the wgmma batches are a form of the decode-ahead image kernel (ahead=True)")
     if stages is not None and (isinstance(stages, bool) or not (isinstance(stages, (int, np.integer))
                                                                  and 2 <= stages <= 8)):
         raise ValueError(f"stages: expected an int from 2 to 8 for the activation-image kernel, got {stages!r}")
-    if multicast:
-        depth = IMAGE_STAGES if stages is None else int(stages)
-        return (f"lab_w4a8::w4a8_gemm_image_mc<{tokens}, {depth}, {str(bool(ahead)).lower()}, "
-                f"{str(bool(bf16)).lower()}, {sub or tokens}>")
     if sub:
         depth = IMAGE_STAGES if stages is None else int(stages)
         return f"lab_w4a8::w4a8_gemm_image<{tokens}, {depth}, true, {str(bool(bf16)).lower()}, {sub}>"
@@ -272,53 +258,6 @@ def x_image_expression(tokens: int) -> str:
     return f"lab_w4a8::w4a8_x_image<{tokens}>"
 
 
-def sx_slot(j):
-    """Where token j of a block sits among a group's scales in the image (w4a8_gemm.cu sx_slot):
-    token octets in pairs, each thread's four scales of two octets side by side."""
-    j = np.asarray(j)
-    return 16 * (j >> 4) + 4 * ((j & 7) >> 1) + 2 * ((j >> 3) & 1) + (j & 1)
-
-
-def x_image_host(x8, s_x, offsets, tokens: int):
-    """The activation image the pre-pass writes (w4a8_gemm.cu w4a8_x_image), defined in NumPy: x8
-    (rows, K) uint8 and s_x (rows, K / 128) of rows grouped by `offsets` -> (x, sx, x_written,
-    sx_written), arrays shaped as W4A8Image's x and sx with zeros where nothing is written, and the
-    masks of the bytes and scales the pre-pass writes. Expert e's token block b starts at image row
-    offsets[e] + e T + b T and is read as one T x K byte run: group g at g T 128, token octet o of
-    it at o 1024, step s at s 256, half h at h 128, token j % 8 at 16 (j % 8); half 0 holds the
-    step's 4-byte words 0, 2, 4, 6, half 1 the odd ones (the tensor core's k order). Written: the
-    octets that hold any of the block's tokens (zeros past the count), and the scales at sx_slot
-    up to the next whole pair of octets (zeros past the count)."""
-    x8, s_x = np.asarray(x8, np.uint8), np.asarray(s_x, np.float32)
-    offsets = np.asarray(offsets, np.int64)
-    T, (rows, K) = int(tokens), x8.shape
-    G, E = K // GROUP_K, offsets.size - 1
-    n = image_rows(rows, E, T)
-    x, sx = np.zeros(n * K, np.uint8), np.zeros(n * G, np.float32)
-    xw, sxw = np.zeros(n * K, bool), np.zeros(n * G, bool)
-    steps = np.arange(K // 4).reshape(G, GROUP_K // STEP_K, 8)  # a step's eight 4-byte words of a row
-    halves = np.stack([steps[..., 0::2], steps[..., 1::2]], axis=2)  # [group][step][half][4 words]
-    for e in range(E):
-        r0, count = int(offsets[e]), int(offsets[e + 1] - offsets[e])
-        for b in range(-(-count // T)):
-            img, valid = r0 + e * T + b * T, min(T, count - b * T)
-            for j in range(-(-valid // 8) * 8):
-                row = x8[r0 + b * T + j].view(np.uint32) if j < valid else np.zeros(K // 4, np.uint32)
-                for g in range(G):
-                    for s in range(GROUP_K // STEP_K):
-                        for h in range(2):
-                            at = img * K + g * T * GROUP_K + (j >> 3) * 8 * GROUP_K + s * 8 * STEP_K + h * 128 \
-                                + (j & 7) * 16
-                            x[at: at + 16] = row[halves[g, s, h]].view(np.uint8)
-                            xw[at: at + 16] = True
-            for j in range(-(-valid // 16) * 16):
-                for g in range(G):
-                    at = img * G + g * T + int(sx_slot(j))
-                    sx[at] = s_x[r0 + b * T + j, g] if j < valid else 0.0
-                    sxw[at] = True
-    return x.reshape(n, K), sx.reshape(n, G), xw.reshape(n, K), sxw.reshape(n, G)
-
-
 def image_stage_bytes(tokens: int) -> int:
     """One stage of the activation-image kernel's ring (ImageStage<T>): both warpgroups' words and
     block scales (9 KiB), the group's T x 128 activation bytes and T scales, 128-byte aligned."""
@@ -326,11 +265,9 @@ def image_stage_bytes(tokens: int) -> int:
     return -(-raw // 128) * 128
 
 
-def image_smem_bytes(tokens: int, stages: int | None = None, multicast: bool = False) -> int:
-    """The dynamic shared memory of an activation-image launch: its ring (and in the multicast
-    form a barrier a stage after it, the peer producer's word that the stage is free)."""
-    depth = IMAGE_STAGES if stages is None else int(stages)
-    return depth * image_stage_bytes(tokens) + (8 * depth if multicast else 0)
+def image_smem_bytes(tokens: int, stages: int | None = None) -> int:
+    """The dynamic shared memory of an activation-image launch: its ring."""
+    return (IMAGE_STAGES if stages is None else int(stages)) * image_stage_bytes(tokens)
 
 
 SPLIT_TILES = (128, 192)  # the split-roles kernel's tiles (wgmma batches of IMAGE_SUB tokens)
@@ -354,31 +291,23 @@ def split_smem_bytes(tokens: int) -> int:
 
 
 SPLIT_EXPRESSIONS = tuple(split_expression(t, b) for b in (False, True) for t in SPLIT_TILES)
-# The multicast form's instantiations (the decode-ahead kernel at each default tile, float32 and
-# bf16 output): on request only, each compiled in a module of its own when launched
-MULTICAST_EXPRESSIONS = tuple(image_expression(t, ahead=True, bf16=b, multicast=True) for b in (False, True)
-                              for t in IMAGE_AHEAD_TILES)
 
 IMAGE_EXPRESSIONS = (tuple(image_expression(t, ahead=a, bf16=b) for b in (False, True) for a in (False, True)
                            for t in IMAGE_TILES)
                      + tuple(image_expression(t, ahead=True, bf16=b) for b in (False, True)
-                             for t in IMAGE_SMALL_TILES + IMAGE_AHEAD_TILES if t not in IMAGE_TILES)
-                     + tuple(x_image_expression(t) for t in IMAGE_SMALL_TILES + IMAGE_AHEAD_TILES))
+                             for t in IMAGE_AHEAD_TILES if t not in IMAGE_TILES)
+                     + tuple(x_image_expression(t) for t in IMAGE_AHEAD_TILES))
 # A consumer warp's group loop in the activation-image kernel (static SASS; a test pins them): the
 # issue model that picks its tile (image_by_default), as GROUP_ISSUE does the ring kernels'.
-IMAGE_ISSUE = {64: 205, 128: 242}
-# The same for its decode-ahead form, whose loop takes four groups a trip, one a ring stage (603
-# and 731; sass.steady_paths reads a loop's groups): the form default plans take (on an H100 it was
-# 5-19% faster than the plain one at 128 and 512 tokens per expert, results/studies/
-# w4a8_image_ahead_h100.json, when its trip was two groups: 179 and 215 a group then).
-IMAGE_AHEAD_ISSUE = {64: 151, 128: 183}
-# and at IMAGE_SMALL_TILES (on request; 493 and 526 a trip of four: against the ring CTA's 209 and
-# 225 a group at the same tiles)
-IMAGE_SMALL_ISSUE = {16: 123, 32: 132}
+IMAGE_ISSUE = {64: 208, 128: 249}
+# The same for its decode-ahead form, whose loop takes two groups a trip (363 and 443): the form
+# default plans take (on an H100 it was 5-19% faster than the plain one at 128 and 512 tokens per
+# expert, results/studies/w4a8_image_ahead_h100.json).
+IMAGE_AHEAD_ISSUE = {64: 182, 128: 222}
 # The 192-token tile's (wgmma batches of 64): a group of a block with at most 128 tokens runs two
-# batches, of a fuller one three (static SASS of the four-group loop's steady paths: 192 and 237.25
-# a group; 232.5 and 280 with the trip of two; a test reads them off the loop).
-IMAGE_BATCH_ISSUE = {192: (192, 237)}
+# batches, of a fuller one three (static SASS of the two-group loop: 239 and 291 a group; a test
+# pins the loop).
+IMAGE_BATCH_ISSUE = {192: (239, 291)}
 
 
 def image_issue(counts, tokens: int) -> int:
@@ -477,9 +406,8 @@ def image_swiglu_expression(tokens: int, ahead: bool = False) -> str:
 
 FUSED_IMAGE_EXPRESSIONS = (image_swiglu_expression(64),) + tuple(image_swiglu_expression(t, True) for t in IMAGE_TILES)
 ACT_EXPRESSIONS = ("lab_w4a8_act::quantize_act<float>", "lab_w4a8_act::quantize_act<lab_w4a8_act::uint16_t>",
-                   "lab_w4a8_act::swiglu_quant<float>", "lab_w4a8_act::swiglu_quant<lab_w4a8_act::uint16_t>")
-SWIGLU_EXPRESSION = ACT_EXPRESSIONS[2]  # h float32 (rounded to bf16 as it is read)
-SWIGLU_BF16_EXPRESSION = ACT_EXPRESSIONS[3]  # h as bf16 bits (w13's image kernels write it so)
+                   "lab_w4a8_act::swiglu_quant")
+SWIGLU_EXPRESSION = ACT_EXPRESSIONS[2]
 
 
 # The largest tile token_tile picks. 128 (two warpgroups' worth of accumulators in one: 191
@@ -849,7 +777,6 @@ class GemmPlan:
     bf16_out: bool = False  # (image) the output written as bf16 bits (uint16) by the epilogue
     sub: int = 0  # (image, ahead) each group's wgmmas in batches of this many tokens (0: the whole tile)
     split: bool = False  # (image) the split-roles CTA: a decoder warpgroup, A from shared memory (w4a8_gemm_split)
-    multicast: bool = False  # (image) clusters of two CTAs along N sharing each group's activation copies
 
 
 def gemm_plan(offsets, tokens: int | None = None, token_blocks: int | None = None, warpgroups: int = 1) -> GemmPlan:
@@ -915,10 +842,7 @@ def _check_image(plan: GemmPlan, prep: W4A8Weights, x8, image) -> None:
             raise ValueError("plan: the split-roles kernel has its own batches and ring (no `ahead`, `sub` or `stages`)")
         split_expression(plan.tokens, plan.bf16_out)
     else:
-        image_expression(plan.tokens, plan.stages, plan.ahead, plan.bf16_out, plan.sub, plan.multicast)
-    if plan.multicast and (plan.split or prep.n % (4 * ROWS)):
-        raise ValueError(f"plan: the multicast form is the image kernel (not split-roles) in clusters of two 128-row "
-                         f"CTAs: N a multiple of {4 * ROWS}, got N={prep.n}{' and split' if plan.split else ''}")
+        image_expression(plan.tokens, plan.stages, plan.ahead, plan.bf16_out, plan.sub)
     if prep.n % (2 * ROWS) or prep.k % IMAGE_K:
         raise ValueError(f"plan: the activation-image kernel takes N a multiple of {2 * ROWS} and K a multiple of "
                          f"{IMAGE_K}, got N={prep.n}, K={prep.k}")
@@ -948,8 +872,7 @@ def _launch_image(fn, plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, image
     """An image kernel's launch (plain or fused): its ring's shared memory, the pre-pass unless
     the caller wrote the image, then the grid (128-row blocks of N, token blocks, experts) of
     288 threads, 384 for the decode-ahead form's producer warpgroup, or SPLIT_THREADS."""
-    smem = (split_smem_bytes(plan.tokens) if plan.split
-            else image_smem_bytes(plan.tokens, plan.stages, plan.multicast))
+    smem = split_smem_bytes(plan.tokens) if plan.split else image_smem_bytes(plan.tokens, plan.stages)
     if fn.max_dynamic_shared_size_bytes < smem:
         fn.max_dynamic_shared_size_bytes = smem
     if write_image:
@@ -986,9 +909,9 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
     non-finite values it wrote to `nonfinite` ((1,) uint32)."""
     if plan.image:
         _check_image(plan, prep, x8, image)
-    elif plan.ahead or plan.bf16_out or plan.sub or plan.split or plan.multicast:
-        raise ValueError("plan: `ahead`, `bf16_out`, `sub`, `split` and `multicast` are forms of the activation-image "
-                         "kernel (GemmPlan.image)")
+    elif plan.ahead or plan.bf16_out or plan.sub or plan.split:
+        raise ValueError("plan: `ahead`, `bf16_out`, `sub` and `split` are forms of the activation-image kernel "
+                         "(GemmPlan.image)")
     if plan.bf16_out:
         _check_bf16_out(prep, x8, out, nonfinite)
     if plan.token_blocks == 0:
@@ -999,8 +922,7 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
             fn = _kernel(GEMM_SOURCE, SPLIT_EXPRESSIONS, split_expression(plan.tokens, plan.bf16_out))
         else:
             fn = _shipped_or_study(IMAGE_EXPRESSIONS, plan.stages,
-                                   lambda s: image_expression(plan.tokens, s, plan.ahead, plan.bf16_out, plan.sub,
-                                                              plan.multicast))
+                                   lambda s: image_expression(plan.tokens, s, plan.ahead, plan.bf16_out, plan.sub))
         _launch_image(fn, plan, prep, x8, s_x, offsets, image, stream, write_image,
                       (prep.words, prep.scales, prep.tables, prep.table_of, prep.p, alpha, image.x, image.sx, offsets,
                        out, np.int32(prep.n), np.int32(prep.k), nonfinite if plan.bf16_out else np.uint64(0)))
@@ -1043,8 +965,7 @@ def launch_w4a8_gemm(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets, alpha,
 def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None, tokens: int | None = None,
               token_blocks: int | None = None, promote: bool = True, warpgroups: int | None = None,
               smem_a: bool = False, resident: bool = False, image: bool = False, ahead: bool = False,
-              bf16_out: bool = False, nonfinite=None, sub: int | None = None, split: bool = False,
-              multicast: bool = False):
+              bf16_out: bool = False, nonfinite=None, sub: int | None = None, split: bool = False):
     """Launch the W4A8 grouped GEMM on `stream` (a CuPy stream, None for the current one) and
     return `out` (allocated on that stream when None). `tokens` forces the token tile (one of
     TOKEN_TILES); by default token_tile's (the one that issues least over the experts' blocks).
@@ -1067,13 +988,7 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
     allocated, zero, when None). `sub` (image, ahead)
     issues each group's wgmmas in batches of IMAGE_SUB tokens (image_sub; tokens=192 takes that form
     only). `split` (image) runs the split-roles CTA (w4a8_gemm_split: a decoder warpgroup writes the
-    weights into shared memory; a tile of SPLIT_TILES, 192 by default; the same bits). `multicast`
-    (image, not split) runs clusters of two CTAs along N that copy each group's activations once a
-    pair (w4a8_gemm_image_mc; N % 256 == 0; the same bits)."""
-    if multicast and (not image or split or prep.n % (4 * ROWS)):
-        raise ValueError(f"multicast: the multicast form is the activation-image kernel (image=True, not split) in "
-                         f"clusters of two 128-row CTAs, N a multiple of {4 * ROWS}; got image={image}, split={split}, "
-                         f"N={prep.n}")
+    weights into shared memory; a tile of SPLIT_TILES, 192 by default; the same bits)."""
     if split and (not image or ahead or sub is not None):
         raise ValueError("split: the split-roles kernel is a form of the activation-image kernel (image=True), "
                          "with its own batches (no ahead, no sub)")
@@ -1122,7 +1037,7 @@ def w4a8_gemm(prep: W4A8Weights, x8, s_x, offsets, alpha, out=None, stream=None,
                   else plan.token_blocks)
         plan = replace(plan, tokens=int(tokens), token_blocks=blocks if plan.token_blocks else 0, image=True,
                        ahead=bool(ahead), bf16_out=bool(bf16_out), sub=0 if split else image_sub(tokens, sub),
-                       split=bool(split), multicast=bool(multicast))
+                       split=bool(split))
     if smem_a:
         ss_expression(plan.tokens)  # names the tile it lacks
         plan = replace(plan, smem_a=True)
@@ -1211,16 +1126,16 @@ def check_swiglu_args(h, offsets, gate_global, up_global, a8, s_a, nonfinite, a_
     from lab.gpu import require_gpu
 
     cp = require_gpu("the W4A8 SwiGLU quantizer")
-    if not isinstance(h, cp.ndarray) or h.ndim != 2 or h.dtype not in (np.float32, np.uint16):
-        raise ValueError(f"h: expected a (rows, 2I) float32 or uint16 (bf16 bits) CuPy array, got "
-                         f"{getattr(h, 'shape', type(h))} {getattr(h, 'dtype', '')}")
+    if not isinstance(h, cp.ndarray) or h.ndim != 2 or h.dtype != np.float32:
+        raise ValueError(f"h: expected a (rows, 2I) float32 CuPy array, got {getattr(h, 'shape', type(h))} "
+                         f"{getattr(h, 'dtype', '')}")
     rows, two_i = h.shape
     if two_i % 8 or two_i == 0:
         raise ValueError(f"h: 2I={two_i} must be a positive multiple of 8 (I a multiple of 4)")
     i = two_i // 2
-    _check_device_array(cp, "h", h, (rows, two_i), h.dtype)
-    if h.data.ptr % (4 * h.itemsize):
-        raise ValueError(f"h: must start on a {4 * h.itemsize}-byte boundary (the kernel loads four values at once)")
+    _check_device_array(cp, "h", h, (rows, two_i), np.float32)
+    if h.data.ptr % 16:
+        raise ValueError("h: must start on a 16-byte boundary (the kernel loads 16-byte pieces)")
     if not isinstance(offsets, cp.ndarray) or offsets.ndim != 1 or offsets.shape[0] < 2:
         raise ValueError(f"offsets: expected an (E+1,) int32 CuPy array with E >= 1, got "
                          f"{getattr(offsets, 'shape', type(offsets))}")
@@ -1240,8 +1155,7 @@ def check_swiglu_args(h, offsets, gate_global, up_global, a8, s_a, nonfinite, a_
 
 def swiglu_quant_gpu(h, offsets, gate_global, up_global, a8=None, s_a=None, nonfinite=None, a_out=None,
                      stream=None):
-    """lab/w4a8.py swiglu_quant on the GPU, bit for bit: h (rows, 2I) float32 (rounded to bf16 as it
-    is read) or uint16 bf16 bits, grouped by offsets
+    """lab/w4a8.py swiglu_quant on the GPU, bit for bit: h (rows, 2I) float32 grouped by offsets
     (E+1,) int32 (on the device; they must rise from 0 to rows, which the caller checked on the
     host: they are not read back here), gate/up globals (E,) float32 -> (a8 (rows, I) uint8, s_a
     (rows, ceil(I/128)) float32, nonfinite (1,) uint32). Outputs are allocated on `stream` when
@@ -1271,7 +1185,7 @@ def launch_swiglu_quant(h, offsets, gate_global, up_global, a8, s_a, nonfinite, 
     units = rows * -(-i // GROUP_K)
     if units == 0:
         return
-    fn = _kernel(ACT_SOURCE, ACT_EXPRESSIONS, SWIGLU_EXPRESSION if h.dtype == np.float32 else SWIGLU_BF16_EXPRESSION)
+    fn = _kernel(ACT_SOURCE, ACT_EXPRESSIONS, SWIGLU_EXPRESSION)
     with stream:
         fn((-(-units // ACT_WARPS),), (32 * ACT_WARPS,),
            (h, offsets, np.int32(offsets.shape[0] - 1), np.int32(rows), np.int32(i), gate_global, up_global, a8,
@@ -1329,8 +1243,6 @@ def launch_w4a8_gemm_swiglu(plan: GemmPlan, prep: W4A8Weights, x8, s_x, offsets,
     does (unless `write_image` is False)."""
     if plan.image:
         _check_image(plan, prep, x8, image)
-        if plan.multicast:
-            raise ValueError("plan: the fused image kernel has no multicast form (its cluster exchanges maxima)")
     if plan.token_blocks == 0:
         return
     if plan.image:

@@ -2,14 +2,13 @@
 (lab/w4a8.py is the definition), one launch per stage on the runner's stream:
 
     x (T, H) --input: 1x128 fp8, rows gathered (in prepare, as every variant's input quantize)--> x8, s_x
-    x8 (rows, H) --w13: W4A8 GEMM--> h (rows, 2I) bf16 --act: SwiGLU + 1x128 fp8--> a8 (rows, I), s_a
+    x8 (rows, H) --w13: W4A8 GEMM--> h (rows, 2I) f32 --act: SwiGLU + 1x128 fp8--> a8 (rows, I), s_a
     a8 --w2: W4A8 GEMM--> out (rows, H) f32 --out--> out_bf16
 
 Where a GEMM's plan is the activation-image kernel (large batches: w4a8_gemm.image_by_default),
 w13's image is written with the input, outside the timed layer (the gathered rows in the order
-the kernel's stages read them), w13's epilogue writes h as bf16 bits, and w2's writes out_bf16
-itself: stages w13, act, "w2+out", no float32 output. Elsewhere w13 writes h in float32 and the
-act kernel rounds it to bf16 as it reads it (the same values: lab/w4a8.py round_bf16).
+the kernel's stages read them), and w2's epilogue writes out_bf16 itself: stages w13, act,
+"w2+out", no float32 output.
 
 The input is quantized outside the timed layer, as separate's (load_layer), w4a16's gather and the
 torch peers' quantize are: quantize_act_gpu on the T token rows, then the codes and scales of
@@ -146,15 +145,8 @@ class W4A8:
         self.plan13 = wg.plan_w4a8_gemm(self.w13, self.x8, self.s_x, offs, np.ones(layer.problem.experts, np.float32),
                                         layer.h)
         self.image13 = image_buffers(runner, self.plan13, self.w13, layer.rows, "w13")
-        # h as the act stage takes it (lab/w4a8.py round_bf16): where w13 runs the image kernel its
-        # epilogue writes bf16 bits (half the bytes written and read back), else the float32 layer.h,
-        # which the act kernel rounds as it reads
-        self.h = layer.h
-        if self.plan13.image:
-            self.plan13 = replace(self.plan13, bf16_out=True)
-            self.h = runner.buffer("w4a8/h_bf16", (layer.rows, 2 * layer.problem.intermediate), np.uint16)
         # and the act stage's, once: run() launches it unchecked (launch_swiglu_quant)
-        wg.check_swiglu_args(self.h, layer.offsets, w.gate_global, w.up_global, self.a8, self.s_a, runner.counter)
+        wg.check_swiglu_args(layer.h, layer.offsets, w.gate_global, w.up_global, self.a8, self.s_a, runner.counter)
 
     def quantize_input(self, runner, layer) -> None:
         """x8, s_x of the grouped rows: the T token rows quantized, then gathered by row_token
@@ -178,10 +170,10 @@ class W4A8:
     def run(self, runner, layer) -> None:
         w, s = layer.weights, runner.stream
         with runner.stage("w13", s):  # (its image, where it has one, written with the input)
-            wg.launch_w4a8_gemm(self.plan13, self.w13, self.x8, self.s_x, layer.offsets, self.ones, self.h, s,
-                                self.image13, runner.counter, write_image=False)
+            wg.launch_w4a8_gemm(self.plan13, self.w13, self.x8, self.s_x, layer.offsets, self.ones, layer.h, s,
+                                self.image13, write_image=False)
         with runner.stage("act", s):
-            wg.launch_swiglu_quant(self.h, layer.offsets, w.gate_global, w.up_global, self.a8, self.s_a,
+            wg.launch_swiglu_quant(layer.h, layer.offsets, w.gate_global, w.up_global, self.a8, self.s_a,
                                    runner.counter, s)
         self.run_w2(runner, layer)
 
