@@ -12,19 +12,20 @@ it, over the SM's four schedulers), a floor to set against the measured cycles p
 (notes/gemm-log.md v29: ~214-240 at 32 tokens per expert on the 64-token tile).
 
 `--act fp8` reads the W4A8 GEMM instead (lab/kernels/w4a8_gemm.cu): for each token tile (or
-`--tokens`), its one-warpgroup, two-warpgroup and fused instantiations' group loop (one trip is
-one 128-column group: the loader's copies, the decode of the warpgroup's 64 rows, four fp8 wgmmas,
-the promotion), and from 64 tokens the activation-image kernels' (plain, decode-ahead, the
-192-token tile in wgmma batches, the fused image kernel; a trip of those is as many groups as it
-releases stages), by class. A loop with
-branches has several paths through a trip (sass.loop_paths); each row is one steady path, the
-longest of those with the same wgmmas (sass.steady_paths: every group on it decodes): at 192
-tokens a group of two batches (a block of at most 128 tokens) and one of three. Per group on that path: the
-instructions a warp issues, its wgmmas' tensor cycles (sass.tensor_cycles: the warp's share of
-the work at the dense fp8 rate), their ratio (issue a tensor cycle: above 1 the issue alone keeps
-the tensor core below full; below 1, the share of issue slots a full tensor core asks of each
+`--tokens`), the group loop (one trip: the loader's copies, the decode of the warpgroup's 64 rows,
+the fp8 wgmmas, the promotion, for one 128-column group or, in the image kernels, as many groups
+as the trip releases ring stages) of its one-warpgroup, two-warpgroup and fused ring
+instantiations and, from 64 tokens, of the activation-image kernels (plain, decode-ahead, the
+192-token tile in wgmma batches, the fused image kernel). A loop with branches has several paths
+through a trip (sass.loop_paths); each row is one steady path, the longest of those with the same
+wgmmas a group (sass.steady_paths: every group on it decodes), so at 192 tokens a group of two
+batches (a block of at most 128 tokens) and one of three. Per group on that path: the
+instructions a warp issues, its wgmmas' tensor cycles (sass.tensor_cycles: the warp's share of the
+work at the dense fp8 rate), their ratio (issue a tensor cycle: above 1 the issue alone keeps the
+tensor core below full; below 1, the share of issue slots a full tensor core asks of each
 scheduler, the same for every warp it hosts), and the issue time of one group on one scheduler
-(instructions times the CTA's warpgroups: each scheduler hosts one warp of each).
+(instructions times the CTA's warpgroups: each scheduler hosts one warp of each). The classes
+count the whole loop, every path once.
 
 With several `--tree NAME=DIR` (each laid out as lab/kernels) the same tiles are compiled from
 each tree, side by side: whether an edit moved the hot loop, before a same-process A/B on the GPU
